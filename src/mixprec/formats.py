@@ -1,0 +1,168 @@
+"""Numeric formats as data: range, precision and the questions loss scaling asks of them.
+
+Every format mixprec reasons about (fp32, fp16, bf16, float8 e4m3fn / e5m2) is a frozen
+:class:`Format` record. The figures are derived from the bit layout, so they hold for float8
+even where the installed torch has no dtype for it, and tests check them against ``torch.finfo``.
+
+Typical use::
+
+    from mixprec import formats
+    formats.FP16.max                       # 65504.0
+    formats.get(torch.bfloat16).eps        # 0.0078125
+    formats.FP16.underflows(1e-8, scale=2.0**16)   # False: 1e-8 * 65536 is representable
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "BF16",
+    "FORMATS",
+    "FP8_E4M3FN",
+    "FP8_E5M2",
+    "FP16",
+    "FP32",
+    "Format",
+    "get",
+    "max_safe_scale",
+]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A binary floating-point format described by its bit layout.
+
+    Args:
+        name: canonical short name ("fp16").
+        exponent_bits: width of the exponent field.
+        mantissa_bits: width of the stored fraction field.
+        has_inf: whether the all-ones exponent encodes inf (False for e4m3fn, which saturates to nan).
+        max_override: the largest finite value when the layout alone does not give it (e4m3fn uses
+            the all-ones exponent for normal numbers, so its max is 448, not 240).
+        torch_dtype_name: attribute of ``torch`` for the matching dtype, if torch has one.
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    has_inf: bool = True
+    max_override: float | None = None
+    torch_dtype_name: str | None = None
+
+    @property
+    def bias(self) -> int:
+        return 2 ** (self.exponent_bits - 1) - 1
+
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        if self.max_override is not None:
+            return self.max_override
+        max_exp = 2**self.exponent_bits - 2 - self.bias
+        return (2.0 - 2.0 ** (-self.mantissa_bits)) * 2.0**max_exp
+
+    @property
+    def smallest_normal(self) -> float:
+        """Smallest positive normal value (``torch.finfo(...).tiny``)."""
+        return 2.0 ** (1 - self.bias)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        """Smallest positive value at all; anything below half of it rounds to zero."""
+        return 2.0 ** (1 - self.bias - self.mantissa_bits)
+
+    @property
+    def eps(self) -> float:
+        """Gap between 1.0 and the next representable value: why ``1 + 1e-4 == 1`` in fp16."""
+        return 2.0 ** (-self.mantissa_bits)
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The torch dtype for this format, or None when the installed torch lacks it."""
+        if self.torch_dtype_name is None:
+            return None
+        return getattr(torch, self.torch_dtype_name, None)
+
+    def overflows(self, value: float, scale: float = 1.0) -> bool:
+        """Whether ``|value| * scale`` is beyond the largest finite value (or not finite at all)."""
+        scaled = abs(float(value)) * scale
+        return not math.isfinite(scaled) or scaled > self.max
+
+    def underflows(self, value: float, scale: float = 1.0) -> bool:
+        """Whether a non-zero ``value * scale`` would be flushed to zero in this format."""
+        scaled = abs(float(value)) * scale
+        return 0.0 < scaled < self.smallest_subnormal / 2
+
+    def is_subnormal(self, value: float, scale: float = 1.0) -> bool:
+        """Whether ``value * scale`` lands in the subnormal range (representable, with lost precision)."""
+        scaled = abs(float(value)) * scale
+        return self.smallest_subnormal / 2 <= scaled < self.smallest_normal
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FP32 = Format("fp32", 8, 23, torch_dtype_name="float32")
+FP16 = Format("fp16", 5, 10, torch_dtype_name="float16")
+BF16 = Format("bf16", 8, 7, torch_dtype_name="bfloat16")
+FP8_E4M3FN = Format("fp8_e4m3fn", 4, 3, has_inf=False, max_override=448.0, torch_dtype_name="float8_e4m3fn")
+FP8_E5M2 = Format("fp8_e5m2", 5, 2, torch_dtype_name="float8_e5m2")
+
+FORMATS: dict[str, Format] = {f.name: f for f in (FP32, FP16, BF16, FP8_E4M3FN, FP8_E5M2)}
+
+_ALIASES: dict[str, str] = {
+    "float32": "fp32", "f32": "fp32", "float": "fp32", "single": "fp32",
+    "float16": "fp16", "f16": "fp16", "half": "fp16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8_e4m3fn", "e4m3": "fp8_e4m3fn", "e4m3fn": "fp8_e4m3fn",
+    "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
+}  # fmt: skip
+
+
+def get(spec: Format | torch.dtype | str) -> Format:
+    """Look a format up by :class:`Format`, torch dtype or name ("fp16", "float16", "half", "e4m3").
+
+    Raises:
+        ValueError: for a name or dtype mixprec has no format for; the message lists the accepted names.
+    """
+    if isinstance(spec, Format):
+        return spec
+    if isinstance(spec, torch.dtype):
+        for fmt in FORMATS.values():
+            if fmt.dtype == spec:
+                return fmt
+        raise ValueError(f"no mixprec format for dtype {spec}; accepted: {sorted(FORMATS)}")
+    if isinstance(spec, str):
+        key = spec.strip().lower().removeprefix("torch.")
+        key = _ALIASES.get(key, key)
+        if key in FORMATS:
+            return FORMATS[key]
+        names = sorted(set(FORMATS) | set(_ALIASES))
+        close = difflib.get_close_matches(key, names, n=3)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        raise ValueError(f"unknown format {spec!r}{hint}; accepted: {names}")
+    raise TypeError(f"expected a Format, torch.dtype or str, got {type(spec).__name__}: {spec!r}")
+
+
+def max_safe_scale(amax: float, fmt: Format | torch.dtype | str = FP16, margin: float = 2.0) -> float:
+    """Largest power-of-two scale that keeps ``amax * scale * margin`` finite in ``fmt``.
+
+    Returns ``inf`` for ``amax == 0`` (any scale is safe) and raises for negative or non-finite amax.
+    """
+    fmt = get(fmt)
+    if not math.isfinite(amax) or amax < 0:
+        raise ValueError(f"amax must be finite and >= 0, got {amax}")
+    if margin < 1:
+        raise ValueError(f"margin must be >= 1, got {margin}")
+    if amax == 0:
+        return math.inf
+    return 2.0 ** math.floor(math.log2(fmt.max / (amax * margin)))
