@@ -1,0 +1,335 @@
+"""Semantics of mixprec.autocast: casts, cache, nesting, threads, decorator, errors, torch's bugs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec import Policy
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture
+def lin() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(8, 8)
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_lower_fp32_promote_and_unlisted(lin: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> None:
+    with mixprec.autocast("cpu", dtype=dtype):
+        y = lin(x)
+        assert y.dtype == dtype
+        assert (x @ x.t()).dtype == dtype  # Tensor.__matmul__ is matmul
+        assert F.mse_loss(y, x).dtype == FP32  # fp32 list: low-precision input cast up
+        assert torch.cat([y, x]).dtype == FP32  # promote: widest input wins
+        assert torch.relu(y).dtype == dtype  # unlisted: runs in its input's dtype
+        assert (y + x).dtype == FP32  # unlisted, ordinary type promotion
+        assert x.double().matmul(x.double().t()).dtype == torch.float64  # float64 is never cast
+        assert torch.arange(4).dtype == torch.int64
+
+
+def test_outside_region_nothing_changes(lin: nn.Linear, x: torch.Tensor) -> None:
+    with mixprec.autocast("cpu"):
+        pass
+    assert lin(x).dtype == FP32
+    assert not mixprec.is_autocast_enabled("cpu")
+
+
+def test_gradients_flow_through_recorded_casts(lin: nn.Linear, x: torch.Tensor) -> None:
+    x = x.clone().requires_grad_()
+    with mixprec.autocast("cpu"):
+        loss = lin(x).float().sum()
+    loss.backward()
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == FP32
+    assert x.grad is not None and x.grad.dtype == FP32
+    with torch.autocast("cpu", dtype=BF16):
+        ref_loss = lin(x).float().sum()
+    (ref_w,) = torch.autograd.grad(ref_loss, [lin.weight])
+    torch.testing.assert_close(lin.weight.grad, ref_w, rtol=0, atol=0)
+
+
+def test_weight_cast_is_cached_for_the_region_and_dropped_on_exit(lin: nn.Linear, x: torch.Tensor) -> None:
+    from mixprec.autocast import _state
+
+    with mixprec.autocast("cpu"):
+        lin(x)
+        first = {key: entry[2] for key, entry in _state.cache.items()}
+        lin(x)
+        second = {key: entry[2] for key, entry in _state.cache.items()}
+        assert len(first) == 2  # weight and bias: fp32 leaves that require grad
+        assert all(first[k] is second[k] for k in first)  # the same cast copies, reused
+        assert all(t.dtype == BF16 for t in first.values())
+        (x.clone().requires_grad_() * 1).matmul(x.t())  # non-leaf / non-parameter inputs are not cached
+        assert len(_state.cache) == 2
+    assert not _state.cache  # dropped when the outermost region exits
+
+
+def test_cache_disabled_casts_every_time(lin: nn.Linear, x: torch.Tensor) -> None:
+    from mixprec.autocast import _state
+
+    with mixprec.autocast("cpu", cache_enabled=False):
+        lin(x)
+        assert not _state.cache
+
+
+def test_in_place_weight_update_inside_region_is_seen(lin: nn.Linear, x: torch.Tensor) -> None:
+    """torch.autocast serves the stale cached cast after an in-place update; mixprec checks the version."""
+    with mixprec.autocast("cpu"):
+        lin(x)
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        y = lin(x)
+    ref = F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=BF16):  # the reference bug, kept visible
+        lin(x)
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        stale = lin(x)
+    fresh = F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
+    assert not torch.equal(stale, fresh)
+
+
+def test_nested_regions_of_different_dtypes(lin: nn.Linear, x: torch.Tensor) -> None:
+    """torch keys its cache by tensor only: a nested fp16 region gets the bf16 weight and fails."""
+    with mixprec.autocast("cpu", dtype=BF16):
+        assert lin(x).dtype == BF16
+        with mixprec.autocast("cpu", dtype=FP16):
+            assert lin(x).dtype == FP16
+            assert mixprec.get_autocast_dtype("cpu") == FP16
+            with mixprec.autocast("cpu", enabled=False):
+                assert lin(x).dtype == FP32
+                assert not mixprec.is_autocast_enabled("cpu")
+            assert lin(x).dtype == FP16
+        assert lin(x).dtype == BF16
+    with pytest.raises(RuntimeError, match="same dtype"), torch.autocast("cpu", dtype=BF16):
+        lin(x)
+        with torch.autocast("cpu", dtype=FP16):
+            lin(x)
+
+
+def test_cat_of_bf16_and_fp32_in_fp16_region_gives_widest() -> None:
+    """torch raises 'Unexpected floating ScalarType in at::autocast::prioritize'."""
+    a, b = torch.randn(2).bfloat16(), torch.randn(2)
+    with mixprec.autocast("cpu", dtype=FP16):
+        assert torch.cat([a, b]).dtype == FP32
+        assert torch.cat([a, a.half()]).dtype == FP32  # bf16 + fp16 -> fp32, the type holding both
+        assert torch.stack([a, a]).dtype == BF16  # one dtype: nothing to promote
+    with pytest.raises(RuntimeError, match="prioritize"), torch.autocast("cpu", dtype=FP16):
+        torch.cat([a, b])
+
+
+def test_no_grad_cast_is_not_reused_with_grad(lin: nn.Linear, x: torch.Tensor) -> None:
+    with mixprec.autocast("cpu"):
+        with torch.no_grad():
+            lin(x)
+        y = lin(x)
+    y.float().sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_state_is_per_thread(lin: nn.Linear, x: torch.Tensor) -> None:
+    results: dict[str, torch.dtype] = {}
+
+    def other() -> None:
+        results["other"] = lin(x).dtype
+        with mixprec.autocast("cpu", dtype=FP16):
+            results["other_region"] = lin(x).dtype
+
+    with mixprec.autocast("cpu"):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        results["main"] = lin(x).dtype
+    assert results == {"other": FP32, "other_region": FP16, "main": BF16}
+
+
+def test_decorator_and_reentrant_use(lin: nn.Linear, x: torch.Tensor) -> None:
+    region = mixprec.autocast("cpu")
+
+    @region
+    def forward(depth: int) -> torch.Tensor:
+        return forward(depth - 1) if depth else lin(x)
+
+    assert forward(3).dtype == BF16
+    assert lin(x).dtype == FP32
+    with region, region:
+        assert lin(x).dtype == BF16
+    assert lin(x).dtype == FP32
+
+
+def test_exception_inside_region_restores_state(lin: nn.Linear, x: torch.Tensor) -> None:
+    with pytest.raises(ZeroDivisionError), mixprec.autocast("cpu"):
+        lin(x)
+        1 / 0  # noqa: B018
+    assert lin(x).dtype == FP32
+    from mixprec.autocast import _state
+
+    assert not _state.frames and _state.mode is None and not _state.cache
+
+
+def test_cast_only_tensors_on_the_region_device(x: torch.Tensor) -> None:
+    w = torch.randn(8, 8)
+    with mixprec.autocast("cuda", dtype=FP16):  # a CUDA region does not touch CPU tensors
+        assert (x @ w).dtype == FP32
+
+
+@pytest.mark.parametrize("bad", [torch.float64, torch.int8, torch.int32])
+def test_unsupported_dtype_is_an_error_not_a_silent_disable(bad: torch.dtype) -> None:
+    with pytest.raises(ValueError, match=str(bad).removeprefix("torch.")):
+        mixprec.autocast("cpu", dtype=bad)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="unsupported device_type 'tpu'"):
+        mixprec.autocast("tpu")
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        mixprec.autocast("cpu", enabled="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="conflicts"):
+        mixprec.autocast("cpu", dtype=FP16, policy="bf16-mixed")
+    with pytest.raises(ValueError, match="unknown policy preset"):
+        mixprec.autocast("cpu", policy="bf16-mixd")
+
+
+def test_device_strings_and_policy_strings(lin: nn.Linear, x: torch.Tensor) -> None:
+    with mixprec.autocast("cpu", policy="fp16-mixed"):
+        assert lin(x).dtype == FP16
+    with mixprec.autocast(torch.device("cpu"), policy="p=f32,c=bf16,o=f32,fp32+=linear"):
+        assert lin(x).dtype == FP32
+    with mixprec.autocast("cpu", policy="conservative"):
+        assert torch.softmax(lin(x), -1).dtype == FP32
+        assert lin(x).dtype == BF16
+
+
+def test_user_edited_ops_and_callables(lin: nn.Linear, x: torch.Tensor) -> None:
+    def my_op(a: torch.Tensor) -> torch.Tensor:
+        return a * 2
+
+    policy = Policy.for_device("cpu", BF16).with_ops(lower=["gelu"], fp32=["matmul"], none=["linear"])
+    with mixprec.autocast("cpu", policy=policy):
+        assert F.gelu(x).dtype == BF16
+        assert (x.bfloat16() @ x.t().bfloat16()).dtype == FP32
+        assert lin(x).dtype == FP32  # taken off the lists: runs in its inputs' dtype
+    assert policy.category("linear") == "none"
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.proj(h)
+        self.seen.append(h.dtype)
+        return self.norm(h)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    "key", ["encoder.1", "encoder.1*", "encoder.*1", lambda m, name: name == "encoder.1"], ids=str
+)
+def test_module_override_by_name_glob_and_filter(x: torch.Tensor, key: object) -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    policy = Policy.for_device("cpu").with_modules({key: torch.float32})
+    with mixprec.autocast("cpu", policy=policy):
+        out = net(x)
+    assert net.encoder[0].seen == [BF16]
+    assert net.encoder[1].seen == [FP32]  # pinned: its linear ran in fp32
+    assert out.dtype == BF16  # the head is outside the pin
+
+
+def test_module_override_by_class_and_by_policy(x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    policy = Policy.for_device("cpu").with_modules({_Block: "fp16-mixed"})
+    with mixprec.autocast("cpu", policy=policy):
+        out = net(x)
+    assert net.encoder[0].seen == [FP16] and net.encoder[1].seen == [FP16]
+    assert out.dtype == BF16
+    pinned = Policy.for_device("cpu").with_modules({nn.Linear: torch.float32})
+    with mixprec.autocast("cpu", policy=pinned):
+        assert net(x).dtype == FP32
+    # hooks are only installed while a region with overrides is active
+    from mixprec.autocast import _hooks
+
+    assert not _hooks
+
+
+def test_module_override_output_dtype(x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    inner = Policy.parse("p=f32,c=bf16,o=f32")
+    with mixprec.autocast("cpu", policy=Policy.for_device("cpu").with_modules({"encoder.0.proj": inner})):
+        net(x)
+    assert net.encoder[0].seen == [FP32]  # the policy's output dtype is applied at the module boundary
+
+
+def test_custom_fwd_bwd_match_torch(x: torch.Tensor) -> None:
+    seen: dict[str, torch.dtype] = {}
+
+    class MyMM(torch.autograd.Function):
+        @staticmethod
+        @mixprec.custom_fwd
+        def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(a, b)
+            out = a.mm(b)
+            seen["fwd"] = out.dtype
+            return out
+
+        @staticmethod
+        @mixprec.custom_bwd
+        def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ctx.saved_tensors
+            ga = grad.mm(b.t())
+            seen["bwd"] = ga.dtype
+            return ga, a.t().mm(grad)
+
+    a = x.clone().requires_grad_()
+    b = torch.randn(8, 3, requires_grad=True)
+    with mixprec.autocast("cpu"):
+        out = MyMM.apply(a, b)
+    out.float().sum().backward()
+    assert seen == {"fwd": BF16, "bwd": BF16}
+
+    class Fp32Only(torch.autograd.Function):
+        @staticmethod
+        @mixprec.custom_fwd(cast_inputs=torch.float32)
+        def forward(ctx, a: torch.Tensor) -> torch.Tensor:
+            seen["cast"] = a.dtype
+            return a.mm(a.t())
+
+        @staticmethod
+        @mixprec.custom_bwd
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    with mixprec.autocast("cpu"):
+        y = Fp32Only.apply(x.bfloat16())
+    assert seen["cast"] == FP32 and y.dtype == FP32
+    assert Fp32Only.apply(x.bfloat16()).dtype == BF16  # outside a region: a no-op
