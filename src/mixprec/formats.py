@@ -120,12 +120,20 @@ FP8_E5M2 = Format("fp8_e5m2", 5, 2, torch_dtype_name="float8_e5m2")
 FORMATS: dict[str, Format] = {f.name: f for f in (FP32, FP16, BF16, FP8_E4M3FN, FP8_E5M2)}
 
 _ALIASES: dict[str, str] = {
-    "float32": "fp32", "f32": "fp32", "float": "fp32", "single": "fp32",
-    "float16": "fp16", "f16": "fp16", "half": "fp16",
+    "float32": "fp32",
+    "f32": "fp32",
+    "float": "fp32",
+    "single": "fp32",
+    "float16": "fp16",
+    "f16": "fp16",
+    "half": "fp16",
     "bfloat16": "bf16",
-    "float8_e4m3fn": "fp8_e4m3fn", "e4m3": "fp8_e4m3fn", "e4m3fn": "fp8_e4m3fn",
-    "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
-}  # fmt: skip
+    "float8_e4m3fn": "fp8_e4m3fn",
+    "e4m3": "fp8_e4m3fn",
+    "e4m3fn": "fp8_e4m3fn",
+    "float8_e5m2": "fp8_e5m2",
+    "e5m2": "fp8_e5m2",
+}
 
 
 def get(spec: Format | torch.dtype | str) -> Format:
