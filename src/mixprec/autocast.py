@@ -316,6 +316,24 @@ class autocast:
         self._rules = policy.resolve(self.device_type, dtype)
         self.fast_dtype = self._rules.compute_dtype
 
+    @classmethod
+    def current(cls) -> autocast | None:
+        """A region that re-enters the autocast state in force right now on this thread, or None.
+
+        It carries the rules active at this point (a module override included), so code recomputed
+        later, e.g. by activation checkpointing during backward, runs in the same dtypes.
+        """
+        mode, frames = _state.mode, _state.frames
+        if not frames:
+            return None
+        frame = frames[-1]
+        region = cls.__new__(cls)
+        rules = mode.rules if mode is not None and mode.rules is not None else frame.rules
+        region.device_type, region.enabled, region.cache_enabled = frame.device_type, frame.enabled, False
+        region.policy, region._rules = rules.policy, rules  # type: ignore[union-attr]
+        region.fast_dtype = rules.compute_dtype  # type: ignore[union-attr]
+        return region
+
     def __enter__(self) -> autocast:
         frame = _Frame(self.device_type, self.enabled, self._rules, self.cache_enabled)
         frames = _state.frames

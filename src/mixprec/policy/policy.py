@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -26,7 +27,7 @@ from torch import nn
 
 from mixprec.policy import ops as _ops
 
-__all__ = ["DEFAULT_DTYPES", "PASSTHROUGH", "Policy", "ResolvedPolicy"]
+__all__ = ["DEFAULT_DTYPES", "PASSTHROUGH", "Policy", "ResolvedPolicy", "known_op_names"]
 
 #: Category for ops that run in whatever dtype their inputs arrive in (not cast at all).
 PASSTHROUGH = "none"
@@ -101,6 +102,30 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.cache
+def known_op_names() -> frozenset[str]:
+    """Every name an op can be given by: the catalogue plus the torch functions and Tensor methods
+    that reach ``__torch_function__`` under the name the engine looks up (``func.__name__``)."""
+    names = set(_ops.ALL_OP_NAMES) | set(_ops.ALIASES)
+    namespaces = (
+        torch,
+        torch.nn.functional,
+        torch.Tensor,
+        torch.linalg,
+        torch.fft,
+        torch.special,
+        torch._C._nn,
+    )
+    for namespace in namespaces:
+        for attr in dir(namespace):
+            if attr.startswith("__") and namespace is not torch.Tensor:
+                continue
+            value = getattr(namespace, attr, None)
+            if callable(value) and not isinstance(value, type):
+                names.add(getattr(value, "__name__", attr) or attr)
+    return frozenset(n for n in names if isinstance(n, str) and n.isidentifier())
+
+
 def canonical_op(op: OpKey) -> OpKey:
     """Return the catalogue name for ``op`` (aliases resolved), or the callable itself.
 
@@ -110,9 +135,9 @@ def canonical_op(op: OpKey) -> OpKey:
     """
     if isinstance(op, str):
         name = _ops.ALIASES.get(op, op)
-        if name not in _ops.ALL_OP_NAMES:
+        if name not in known_op_names():
             raise ValueError(
-                f"unknown op {op!r}{_suggest(op, _ops.ALL_OP_NAMES)}; ops are named by their "
+                f"unknown op {op!r}{_suggest(op, known_op_names())}; ops are named by their "
                 "ATen/functional name (e.g. 'softmax', 'linear', 'matmul') or given as callables"
             )
         return name

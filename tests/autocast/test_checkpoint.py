@@ -1,0 +1,58 @@
+"""Activation checkpointing inside a mixprec region recomputes in the forward's dtypes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointError
+
+import mixprec
+from mixprec import Policy
+
+
+def block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8))
+
+
+@pytest.mark.parametrize(
+    "policy", [None, Policy.for_device("cpu").with_ops(fp32=["gelu"])], ids=["default", "edited"]
+)
+def test_gradients_equal_the_uncheckpointed_run(policy: Policy | None) -> None:
+    model, twin = block(), block()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    with mixprec.autocast("cpu", policy=policy):
+        out = mixprec.checkpoint(model, x)
+    out.float().sum().backward()
+    with mixprec.autocast("cpu", policy=policy):
+        ref = twin(x)
+    ref.float().sum().backward()
+    assert out.dtype == ref.dtype == torch.bfloat16
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_torch_checkpoint_alone_recomputes_in_fp32_and_fails() -> None:
+    model = block()
+    x = torch.randn(4, 8, requires_grad=True)
+    with mixprec.autocast("cpu"):
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    with pytest.raises(CheckpointError, match="different metadata"):
+        out.float().sum().backward()
+
+
+def test_outside_a_region_it_is_torch_checkpoint() -> None:
+    model, twin = block(), copy.deepcopy(block())
+    x = torch.randn(4, 8)
+    mixprec.checkpoint(model, x).sum().backward()
+    twin(x).sum().backward()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_reentrant_is_refused() -> None:
+    with pytest.raises(ValueError, match="use_reentrant=False only"):
+        mixprec.checkpoint(block(), torch.randn(2, 8), use_reentrant=True)
