@@ -33,7 +33,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec.policy import ops as _ops
-from mixprec.policy.policy import DEFAULT_DTYPES, PASSTHROUGH, Policy, ResolvedPolicy, _family
+from mixprec.policy.conditions import LOWER_RESULT, Condition
+from mixprec.policy.policy import BANNED, DEFAULT_DTYPES, PASSTHROUGH, Policy, ResolvedPolicy, _family
 
 __all__ = ["autocast", "custom_bwd", "custom_fwd", "get_autocast_dtype", "is_autocast_enabled"]
 
@@ -154,7 +155,32 @@ def _run_promote(mode: _AutocastMode, func: Callable, args: tuple, kwargs: dict)
     return _cast_call(func, args, kwargs, widest, mode)
 
 
+def _run_banned(mode: _AutocastMode, func: Callable, args: tuple, kwargs: dict) -> Any:
+    name = getattr(func, "__name__", repr(func))
+    raise RuntimeError(
+        f"{name} is unsafe to autocast on {mode.device_type!r} (as with torch.autocast): its backward "
+        "is numerically unstable in low precision. Use binary_cross_entropy_with_logits / BCEWithLogitsLoss, "
+        f"or take it off the banned list with policy.with_ops(fp32=[{name!r}]) to run it in float32."
+    )
+
+
+def _run_lower_result(mode: _AutocastMode, func: Callable, args: tuple, kwargs: dict) -> Any:
+    return _cast_any(func(*args, **kwargs), mode.rules.compute_dtype, mode, {})  # type: ignore[union-attr]
+
+
+def _conditional(condition: Condition) -> Callable[..., Any]:
+    def run(mode: _AutocastMode, func: Callable, args: tuple, kwargs: dict) -> Any:
+        category = condition(args, kwargs)
+        if category is None:
+            return func(*args, **kwargs)
+        return _HANDLERS[category](mode, func, args, kwargs)
+
+    return run
+
+
 _HANDLERS: dict[str, Callable[..., Any]] = {
+    BANNED: _run_banned,
+    LOWER_RESULT: _run_lower_result,
     _ops.LOWER: _run_lower,
     _ops.FP32: _run_fp32,
     _ops.FP32_SET_OPT_DTYPE: _run_fp32,
@@ -168,6 +194,9 @@ def _handler_for(func: Callable, rules: ResolvedPolicy) -> Callable[..., Any] | 
     if category is None:
         name = getattr(func, "__name__", None)
         if name is not None:
+            condition = rules.conditions.get(name)
+            if condition is not None:
+                return _conditional(condition)
             category = rules.by_name.get(_ops.ALIASES.get(name, name))
     if category is not None and category != PASSTHROUGH:
         return _HANDLERS[category]

@@ -26,11 +26,14 @@ import torch
 from torch import nn
 
 from mixprec.policy import ops as _ops
+from mixprec.policy.conditions import CONDITIONS, Condition
 
-__all__ = ["DEFAULT_DTYPES", "PASSTHROUGH", "Policy", "ResolvedPolicy", "known_op_names"]
+__all__ = ["BANNED", "DEFAULT_DTYPES", "PASSTHROUGH", "Policy", "ResolvedPolicy", "known_op_names"]
 
 #: Category for ops that run in whatever dtype their inputs arrive in (not cast at all).
 PASSTHROUGH = "none"
+#: Category for ops torch refuses to autocast (CUDA binary_cross_entropy); the engine raises.
+BANNED = "banned"
 
 #: Low-precision dtype used when neither ``dtype`` nor the policy names one (as torch.autocast).
 DEFAULT_DTYPES: dict[str, torch.dtype] = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -432,6 +435,7 @@ class ResolvedPolicy:
     compute_dtype: torch.dtype
     by_name: Mapping[str, str]
     by_callable: Mapping[Callable, str]
+    conditions: Mapping[str, Condition]
 
     def category(self, op: OpKey) -> str:
         if isinstance(op, str):
@@ -443,7 +447,7 @@ class ResolvedPolicy:
         out: dict[str, set[OpKey]] = {c: set() for c in _ops.CATEGORIES}
         for table in (self.by_name, self.by_callable):
             for op, category in table.items():
-                if category != PASSTHROUGH:
+                if category in out:
                     out[category].add(op)
         return {c: frozenset(v) for c, v in out.items()}
 
@@ -464,10 +468,13 @@ def _resolve(policy: Policy, family: str, dtype: torch.dtype | None) -> Resolved
         for name in names:
             by_name[name] = category
     by_name.update(_ops.COMPOSITES.get(base, {}))
+    by_name.update(dict.fromkeys(_ops.BANNED.get(base, ()), BANNED))
     by_callable: dict[Callable, str] = {}
     for op, category in policy.op_overrides:
         (by_name if isinstance(op, str) else by_callable)[op] = category
-    resolved = ResolvedPolicy(policy, family, compute, by_name, by_callable)
+    edited = {op for op, _ in policy.op_overrides}
+    conditions = {name: rule for name, rule in CONDITIONS.get(base, {}).items() if name not in edited}
+    resolved = ResolvedPolicy(policy, family, compute, by_name, by_callable, conditions)
     if len(_RESOLVED) < 256:  # a memo of immutable values; bounded so odd callers cannot grow it forever
         _RESOLVED[key] = resolved
     return resolved
