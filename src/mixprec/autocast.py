@@ -51,6 +51,9 @@ class _Frame:
     enabled: bool
     rules: ResolvedPolicy | None
     cache_enabled: bool
+    # What the mode was doing when this region was entered (a module override's rules included),
+    # restored on exit: leaving a nested region must not drop an enclosing module's override.
+    saved: tuple[ResolvedPolicy | None, str, bool] | None = None
 
 
 @dataclass
@@ -376,12 +379,13 @@ class autocast:
         if mode is not None:
             if self.enabled and self._rules.policy.module_overrides and not _hooks:
                 _install_module_hooks()
+            frame.saved = (mode.rules, mode.device_type, mode.cache_enabled)
             mode.activate(frame)
         return self
 
     def __exit__(self, *exc: object) -> None:
         frames = _state.frames
-        frames.pop()
+        frame = frames.pop()
         mode = _state.mode
         if mode is None:
             return
@@ -392,7 +396,10 @@ class autocast:
             _state.module_scopes.clear()
             _state.module_depth = 0
             _remove_module_hooks()
-        else:
+        elif frame.saved is not None:
+            rules, mode.device_type, mode.cache_enabled = frame.saved
+            mode.set_rules(rules)
+        else:  # the mode was pushed inside this region's lifetime by a nested one: nothing to restore
             mode.activate(frames[-1])
 
     def __call__(self, func: F) -> F:

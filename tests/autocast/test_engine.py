@@ -333,3 +333,28 @@ def test_custom_fwd_bwd_match_torch(x: torch.Tensor) -> None:
         y = Fp32Only.apply(x.bfloat16())
     assert seen["cast"] == FP32 and y.dtype == FP32
     assert Fp32Only.apply(x.bfloat16()).dtype == BF16  # outside a region: a no-op
+
+
+def test_leaving_a_nested_region_keeps_the_enclosing_module_override(x: torch.Tensor) -> None:
+    """A region entered and left inside a pinned module must not drop the pin for the rest of it."""
+    seen: list[torch.dtype] = []
+
+    class Pinned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            seen.append(self.a(h).dtype)
+            with mixprec.autocast("cpu", enabled=False):
+                pass
+            with mixprec.autocast("cpu", dtype=FP16):
+                seen.append(self.a(h).dtype)
+            seen.append(self.b(h).dtype)
+            return h
+
+    net = nn.Sequential(Pinned())
+    with mixprec.autocast("cpu", policy=Policy.for_device("cpu").with_modules({"0": torch.float32})):
+        net(x)
+        seen.append(net[0].a(x).dtype)  # called directly it is its own root, named "": not pinned
+    assert seen == [FP32, FP16, FP32, BF16]
