@@ -1,0 +1,132 @@
+"""Cost of loss scaling per iteration: mixprec.GradScaler against torch.amp.GradScaler's fused kernels.
+
+Times each phase of an iteration -- scale(loss), unscale_(optimizer), step(optimizer), update() -- on ~200
+gradient tensors holding ~8M values, for both scalers, interleaved so that a busy machine slows both alike.
+Gradients are refreshed (untimed) before every iteration. Prints the median per phase, the total, the
+scaler's own share (everything but step(), which is mostly the optimizer's arithmetic) and the ratios
+mixprec / torch.
+
+    python benchmarks/scaler_overhead.py --repeats 50
+    python benchmarks/scaler_overhead.py --optimizer adam-fused --no-unscale --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import mixprec.scaling
+
+PHASES = ("scale", "unscale_", "step", "update")
+OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
+    "adam-fused": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=30, help="timed iterations per scaler (default 30)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
+    parser.add_argument("--tensors", type=int, default=200, help="number of gradient tensors (default 200)")
+    parser.add_argument("--values", type=float, default=8e6, help="total gradient values (default 8e6)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--no-unscale",
+        action="store_true",
+        help="skip the explicit unscale_() and let step() check (fused optimizers unscale in their kernel)",
+    )
+    return parser.parse_args()
+
+
+def make_setup(args: argparse.Namespace, seed: int = 0):
+    """Parameters, their scaled gradients (kept to refresh from) and an optimizer."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.rand(args.tensors, generator=generator) + 0.05
+    sizes = (weights / weights.sum() * args.values).long().clamp_min(1).tolist()
+    dtype = getattr(torch, args.dtype)
+    params = [torch.nn.Parameter(torch.randn(n, generator=generator).to(dtype)) for n in sizes]
+    grads = [(torch.randn(n, generator=generator) * 2.0**16).to(dtype) for n in sizes]
+    return params, grads, OPTIMIZERS[args.optimizer](params)
+
+
+def time_iteration(scaler, params, grads, optimizer, loss: torch.Tensor, unscale: bool) -> dict[str, float]:
+    with torch.no_grad():
+        for param, grad in zip(params, grads, strict=True):
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.copy_(grad)
+    times = {}
+    start = time.perf_counter()
+    scaler.scale(loss)
+    times["scale"] = time.perf_counter()
+    if unscale:
+        scaler.unscale_(optimizer)
+    times["unscale_"] = time.perf_counter()
+    scaler.step(optimizer)
+    times["step"] = time.perf_counter()
+    scaler.update()
+    times["update"] = time.perf_counter()
+    previous, out = start, {}
+    for phase in PHASES:
+        out[phase], previous = times[phase] - previous, times[phase]
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Seconds per phase per iteration, for each scaler; the two alternate going first."""
+    scalers = {
+        "torch": torch.amp.GradScaler("cpu", growth_interval=10**9),
+        "mixprec": mixprec.scaling.GradScaler("cpu", growth_interval=10**9),
+    }
+    setups = {name: make_setup(args) for name in scalers}
+    loss = torch.tensor(1.5)
+    samples: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PHASES} for name in scalers}
+    for iteration in range(args.warmup + args.repeats):
+        order = list(scalers) if iteration % 2 == 0 else list(reversed(scalers))
+        for name in order:
+            result = time_iteration(scalers[name], *setups[name], loss, not args.no_unscale)
+            if iteration >= args.warmup:
+                for phase, seconds in result.items():
+                    samples[name][phase].append(seconds)
+    return samples
+
+
+def report(samples: dict[str, dict[str, list[float]]]) -> None:
+    print(f"{'median ms':<12}" + "".join(f"{phase:>10}" for phase in (*PHASES, "total", "scaler")))
+    totals, scaler_only = {}, {}
+    for name, phases in samples.items():
+        medians = [statistics.median(phases[phase]) * 1e3 for phase in PHASES]
+        columns = [phases[phase] for phase in PHASES]
+        totals[name] = statistics.median(sum(row) * 1e3 for row in zip(*columns, strict=True))
+        # Everything but step(), which is mostly the optimizer's own arithmetic.
+        own = [phases[phase] for phase in PHASES if phase != "step"]
+        scaler_only[name] = statistics.median(sum(row) * 1e3 for row in zip(*own, strict=True))
+        row = "".join(f"{m:>10.3f}" for m in (*medians, totals[name], scaler_only[name]))
+        print(f"{name:<12}{row}")
+    print(f"ratio mixprec / torch: total {totals['mixprec'] / totals['torch']:.2f}x, "
+          f"scale+unscale_+update {scaler_only['mixprec'] / scaler_only['torch']:.2f}x")  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    values = sum(p.numel() for p in make_setup(args)[0])
+    print(f"{args.tensors} tensors, {values / 1e6:.2f}M values, {args.dtype}, optimizer={args.optimizer}, "
+          f"threads={torch.get_num_threads()}, repeats={args.repeats}")  # fmt: skip
+    report(measure(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""GradScaler beyond torch: skip counters, the collapse warning, min-scale errors, static/no scaling,
+several optimizers, and the state_dict round trip with mixprec's own fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec.scaling import DynamicScale, GradScaler, NoScale, StaticScale
+
+from .helpers import assert_untouched, backward, model_and_optimizer, snapshot
+
+
+def test_several_optimizers_skip_on_their_own():
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
+    scaler = GradScaler()
+    scaler.scale(first(torch.ones(1, 2)).sum() + second(torch.ones(1, 2)).sum()).backward()
+    second.bias.grad[1] = float("inf")
+    before_first, before_second = first.weight.detach().clone(), second.weight.detach().clone()
+    scaler.step(opt_first)
+    scaler.step(opt_second)
+    scaler.update()
+    assert not torch.equal(first.weight, before_first) and torch.equal(second.weight, before_second)
+    assert scaler.get_scale() == 2.0**15 and scaler.skipped_steps == 1 and scaler.last_step_skipped
+
+
+def test_skip_counters_for_lr_schedulers():
+    model, optimizer = model_and_optimizer()
+    scaler = GradScaler()
+    pattern = [None, float("inf"), float("-inf"), None, float("nan"), None]
+    seen = []
+    for poison in pattern:
+        backward(scaler, model, poison)
+        scaler.step(optimizer)
+        scaler.update()
+        seen.append(scaler.last_step_skipped)
+    assert seen == [p is not None for p in pattern] and scaler.skipped_steps == 3
+    assert scaler.state_dict()["skipped_steps"] == 3
+
+
+def test_warns_once_after_a_long_run_of_skips_and_keeps_a_positive_scale():
+    model, optimizer = model_and_optimizer()
+    scaler = GradScaler(warn_after_skips=20)
+    with pytest.warns(RuntimeWarning, match="non-finite at any scale") as record:
+        for _ in range(200):  # torch's scale would be 0.0 well before this
+            backward(scaler, model, float("nan"))
+            scaler.step(optimizer)
+            scaler.update()
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+    assert "last 20 optimizer steps were all skipped" in str(record[0].message)
+    assert scaler.get_scale() > 0 and scaler.skipped_steps == 200
+
+
+def test_raise_at_min_scale_through_the_scaler():
+    model, optimizer = model_and_optimizer()
+    scaler = GradScaler(rule=DynamicScale(4.0, min_scale=1.0, raise_at_min_scale=True))
+    with pytest.raises(RuntimeError, match="already at min_scale=1"):
+        for _ in range(5):
+            backward(scaler, model, float("inf"))
+            scaler.step(optimizer)
+            scaler.update()
+    assert scaler.get_scale() == 1.0
+
+
+@pytest.mark.parametrize("rule", [StaticScale(128.0), NoScale()], ids=["static", "none"])
+def test_static_and_no_scaling_still_skip_non_finite_steps(rule):
+    model, optimizer = model_and_optimizer()
+    scaler = GradScaler(rule=rule)
+    scale = rule.init_scale
+    backward(scaler, model)
+    expected = model.weight.grad / scale
+    scaler.unscale_(optimizer)
+    assert torch.equal(model.weight.grad, expected)
+    scaler.step(optimizer)
+    scaler.update()
+    before = snapshot(model, optimizer)
+    backward(scaler, model, float("inf"))
+    scaler.step(optimizer)
+    scaler.update()
+    assert_untouched(before, model, optimizer)
+    assert scaler.get_scale() == scale and scaler.skipped_steps == 1
+
+
+@pytest.mark.parametrize("growth", ["interval", "headroom"])
+def test_scaler_state_dict_round_trips_field_by_field(growth):
+    model, optimizer = model_and_optimizer()
+    scaler = GradScaler(init_scale=2.0**8, growth_interval=2, growth=growth, hysteresis=2, max_scale=2.0**30)
+    for poison in (None, float("inf"), None, float("nan"), float("nan"), None):
+        backward(scaler, model, poison)
+        scaler.step(optimizer)
+        scaler.update()
+    saved = scaler.state_dict()
+    assert saved["skipped_steps"] == 3 and saved["_hysteresis_tracker"] == 0
+    created = GradScaler(growth=growth)
+    created.scale(torch.ones(()))  # state tensors exist before loading
+    lazy = GradScaler(growth=growth)  # state tensors are created after loading, from the loaded values
+    for fresh in (created, lazy):
+        fresh.load_state_dict(saved)
+        for key, value in saved.items():
+            assert fresh.state_dict()[key] == value, key
+    lazy.scale(torch.ones(()))
+    assert lazy.state_dict() == saved
