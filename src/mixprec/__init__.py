@@ -1,18 +1,34 @@
 """mixprec: automatic mixed-precision training for PyTorch.
 
-Public names: :func:`autocast` (an engine of its own that applies an editable :class:`Policy`),
-:func:`custom_fwd` / :func:`custom_bwd`, :func:`checkpoint`, and the numeric :mod:`formats`.
+Public names: :class:`autocast` (an engine of its own that applies an editable :class:`Policy`),
+:func:`custom_fwd` / :func:`custom_bwd`, :func:`checkpoint`, :class:`GradScaler` and its scale rules,
+:class:`MixedPrecisionOptimizer` (fp32 master weights), :func:`initialize` (apex-style opt levels and
+Lightning-style presets), :class:`CompensatedOptimizer` (pure-bf16 training with Kahan summation or
+stochastic rounding), and the numeric :mod:`formats`. Diagnostics live in :mod:`mixprec.inspect`.
 """
 
 from mixprec import formats
 from mixprec.autocast import autocast, custom_bwd, custom_fwd, get_autocast_dtype, is_autocast_enabled
 from mixprec.checkpoint import checkpoint
+from mixprec.compensated import CompensatedOptimizer
+from mixprec.master import MixedPrecisionOptimizer
 from mixprec.policy import Policy
+from mixprec.recipes import OPT_LEVELS, PRESETS, initialize
+from mixprec.scaling import DynamicScale, GradScaler, HeadroomScale, NoScale, StaticScale
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "OPT_LEVELS",
+    "PRESETS",
+    "CompensatedOptimizer",
+    "DynamicScale",
+    "GradScaler",
+    "HeadroomScale",
+    "MixedPrecisionOptimizer",
+    "NoScale",
     "Policy",
+    "StaticScale",
     "__version__",
     "autocast",
     "checkpoint",
@@ -20,5 +36,6 @@ __all__ = [
     "custom_fwd",
     "formats",
     "get_autocast_dtype",
+    "initialize",
     "is_autocast_enabled",
 ]
