@@ -1,0 +1,43 @@
+"""`mixprec.inspect`: where precision is lost.
+
+* :func:`find_nonfinite`: the first module and op (forward or backward) whose result was inf/nan;
+* :func:`underflow_report`: the fraction of gradients that would be zero or subnormal at a loss scale,
+  per module, and the scale that avoids it;
+* :func:`trace_dtypes`: which ops ran in which dtype, per module;
+* :class:`ScalerLog`, :func:`nonfinite_params`, :func:`grad_amax`: an opt-in per-step scaler log and the
+  parameters behind a skipped step;
+* :func:`plot_gradient_histogram`, :func:`plot_scale_history`, :func:`plot_underflow`, :func:`write_report`:
+  pictures and the ``mixprec report`` summary.
+
+Nothing here is hooked or active unless one of these runs; no other part of mixprec imports it.
+"""
+
+from mixprec.inspect.grads import grad_amax, nonfinite_params
+from mixprec.inspect.nonfinite import find_nonfinite
+from mixprec.inspect.nonfinite_report import NonfiniteReport
+from mixprec.inspect.plots import plot_gradient_histogram, plot_scale_history, plot_underflow
+from mixprec.inspect.report import load_log, write_report
+from mixprec.inspect.scaler_log import ScalerLog
+from mixprec.inspect.summaries import GradStats, Log2Histogram
+from mixprec.inspect.trace import DtypeTrace, trace_dtypes
+from mixprec.inspect.underflow import underflow_report
+from mixprec.inspect.underflow_report import UnderflowReport
+
+__all__ = [
+    "DtypeTrace",
+    "GradStats",
+    "Log2Histogram",
+    "NonfiniteReport",
+    "ScalerLog",
+    "UnderflowReport",
+    "find_nonfinite",
+    "grad_amax",
+    "load_log",
+    "nonfinite_params",
+    "plot_gradient_histogram",
+    "plot_scale_history",
+    "plot_underflow",
+    "trace_dtypes",
+    "underflow_report",
+    "write_report",
+]

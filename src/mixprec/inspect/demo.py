@@ -1,0 +1,92 @@
+"""Small models built to fail in known places: the examples behind ``mixprec inspect`` and the tests.
+
+Every model is a :class:`DemoNet` (``blocks.0`` ... ``blocks.3``, each ``fc`` + ``act``, then ``head``)
+with deterministic weights; the builders change one module so that float16 breaks exactly there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+WIDTH = 32
+
+
+class Block(nn.Module):
+    """``act(fc(x))``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class DemoNet(nn.Module):
+    """Four :class:`Block` s and a linear head to one output."""
+
+    def __init__(self, width: int = WIDTH, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def healthy_model(seed: int = 0) -> DemoNet:
+    """Default-initialised weights: finite everywhere in float16."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return DemoNet()
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def demo_inputs(batch: int = 8, seed: int = 1) -> torch.Tensor:
+    """A fixed batch of standard-normal inputs."""
+    return torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(seed))
+
+
+def forward_overflow_model() -> DemoNet:
+    """``blocks.2.fc`` has weights of 30000: its outputs exceed float16's 65504 in the forward pass."""
+    model = healthy_model()
+    with torch.no_grad():
+        model.blocks[2].fc.weight.fill_(30000.0)
+    return model
+
+
+def backward_overflow_model() -> DemoNet:
+    """Finite forward in float16, but ``blocks.1.fc``'s input gradient overflows under a loss scale of 2^12.
+
+    ``blocks.0`` outputs 1e-6 everywhere, so ``blocks.1.fc`` (weights of 30000) gives moderate outputs in
+    forward; in backward its weights multiply the gradient flowing in by 30000 per element.
+    """
+    model = healthy_model()
+    with torch.no_grad():
+        model.blocks[0].fc.weight.zero_()
+        model.blocks[0].fc.bias.fill_(1e-6)
+        model.blocks[1].fc.weight.fill_(30000.0)
+        model.blocks[1].fc.bias.zero_()
+    return model
+
+
+def scaled_loss(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``loss_fn(output) = scale * mean(output^2)`` in float32 (a loss multiplied by a loss scale)."""
+
+    def loss_fn(output: torch.Tensor) -> torch.Tensor:
+        return output.float().square().mean() * scale
+
+    return loss_fn
+
+
+def tiny_loss(output: torch.Tensor) -> torch.Tensor:
+    """A loss with gradients of 1e-10 to 4e-5: mostly subnormal or zero in float16 unless scaled."""
+    return output.float().square().mean() * 1e-4

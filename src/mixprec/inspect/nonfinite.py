@@ -1,0 +1,87 @@
+"""`find_nonfinite`: the module and op where a mixed-precision run first produced inf or nan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.autocast import autocast
+from mixprec.inspect._modules import ModuleTracker, call_model, check_loss, check_model, device_type_of
+from mixprec.inspect._restore import preserved
+from mixprec.inspect._watch import Watch, all_finite
+from mixprec.inspect.nonfinite_report import NonfiniteReport
+from mixprec.policy import Policy
+
+__all__ = ["NonfiniteReport", "find_nonfinite"]
+
+
+def find_nonfinite(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    device_type: str | None = None,
+    policy: Policy | str | None = None,
+) -> NonfiniteReport | None:
+    """Run one forward (and, with ``loss_fn``, one backward) under mixprec.autocast; find the first inf/nan.
+
+    The model is restored exactly afterwards: no hook left behind, parameters and buffers bitwise as
+    before, every ``.grad`` the same tensor with the same values, train/eval modes and the RNG state
+    unchanged.
+
+    Args:
+        model: the model to inspect (run in whatever train/eval mode it is in).
+        inputs: a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a dict
+            (``model(**inputs)``).
+        loss_fn: ``loss_fn(output) -> scalar tensor``, computed inside the region (close over the
+            targets); with it, a backward runs too.
+        dtype: the autocast dtype; default: the policy's compute dtype, else float16.
+        device_type: autocast's device type; default: that of the model's first parameter.
+        policy: a :class:`~mixprec.Policy` or policy string for the region.
+
+    Returns:
+        None when every value stayed finite, else a :class:`NonfiniteReport` for the first op (in
+        execution order: forward ops, then backward nodes) whose result was non-finite.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+        ValueError: if ``loss_fn`` returns something other than a one-element tensor that requires grad.
+    """
+    check_model(model)
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    if dtype is None and (policy is None or policy.compute_dtype is None):
+        dtype = torch.float16
+    device_type = device_type or device_type_of(model, inputs)
+    region = autocast(device_type, dtype=dtype, policy=policy)
+    with preserved(model, inputs) as handles:
+        watch = Watch(ModuleTracker(model, handles), handles, device_type, watch_backward=loss_fn is not None)
+        try:
+            with torch.set_grad_enabled(loss_fn is not None):
+                with region, watch:
+                    output = call_model(model, inputs)
+                    loss = loss_fn(output) if loss_fn is not None else None
+                if loss is not None and watch.forward is None:
+                    check_loss(loss).backward()
+            finding = watch.forward or watch.backward
+            if finding is None and loss_fn is not None:
+                finding = _nonfinite_param_grad(model)
+        finally:
+            watch.release()
+    return finding
+
+
+def _nonfinite_param_grad(model: nn.Module) -> NonfiniteReport | None:
+    """A fallback for gradients that became non-finite where no hooked node saw it (e.g. accumulation)."""
+    for name, param in model.named_parameters():
+        if param.grad is not None and not all_finite([param.grad]):
+            module = name.rpartition(".")[0]
+            kind = "nan" if bool(torch.isnan(param.grad).any()) else "inf"
+            return NonfiniteReport(
+                module, "backward", f"gradient of {name}", param.grad.dtype, kind, None, True
+            )
+    return None

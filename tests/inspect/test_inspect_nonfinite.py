@@ -1,0 +1,135 @@
+"""find_nonfinite: the first module/op whose result is inf or nan, forward and backward."""
+
+import pytest
+import torch
+from inspect_helpers import assert_no_hooks
+from torch import nn
+
+from mixprec.inspect import NonfiniteReport, demo, find_nonfinite
+from mixprec.inspect._modules import OUTSIDE
+from mixprec.policy import Policy
+
+FP16 = Policy.for_device("cpu", torch.float16)
+
+
+@pytest.fixture
+def inputs():
+    return demo.demo_inputs()
+
+
+def test_healthy_model_is_none_forward_and_backward(inputs):
+    model = demo.healthy_model()
+    assert find_nonfinite(model, inputs) is None
+    assert find_nonfinite(model, inputs, loss_fn=demo.scaled_loss(2.0**8)) is None
+    assert_no_hooks(model)
+
+
+def test_forward_overflow_names_module_op_dtype_and_inputs(inputs):
+    report = find_nonfinite(demo.forward_overflow_model(), inputs)
+    assert isinstance(report, NonfiniteReport)
+    assert (report.module, report.phase, report.op) == ("blocks.2.fc", "forward", "linear")
+    assert report.dtype == torch.float16 and report.value == "inf"
+    assert report.inputs_finite and report.finite_in_fp32 is True
+    low, high = report.input_range
+    assert low < 0 < high and report.input_absmax == pytest.approx(30000.0)
+    text = str(report)
+    assert "'blocks.2.fc'" in text and "65504" in text
+    assert "with_modules({'blocks.2.fc': torch.float32})" in text
+
+
+def test_forward_overflow_is_gone_in_bfloat16(inputs):
+    assert find_nonfinite(demo.forward_overflow_model(), inputs, dtype=torch.bfloat16) is None
+    assert find_nonfinite(demo.forward_overflow_model(), inputs, policy="bf16-mixed") is None
+
+
+def test_pinning_the_module_moves_the_overflow_downstream(inputs):
+    pinned = FP16.with_modules({"blocks.2.fc": torch.float32})
+    report = find_nonfinite(demo.forward_overflow_model(), inputs, policy=pinned)
+    # blocks.2.fc now runs in fp32, and its 1.7e5 outputs overflow where blocks.3.fc casts them to fp16.
+    assert report.module == "blocks.3.fc" and report.phase == "forward"
+
+
+def test_backward_overflow_at_known_module(inputs):
+    model = demo.backward_overflow_model()
+    assert find_nonfinite(model, inputs) is None  # the forward is finite
+    report = find_nonfinite(model, inputs, loss_fn=demo.scaled_loss(2.0**12))
+    assert (report.module, report.phase, report.op) == ("blocks.1.fc", "backward", "linear")
+    assert report.dtype == torch.float16 and report.value == "inf"
+    assert report.node == "AddmmBackward0" and report.inputs_finite
+    assert 1 < report.input_absmax < 65504
+    assert "lower the loss scale" in str(report) and "'blocks.1.fc'" in str(report)
+    assert find_nonfinite(model, inputs, loss_fn=demo.scaled_loss(2.0**4)) is None
+
+
+def test_weight_gradient_overflow_is_attributed_to_its_module(inputs):
+    # At 2^8 the input gradient of blocks.1.fc fits in fp16, but blocks.0.fc's weight gradient does not.
+    report = find_nonfinite(demo.backward_overflow_model(), inputs, loss_fn=demo.scaled_loss(2.0**8))
+    assert (report.module, report.phase) == ("blocks.0.fc", "backward")
+
+
+def test_residual_branch_blames_the_branch_not_the_add(inputs):
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(32, 32)
+            self.branch = nn.Linear(32, 32)
+            self.out = nn.Linear(32, 1)
+            with torch.no_grad():
+                self.inp.weight.mul_(1e-4)
+                self.inp.bias.zero_()
+                self.branch.weight.fill_(0.0)
+                self.branch.weight[:, 0] = 30000.0  # backward: every output's gradient lands on input 0
+                self.out.weight.fill_(1 / 32)
+                self.out.bias.zero_()
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.out(h + self.branch(h))
+
+    report = find_nonfinite(Residual(), inputs, loss_fn=demo.scaled_loss(2.0**4))
+    assert (report.module, report.phase, report.op) == ("branch", "backward", "linear")
+
+
+def test_loss_overflow_is_outside_the_model(inputs):
+    report = find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda y: (y * 70000).sum())
+    assert report.module == OUTSIDE and report.phase == "forward"
+    assert ".float()" in str(report)
+
+
+def test_nonfinite_input_data_is_reported_as_such(inputs):
+    bad = inputs.clone()
+    bad[0, 0] = float("nan")
+    report = find_nonfinite(demo.healthy_model(), bad)
+    assert report.module == "blocks.0.fc" and not report.inputs_finite
+    assert "not finite" in str(report)
+
+
+def test_nan_that_fp32_also_gives_is_not_blamed_on_precision(inputs):
+    report = find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda y: (y.float() - 100).sqrt().sum())
+    assert report.op == "sqrt" and report.value == "nan" and report.finite_in_fp32 is False
+    assert "not a precision problem" in str(report)
+
+
+def test_tuple_and_dict_inputs(inputs):
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 1)
+
+        def forward(self, a, b):
+            return self.fc(a * b)
+
+    model = TwoInputs()
+    assert find_nonfinite(model, (inputs, inputs)) is None
+    # a * b runs in fp32 (mul is not a lower-precision op); fc's fp16 matmul of 1e4-sized inputs overflows.
+    report = find_nonfinite(model, {"a": inputs, "b": inputs * 1e4})
+    assert (report.module, report.op) == ("fc", "linear")
+
+
+def test_bad_arguments_name_the_value(inputs):
+    with pytest.raises(TypeError, match="nn.Module"):
+        find_nonfinite(lambda x: x, inputs)
+    with pytest.raises(ValueError, match=r"one-element tensor, got \(8, 1\)"):
+        find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda y: y)
+    with pytest.raises(ValueError, match="conflicts"):
+        find_nonfinite(demo.healthy_model(), inputs, dtype=torch.bfloat16, policy=FP16)

@@ -1,0 +1,158 @@
+"""Plots, `mixprec report` / `mixprec inspect` (report_main / inspect_main), and the examples."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec.inspect import (
+    Log2Histogram,
+    cli,
+    demo,
+    inspect_command,
+    load_log,
+    plot_gradient_histogram,
+    plot_scale_history,
+    plot_underflow,
+    report_command,
+    underflow_report,
+    write_report,
+)
+
+pytest.importorskip("matplotlib")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _png(path: Path) -> None:
+    assert path.exists() and path.stat().st_size > 1024
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def reports():
+    torch.set_num_threads(1)
+    inputs = demo.demo_inputs()
+    return [
+        underflow_report(demo.healthy_model(), inputs, loss_fn=demo.tiny_loss, scale=s)
+        for s in (1.0, 2.0**16)
+    ]
+
+
+def _bench_log(path: Path) -> Path:
+    records = []
+    for mode, scale in (("fp16", 65536.0), ("bf16", None)):
+        for step in range(6):
+            skipped = mode == "fp16" and step == 2
+            scale_now = None if scale is None else scale / (2 if step >= 2 else 1)
+            records.append(
+                {"step": step, "workload": "cnn", "mode": mode, "loss": 2.0 - 0.1 * step, "scale": scale_now,
+                 "skipped": skipped, "step_time_ms": 3.0 + step}
+            )  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_plots_are_written(reports, tmp_path):
+    _png(plot_gradient_histogram(reports[0], tmp_path / "hist.png"))
+    _png(plot_gradient_histogram({"grads": reports[1].parameter_histogram}, tmp_path / "h2.png", scale=8.0))
+    _png(plot_underflow(reports, tmp_path / "underflow.png"))
+    _png(plot_underflow(reports[0], tmp_path / "one.png"))
+    records = [
+        {"step": i, "scale": 2.0 ** (10 - (i < 3) * i), "skipped": i < 3, "grad_amax": 0.5} for i in range(9)
+    ]
+    _png(plot_scale_history(records, tmp_path / "scale.png"))
+    with pytest.raises(TypeError, match="UnderflowReport"):
+        plot_underflow([], tmp_path / "x.png")
+    with pytest.raises(TypeError, match="Log2Histogram"):
+        plot_gradient_histogram([1, 2], tmp_path / "x.png")
+
+
+def test_missing_matplotlib_is_a_clear_error(reports, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"pip install 'mixprec\[plot\]'"):
+        plot_underflow(reports, tmp_path / "x.png")
+    log = _bench_log(tmp_path / "bench.jsonl")
+    assert cli.report_main([str(log)]) == 1
+    assert "mixprec[plot]" in capsys.readouterr().err
+
+
+def test_report_from_a_bench_log(tmp_path, capsys):
+    log = _bench_log(tmp_path / "bench.jsonl")
+    assert cli.report_main([str(log), "--out", str(tmp_path / "out")]) == 0
+    _png(tmp_path / "out" / "scale_history.png")
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| cnn / fp16 | 6 | 2 → 1.5 | 1 (2) | 2^16 / 2^15 / 2^15 | - | 5.50 |" in summary
+    assert "| cnn / bf16 | 6 |" in summary and "![scale_history](scale_history.png)" in summary
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_report_from_a_scaler_log_with_histograms(tmp_path):
+    histogram = Log2Histogram()
+    histogram.add(torch.randn(1000) * 1e-3)
+    records = [
+        {"step": 0, "scale": 1024.0, "skipped": True, "grad_amax": None, "nonfinite_params": ["fc.weight"]},
+        {
+            "step": 1,
+            "scale": 1024.0,
+            "skipped": False,
+            "grad_amax": 0.3,
+            "grad_log2_hist": histogram.to_dict(),
+        },
+    ]
+    log = tmp_path / "scaler.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = write_report(log, tmp_path / "out")
+    assert [p.name for p in written] == ["scale_history.png", "grad_histogram.png", "summary.md"]
+    for png in written[:2]:
+        _png(png)
+    assert "`fc.weight` (1)" in written[-1].read_text()
+
+
+def test_report_errors_name_the_problem(tmp_path, capsys):
+    assert cli.report_main([str(tmp_path / "missing.jsonl")]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0}\n{"loss": 1}\n')
+    assert cli.report_main([str(bad)]) == 2
+    assert "bad.jsonl:2: expected a JSON object with an integer 'step'" in capsys.readouterr().err
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+        load_log(bad)
+    bad.write_text("\n")
+    with pytest.raises(ValueError, match="no records"):
+        load_log(bad)
+
+
+def test_inspect_command_end_to_end(tmp_path, capsys):
+    assert cli.inspect_main(["--out", str(tmp_path), "--steps", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "module 'blocks.2.fc' produced inf in float16" in out
+    assert "module 'blocks.1.fc' (AddmmBackward0) produced inf" in out
+    assert "At loss scale 2^0, 72.7% of activation gradients" in out
+    assert "At loss scale 2^16, 1.4% of activation gradients" in out
+    assert "head                         linear                         -         1" in out
+    for name in ("grad_histogram_scale1", "grad_histogram_scale65536", "underflow"):
+        _png(tmp_path / f"{name}.png")
+    _png(tmp_path / "report" / "scale_history.png")
+    assert (tmp_path / "report" / "summary.md").exists()
+    assert cli.inspect_main(["--steps", "0"]) == 2
+
+
+def test_subcommand_modules_have_the_cli_table_shape():
+    import argparse
+
+    for module in (report_command, inspect_command):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        assert isinstance(module.HELP, str) and callable(module.run)
+    assert report_command.run is cli.run_report and inspect_command.run is cli.run_inspect
+
+
+@pytest.mark.parametrize("name", ["inspect_find_nonfinite.py", "inspect_scaler_log.py"])
+def test_examples_run(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [name, str(tmp_path)])
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    assert capsys.readouterr().out
