@@ -1,0 +1,132 @@
+"""Turn the user's choices (workloads, modes, size, device) into a list of runs and notes on what is left out.
+
+Unknown names are user errors (``ValueError`` naming the accepted ones). Modes that are known but cannot
+run here (a mixprec part not in this build, or fp16 on a CPU at a size where it would take hours) are left
+out with a note saying why, so the bench still runs with what is available.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
+from mixprec.bench.runner import Job
+from mixprec.bench.workloads import SIZES, WORKLOADS
+
+CPU_FP16_NOTE = (
+    "fp16 on a CPU: there is no fast fp16 matmul/conv kernel (about 100x slower than fp32), so fp16 modes "
+    "run on a CPU only in small configurations and their step time shows that cost, not what a GPU gains"
+)
+
+
+@dataclass
+class Plan:
+    """The runs to do, in order, and human-readable notes about anything left out."""
+
+    jobs: list[Job]
+    device: str
+    size: str
+    notes: list[str] = field(default_factory=list)
+
+
+def split_names(values: Iterable[str] | None) -> list[str]:
+    """Accept ``--modes a,b --modes c`` and ``--modes a b``: flatten and drop empty names."""
+    return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
+
+
+def _unknown(kind: str, name: str, accepted: Sequence[str]) -> ValueError:
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"unknown {kind} {name!r}{hint}; accepted: {', '.join(accepted)}")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available else ``cpu``; validates ``cpu``, ``cuda`` and ``cuda:N``."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device.split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; accepted: auto, cpu, cuda, cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r} requested but torch.cuda.is_available() is False (torch {torch.__version__})"
+        )
+    return device
+
+
+def resolve_workloads(names: Sequence[str]) -> list[str]:
+    if not names or names == ["all"]:
+        return list(WORKLOADS)
+    for name in names:
+        if name not in WORKLOADS:
+            raise _unknown("workload", name, [*WORKLOADS, "all"])
+    return list(dict.fromkeys(names))
+
+
+def resolve_modes(names: Sequence[str], device_type: str) -> list[str]:
+    """Mode names with aliases resolved for ``device_type``; the device's defaults when ``names`` is empty."""
+    if not names:
+        return list(DEFAULT_MODES[device_type])
+    accepted = [*MODES, *ALIASES]
+    resolved = []
+    for name in names:
+        if name in ALIASES:
+            name = ALIASES[name][device_type]
+        elif name not in MODES:
+            raise _unknown("mode", name, accepted)
+        resolved.append(name)
+    return list(dict.fromkeys(resolved))
+
+
+def make_plan(
+    workloads: Sequence[str] = (),
+    modes: Sequence[str] = (),
+    size: str = "default",
+    steps: int | None = None,
+    device: str = "auto",
+    seed: int = 0,
+    data: str | None = None,
+    progress: bool = False,
+) -> Plan:
+    """Validate the choices and list the runs: each available mode, in the order given, for each workload."""
+    if size not in SIZES:
+        raise _unknown("size", size, SIZES)
+    if steps is not None and steps < 2:
+        raise ValueError(f"steps must be at least 2 (one warm-up step and one timed step), got {steps}")
+    device = resolve_device(device)
+    device_type = device.split(":", 1)[0]
+    workload_names = resolve_workloads(workloads)
+    mode_names = resolve_modes(modes, device_type)
+    plan = Plan(jobs=[], device=device, size=size)
+
+    runnable = []
+    for name in mode_names:
+        reason = MODES[name].unavailable(device)
+        if reason is None:
+            runnable.append(name)
+        else:
+            plan.notes.append(f"mode {name} left out: {reason}")
+    if not runnable:
+        raise ValueError("no requested mode can run in this build:\n  " + "\n  ".join(plan.notes))
+
+    fp16_skipped: list[str] = []
+    for workload in workload_names:
+        preset = WORKLOADS[workload].presets[size]
+        for name in runnable:
+            if device_type == "cpu" and MODES[name].dtype == torch.float16 and not preset.cpu_fp16:
+                fp16_skipped.append(f"{workload}/{name}")
+                continue
+            plan.jobs.append(Job(workload, name, size, steps, seed, device, data, progress))
+    if any(MODES[name].dtype == torch.float16 for name in runnable) and device_type == "cpu":
+        plan.notes.append(
+            CPU_FP16_NOTE + (f"; left out at size {size}: {', '.join(fp16_skipped)}" if fp16_skipped else "")
+        )
+    if "fp32" not in runnable:
+        plan.notes.append("speedup needs an fp32 run: add fp32 to --modes")
+    if not plan.jobs:
+        raise ValueError("nothing to run:\n  " + "\n  ".join(plan.notes))
+    return plan
