@@ -7,7 +7,7 @@ Lightning-style presets), :class:`CompensatedOptimizer` (pure-bf16 training with
 stochastic rounding), and the numeric :mod:`formats`. Diagnostics live in :mod:`mixprec.inspect`.
 """
 
-from mixprec import formats
+from mixprec import distributed, formats
 from mixprec.autocast import autocast, custom_bwd, custom_fwd, get_autocast_dtype, is_autocast_enabled
 from mixprec.checkpoint import checkpoint
 from mixprec.compensated import CompensatedOptimizer
@@ -34,6 +34,7 @@ __all__ = [
     "checkpoint",
     "custom_bwd",
     "custom_fwd",
+    "distributed",
     "formats",
     "get_autocast_dtype",
     "initialize",

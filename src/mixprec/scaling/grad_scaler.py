@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mixprec.scaling import kernels
 from mixprec.scaling._devices import is_available, parse_device, wide_float
@@ -18,6 +18,7 @@ from mixprec.scaling.monitor import SkipMonitor
 from mixprec.scaling.outputs import map_tensors
 from mixprec.scaling.rules import ScaleRule
 from mixprec.scaling.state import GradScalerError, OptimizerRecord, OptState
+from mixprec.scaling.sync import RankSync
 
 __all__ = ["GradScaler"]
 
@@ -48,6 +49,10 @@ class GradScaler(TorchAccessors):
     ``unscale_`` and ``update`` never wait for the device; ``step`` syncs once for its skip decision, as torch
     does, except with fused optimizers, which skip inside their kernel.
 
+    Under torch.distributed every rank skips or steps together: each optimizer's found_inf is all-reduced
+    (MAX) over ``process_group`` in one collective before its skip decision, and ``update()`` combines those
+    agreed values without another one, so the scales stay equal (see :class:`~mixprec.scaling.sync.RankSync`).
+
     Args:
         device: device type the scaler is meant for; None (default) means the device of the first tensor
             scaled. Like torch, an explicit device whose backend is unavailable disables the scaler with a
@@ -64,10 +69,14 @@ class GradScaler(TorchAccessors):
         max_scale: cap for the scale.
         allow_fp16_grads: unscale fp16 gradients instead of raising torch's ValueError.
         warn_after_skips: warn once after this many skipped steps in a row; None never warns.
+        process_group: the ranks that must agree on skipping; None means the default group.
+        sync: ``"auto"`` (agree when torch.distributed is initialised with more than one rank), True (the
+            same, but raise if it is not initialised) or False (decide per rank, as torch does).
 
     Attributes:
         rule: the :class:`~mixprec.scaling.rules.ScaleRule` that owns the scale.
         monitor: the :class:`~mixprec.scaling.monitor.SkipMonitor` behind ``skipped_steps``.
+        rank_sync: the :class:`~mixprec.scaling.sync.RankSync` that all-reduces found_inf across ranks.
 
     Raises:
         ValueError: for a bad argument, naming it and the accepted values.
@@ -89,6 +98,8 @@ class GradScaler(TorchAccessors):
         max_scale: float | None = None,
         allow_fp16_grads: bool = False,
         warn_after_skips: int | None = 50,
+        process_group: dist.ProcessGroup | None = None,
+        sync: str | bool = "auto",
     ) -> None:
         self._device = None if device is None else parse_device(device)
         self.rule = build_rule(
@@ -103,6 +114,7 @@ class GradScaler(TorchAccessors):
             max_scale=max_scale,
         )
         self.monitor = SkipMonitor(warn_after_skips)
+        self.rank_sync = RankSync(sync, process_group)
         self.allow_fp16_grads = bool(allow_fp16_grads)
         self._enabled = bool(enabled) and self._backend_usable()
         self._records: dict[int, OptimizerRecord] = {}
@@ -222,7 +234,7 @@ class GradScaler(TorchAccessors):
                 "No inf checks were recorded for this optimizer. (None of its parameters has a .grad: was "
                 "backward() called on the scaled loss, and does the optimizer hold the model's parameters?)"
             )
-        found_inf = self._combine_found_inf(record.found_inf.values(), scale.device)
+        found_inf = self._combine_found_inf(record, scale.device)
         retval = optimizer.step(*args, **kwargs) if found_inf.item() == 0 else self._on_skip()
         record.stage = OptState.STEPPED
         return retval
@@ -242,7 +254,7 @@ class GradScaler(TorchAccessors):
             grad_scale = scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)  # already unscaled by unscale_()
-        found_inf = self._combine_found_inf(record.found_inf.values(), scale.device)
+        found_inf = self._combine_found_inf(record, scale.device)
         retval = run_fused_step(optimizer, grad_scale, found_inf, args, kwargs)
         record.stage = OptState.STEPPED
         return retval
@@ -252,13 +264,20 @@ class GradScaler(TorchAccessors):
         self.monitor.check(pending=1, scale=self.rule.get_scale())
         self.rule.after_skip()
 
-    def _combine_found_inf(self, found_infs: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """One found_inf (1.0 if any is non-zero) on ``device``, from per-optimizer/per-device tensors.
+    def _combine_found_inf(self, record: OptimizerRecord, device: torch.device) -> torch.Tensor:
+        """One optimizer's found_inf (1.0 if any device's is non-zero) on ``device``, the same on every rank.
 
-        Every skip decision and every update goes through here, so this is the seam where a distributed
-        scaler all-reduces (MAX) found_inf across ranks.
+        Every skip decision goes through here, and :meth:`update` only combines its results: this is where
+        found_inf (with amax, when the rule reads it) is all-reduced across ranks, one collective per
+        optimizer. The agreed values replace the record's, so ``update()`` needs no collective of its own.
         """
-        return kernels.combine_max(found_infs, device)
+        found_inf = kernels.combine_max(record.found_inf.values(), device)
+        amax = kernels.combine_max(record.amax.values(), device) if self.rule.needs_amax else None
+        found_inf, amax = self.rank_sync.max_across_ranks(found_inf, amax)
+        record.found_inf = {device: found_inf}
+        if amax is not None:
+            record.amax = {device: amax}
+        return found_inf
 
     # -- update ----------------------------------------------------------------------------------------
 
@@ -276,10 +295,13 @@ class GradScaler(TorchAccessors):
         if not self._enabled:
             return
         scale = self._require_scale("update")
+        for record in self._records.values():
+            if record.found_inf and record.stage is not OptState.STEPPED:
+                self._combine_found_inf(record, scale.device)  # unscale_() without step(): agree now
         found_infs = [tensor for record in self._records.values() for tensor in record.found_inf.values()]
         if new_scale is None and not found_infs:
             raise GradScalerError("No inf checks were recorded prior to update.")
-        found_inf = self._combine_found_inf(found_infs, scale.device)
+        found_inf = kernels.combine_max(found_infs, scale.device)
         if new_scale is not None:
             self.rule.set_scale(check_new_scale(new_scale))
         else:

@@ -57,9 +57,20 @@ def collect_grads(params: Iterable[torch.Tensor], allow_fp16: bool) -> GradGroup
                 param.grad = param.grad.coalesce()
             grad = param.grad._values()
         else:
-            grad = param.grad
+            grad = _local_shard(param.grad)
         groups[grad.device][grad.dtype].append(grad)
     return groups
+
+
+def _local_shard(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient (FSDP2's fully_shard) is checked and unscaled through this rank's shard.
+
+    DTensor ops would run collectives of their own and return a DTensor found_inf; the scaler agrees
+    across ranks itself (scaling/sync.py). ``to_local()`` shares storage, so unscaling it in place
+    unscales the gradient.
+    """
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
 
 
 def per_tensor_kernel(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,355 @@
+"""Scenarios run by dist_harness.run_ranks: ``python dist_scenarios.py NAME WORLD_SIZE OUT_DIR RANK``.
+
+Each rank joins a gloo group through a FileStore in OUT_DIR, runs the scenario and saves a dict of results
+to OUT_DIR/rank{RANK}.pt; the tests compare the ranks' dicts.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mixprec
+from mixprec.distributed import compression_hook, replicas_identical
+
+INF = float("inf")
+TIMEOUT = datetime.timedelta(seconds=60)
+Result = dict[str, Any]
+
+
+@contextmanager
+def counting_all_reduce() -> Iterator[list[int]]:
+    """Count calls of torch.distributed.all_reduce (what the scaler's sync uses) inside the block."""
+    count = [0]
+    original = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield count
+    finally:
+        dist.all_reduce = original
+
+
+def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def changed(before: list[torch.Tensor], module: torch.nn.Module) -> bool:
+    return any(not torch.equal(b, p.detach()) for b, p in zip(before, module.parameters(), strict=True))
+
+
+# -- (1) and (4): every rank owns different parameters (ZeRO-like); only rank 1 sees an inf ------------------
+
+
+def _shard(rank: int) -> torch.nn.Linear:
+    torch.manual_seed(100 + rank)
+    return torch.nn.Linear(4, 3)
+
+
+def _sharded_step(
+    rank: int, scaler: mixprec.GradScaler, make_optimizer: Callable[[Any], torch.optim.Optimizer]
+) -> Result:
+    model = _shard(rank)
+    optimizer = make_optimizer(model.parameters())
+    results: Result = {}
+    for step, poison in enumerate((True, False)):
+        scaler.scale(model(torch.ones(2, 4)).square().mean()).backward()
+        if poison and rank == 1:
+            model.weight.grad[0, 0] = INF
+        before = snapshot(model)
+        with counting_all_reduce() as collectives:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        results[f"stepped{step}"] = changed(before, model)
+        results[f"scale{step}"] = scaler.get_scale()
+        results[f"collectives{step}"] = collectives[0]
+    results["skipped_steps"] = scaler.skipped_steps
+    return results
+
+
+def _two_optimizers(rank: int, group: dist.ProcessGroup) -> Result:
+    """Inf in optimizer b's gradients on rank 1 only: a steps everywhere, b skips everywhere."""
+    model_a, model_b = _shard(rank), _shard(rank + 10)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler(process_group=group)
+    x = torch.ones(2, 4)
+    scaler.scale(model_a(x).sum() + model_b(x).sum()).backward()
+    if rank == 1:
+        model_b.bias.grad[1] = float("nan")
+    before_a, before_b = snapshot(model_a), snapshot(model_b)
+    with counting_all_reduce() as collectives:
+        scaler.unscale_(opt_a)
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+    return {
+        "a_stepped": changed(before_a, model_a),
+        "b_stepped": changed(before_b, model_b),
+        "scale": scaler.get_scale(),
+        "collectives": collectives[0],
+    }
+
+
+def _unscale_without_step(rank: int, sync: bool) -> Result:
+    """unscale_() then update() with no step(): update() agrees on that optimizer's found_inf."""
+    model = _shard(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler(sync=sync)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    if rank == 1:
+        model.weight.grad[2, 3] = -INF
+    with counting_all_reduce() as collectives:
+        scaler.unscale_(optimizer)
+        scaler.update()
+    return {"scale": scaler.get_scale(), "collectives": collectives[0]}
+
+
+def _master_weights(rank: int, sync: bool) -> Result:
+    """MixedPrecisionOptimizer with bf16 model params: its internal scaler agrees across ranks too."""
+    model = _shard(rank).to(torch.bfloat16)
+    scaler = mixprec.GradScaler(sync=sync)
+    optimizer = mixprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    optimizer.backward(model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum())
+    if rank == 1:
+        model.weight.grad[0, 1] = INF
+    before = snapshot(model)
+    optimizer.step()
+    return {"stepped": changed(before, model), "scale": optimizer.loss_scale}
+
+
+def _default_scaler_of_master_optimizer(rank: int) -> Result:
+    """MixedPrecisionOptimizer(scaler="dynamic") builds its own GradScaler: sync='auto' covers it."""
+    model = _shard(rank).to(torch.bfloat16)
+    optimizer = mixprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer.backward(model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum())
+    if rank == 1:
+        model.weight.grad[1, 1] = INF
+    before = snapshot(model)
+    optimizer.step()
+    return {"stepped": changed(before, model), "scale": optimizer.loss_scale}
+
+
+def _headroom(rank: int, sync: bool) -> Result:
+    """HeadroomScale grows from amax: with sync the ranks use the largest amax and keep equal scales."""
+    model = _shard(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = mixprec.GradScaler(init_scale=1.0, growth="headroom", sync=sync)
+    x = torch.full((2, 4), 1e-4 if rank == 0 else 10.0)
+    scaler.scale(model(x).sum()).backward()
+    with counting_all_reduce() as collectives:
+        scaler.step(optimizer)
+        scaler.update()
+    return {"scale": scaler.get_scale(), "collectives": collectives[0]}
+
+
+def sharded(rank: int, world_size: int) -> Result:
+    group = dist.new_group(list(range(world_size)))
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    fused_adam = lambda params: torch.optim.Adam(params, lr=0.1, fused=True)  # noqa: E731
+    return {
+        "sync": _sharded_step(rank, mixprec.GradScaler(), sgd),
+        "nosync": _sharded_step(rank, mixprec.GradScaler(sync=False), sgd),
+        "fused": _sharded_step(rank, mixprec.GradScaler(), fused_adam),
+        "fused_nosync": _sharded_step(rank, mixprec.GradScaler(sync=False), fused_adam),
+        "two_optimizers": _two_optimizers(rank, group),
+        "unscale_only": _unscale_without_step(rank, sync=True),
+        "unscale_only_nosync": _unscale_without_step(rank, sync=False),
+        "master": _master_weights(rank, sync="auto"),
+        "master_nosync": _master_weights(rank, sync=False),
+        "master_default_scaler": _default_scaler_of_master_optimizer(rank),
+        "headroom": _headroom(rank, sync="auto"),
+        "headroom_nosync": _headroom(rank, sync=False),
+    }
+
+
+# -- (2) DDP ------------------------------------------------------------------------------------------------
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 12, generator=generator)
+    return x, (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 0.5).long()
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+
+def _train_autocast(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, sync: bool | str = "auto"
+) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = mixprec.GradScaler(init_scale=2.0**12, growth_interval=2, sync=sync)
+    scales = []
+    for _ in range(steps):
+        with mixprec.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def _compression(rank: int, world_size: int, format: str | None) -> Result:
+    """fp32 model, a scale big enough that scaled gradients exceed fp16's range, optional DDP compression."""
+    model = DDP(_mlp())
+    if format is not None:
+        model.register_comm_hook(None, compression_hook(format))
+    x, y = _data()
+    local = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = mixprec.GradScaler(init_scale=2.0**24)
+    skipped = []
+    for _ in range(12):
+        scaler.scale(F.cross_entropy(model(x[local]), y[local])).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        skipped.append(scaler.last_step_skipped)
+    return {"skipped": skipped, "scale": scaler.get_scale(), "identical": replicas_identical(model)}
+
+
+def _ddp_master_weights(rank: int, world_size: int) -> Result:
+    """fp16 model under DDP, fp32 masters; a nan batch on rank 1 reaches every rank through the all-reduce."""
+    model = DDP(_mlp().to(torch.float16))
+    optimizer = mixprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data()
+    local = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
+    skipped = []
+    for step in range(4):
+        xs = x[local].half()
+        if step == 2 and rank == 1:
+            xs[0, 0] = float("nan")
+        optimizer.backward(F.cross_entropy(model(xs).float(), y[local]))
+        optimizer.step()
+        optimizer.zero_grad()
+        skipped.append(optimizer.scaler.last_step_skipped)
+    return {"skipped": skipped, "identical": replicas_identical(model), "scale": optimizer.loss_scale}
+
+
+def ddp(rank: int, world_size: int) -> Result:
+    x, y = _data()
+    local = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    scales = _train_autocast(DDP(model), x[local], y[local], steps=6)
+    result: Result = {
+        "params": snapshot(model),
+        "scales": scales,
+        "identical": replicas_identical(model),
+        "master": _ddp_master_weights(rank, world_size),
+        "compress_none": _compression(rank, world_size, None),
+        "compress_fp16": _compression(rank, world_size, "fp16"),
+    }
+    if rank == 0:  # one process, the whole batch, no DDP; sync=False: rank 1 takes no part
+        result["reference_scales"] = _train_autocast(reference, x, y, steps=6, sync=False)
+        result["reference"] = snapshot(reference)
+    return result
+
+
+# -- (3) FSDP ----------------------------------------------------------------------------------------------
+
+
+def _fsdp1(rank: int, sync: bool) -> Result:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_mlp(), device_id=torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler(sync=sync)
+    x, y = _data()
+    local = slice(rank * 8, rank * 8 + 8)
+    stepped, scales = [], []
+    for step in range(3):
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x[local]).float(), y[local])
+        scaler.scale(loss).backward()
+        if step == 1 and rank == 1:
+            next(model.parameters()).grad[-1] = INF  # an inf in rank 1's shard of the flat parameter
+        before = snapshot(model)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        stepped.append(changed(before, model))
+        scales.append(scaler.get_scale())
+    return {"stepped": stepped, "scales": scales, "shard_numel": next(model.parameters()).numel()}
+
+
+def _fsdp2(rank: int, fused: bool) -> Result:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+    scaler = mixprec.GradScaler()
+    x, y = _data()
+    local = slice(rank * 8, rank * 8 + 8)
+    stepped, scales = [], []
+    for step in range(3):
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x[local]).float(), y[local])
+        scaler.scale(loss).backward()
+        if step == 1 and rank == 1:
+            model[2].bias.grad.to_local()[0] = INF  # rank 1's shard of the last bias
+        before = [p.to_local().clone() for p in model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        after = [p.to_local() for p in model.parameters()]
+        stepped.append(any(not torch.equal(b, a) for b, a in zip(before, after, strict=True)))
+        scales.append(scaler.get_scale())
+    return {"stepped": stepped, "scales": scales}
+
+
+def fsdp(rank: int, world_size: int) -> Result:
+    result: Result = {
+        "fsdp1": _fsdp1(rank, sync=True),
+        "fsdp1_nosync": _fsdp1(rank, sync=False),
+        "fsdp2": _fsdp2(rank, fused=False),
+        "fsdp2_fused": _fsdp2(rank, fused=True),
+    }
+    return result
+
+
+SCENARIOS: dict[str, Callable[[int, int], Result]] = {"sharded": sharded, "ddp": ddp, "fsdp": fsdp}
+
+
+def main(name: str, world_size: int, out: Path, rank: int) -> None:
+    torch.set_num_threads(1)
+    store = f"file://{out / 'store'}"
+    # A timeout turns a rank left waiting in a collective into an error instead of a hang.
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    try:
+        result = SCENARIOS[name](rank, world_size)
+        # DDP/FSDP modules sit in reference cycles that keep gloo's process group alive into interpreter
+        # shutdown, where torch (2.13) can abort ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
