@@ -159,6 +159,10 @@ def _run_promote(mode: _AutocastMode, func: Callable, args: tuple, kwargs: dict)
 
 
 def _run_banned(mode: _AutocastMode, func: Callable, args: tuple, kwargs: dict) -> Any:
+    found: set[torch.dtype] = set()
+    _eligible_dtypes((args, tuple(kwargs.values())), mode.device_type, found)
+    if not found:  # torch bans it only where autocast applies: floating tensors on the region's device
+        return func(*args, **kwargs)
     name = getattr(func, "__name__", repr(func))
     raise RuntimeError(
         f"{name} is unsafe to autocast on {mode.device_type!r} (as with torch.autocast): its backward "

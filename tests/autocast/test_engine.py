@@ -358,3 +358,22 @@ def test_leaving_a_nested_region_keeps_the_enclosing_module_override(x: torch.Te
         net(x)
         seen.append(net[0].a(x).dtype)  # called directly it is its own root, named "": not pinned
     assert seen == [FP32, FP16, FP32, BF16]
+
+
+def test_cuda_lists_applied_on_cpu_tensors() -> None:
+    """The CUDA families (set_opt_dtype, append_dtype, banned) exercised on the CPU via a policy."""
+    cuda_rules = Policy.for_device("cuda", BF16)
+    x = torch.randn(4, 8)
+    with mixprec.autocast("cpu", policy=cuda_rules):
+        low = x.bfloat16()
+        assert torch.softmax(low, -1).dtype == FP32  # fp32_set_opt_dtype
+        assert torch.softmax(low, -1, dtype=BF16).dtype == BF16  # an explicit dtype wins
+        assert torch.norm(low).dtype == FP32  # fp32_append_dtype
+        assert torch.exp(low).dtype == FP32  # on CUDA's fp32 list, not on CPU's
+        assert torch.mm(x, x.t()).dtype == BF16
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            F.binary_cross_entropy(torch.rand(4), torch.rand(4))
+    with mixprec.autocast("cpu", policy=cuda_rules.with_ops(fp32=["binary_cross_entropy"])):
+        assert F.binary_cross_entropy(torch.rand(4).bfloat16(), torch.rand(4).bfloat16()).dtype == FP32
+    with mixprec.autocast("cuda"):  # banned only for tensors on the region's device
+        F.binary_cross_entropy(torch.rand(4), torch.rand(4))
