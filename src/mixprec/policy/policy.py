@@ -15,145 +15,51 @@ layer_norm, group_norm and sum kept in fp32 on every device).
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
-import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 
 import torch
 from torch import nn
 
-from mixprec.policy import ops as _ops
-from mixprec.policy.conditions import CONDITIONS, Condition
+from mixprec.policy.names import (
+    _ALL_CATEGORIES,
+    _DTYPE_NAMES,
+    _EDITABLE,
+    _FAMILY_OPS,
+    _KEY_NAMES,
+    BANNED,
+    DEFAULT_DTYPES,
+    PASSTHROUGH,
+    PRESETS,
+    SUPPORTED_DTYPES,
+    ModuleKey,
+    OpKey,
+    _check_supported,
+    _dtype,
+    _dtype_name,
+    _family,
+    _op_label,
+    _op_sort_key,
+    _suggest,
+    canonical_op,
+    known_op_names,
+)
+from mixprec.policy.resolve import ResolvedPolicy, _resolve
 
-__all__ = ["BANNED", "DEFAULT_DTYPES", "PASSTHROUGH", "Policy", "ResolvedPolicy", "known_op_names"]
+__all__ = [
+    "BANNED",
+    "DEFAULT_DTYPES",
+    "PASSTHROUGH",
+    "PRESETS",
+    "SUPPORTED_DTYPES",
+    "Policy",
+    "ResolvedPolicy",
+    "canonical_op",
+    "known_op_names",
+]
 
-#: Category for ops that run in whatever dtype their inputs arrive in (not cast at all).
-PASSTHROUGH = "none"
-#: Category for ops torch refuses to autocast (CUDA binary_cross_entropy); the engine raises.
-BANNED = "banned"
-
-#: Low-precision dtype used when neither ``dtype`` nor the policy names one (as torch.autocast).
-DEFAULT_DTYPES: dict[str, torch.dtype] = {"cpu": torch.bfloat16, "cuda": torch.float16}
-
-#: Compute dtypes each device family accepts. float32 makes "lower" ops run in fp32: a pin, used by
-#: module overrides (torch.autocast would instead disable itself with a warning on CPU).
-SUPPORTED_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "cpu": (torch.bfloat16, torch.float16, torch.float32),
-    "cuda": (torch.float16, torch.bfloat16, torch.float32),
-}
-
-_FAMILY_OPS: dict[str, Mapping[str, frozenset[str]]] = {"cpu": _ops.CPU_OPS, "cuda": _ops.CUDA_OPS}
-
-_EDITABLE = (_ops.LOWER, _ops.FP32, _ops.PROMOTE, PASSTHROUGH)
-_ALL_CATEGORIES = (*_ops.CATEGORIES, PASSTHROUGH)
-
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "f32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "f16": torch.float16,
-    "half": torch.float16,
-}
-_KEY_NAMES = {
-    "params": "param_dtype",
-    "param": "param_dtype",
-    "p": "param_dtype",
-    "compute": "compute_dtype",
-    "c": "compute_dtype",
-    "output": "output_dtype",
-    "out": "output_dtype",
-    "o": "output_dtype",
-    "device": "device_type",
-    "d": "device_type",
-}
 _CONSERVATIVE_FP32 = ("softmax", "log_softmax", "layer_norm", "group_norm", "sum")
-
-OpKey = str | Callable
-ModuleKey = str | type | Callable
-
-
-def _suggest(name: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.6)
-    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-
-
-def _dtype(value: torch.dtype | str, what: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        if not value.is_floating_point or value == torch.float64:
-            raise ValueError(f"{what} must be float32, bfloat16 or float16, got {value}")
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
-        raise ValueError(
-            f"unknown dtype {value!r} for {what}{_suggest(key, _DTYPE_NAMES)}; accepted: "
-            f"{sorted(_DTYPE_NAMES)}"
-        )
-    raise TypeError(f"{what} must be a torch.dtype or str, got {type(value).__name__}: {value!r}")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@functools.cache
-def known_op_names() -> frozenset[str]:
-    """Every name an op can be given by: the catalogue plus the torch functions and Tensor methods
-    that reach ``__torch_function__`` under the name the engine looks up (``func.__name__``)."""
-    names = set(_ops.ALL_OP_NAMES) | set(_ops.ALIASES)
-    namespaces = (
-        torch,
-        torch.nn.functional,
-        torch.Tensor,
-        torch.linalg,
-        torch.fft,
-        torch.special,
-        torch._C._nn,
-    )
-    for namespace in namespaces:
-        for attr in dir(namespace):
-            if attr.startswith("__") and namespace is not torch.Tensor:
-                continue
-            value = getattr(namespace, attr, None)
-            if callable(value) and not isinstance(value, type):
-                names.add(getattr(value, "__name__", attr) or attr)
-    return frozenset(n for n in names if isinstance(n, str) and n.isidentifier())
-
-
-def canonical_op(op: OpKey) -> OpKey:
-    """Return the catalogue name for ``op`` (aliases resolved), or the callable itself.
-
-    Raises:
-        ValueError: for a name that is not in the op catalogue, with the close names.
-        TypeError: for something that is neither a name nor a callable.
-    """
-    if isinstance(op, str):
-        name = _ops.ALIASES.get(op, op)
-        if name not in known_op_names():
-            raise ValueError(
-                f"unknown op {op!r}{_suggest(op, known_op_names())}; ops are named by their "
-                "ATen/functional name (e.g. 'softmax', 'linear', 'matmul') or given as callables"
-            )
-        return name
-    if callable(op):
-        return op
-    raise TypeError(f"an op is a name or a callable, got {type(op).__name__}: {op!r}")
-
-
-def _op_sort_key(item: tuple[OpKey, str]) -> tuple[int, str]:
-    op = item[0]
-    if isinstance(op, str):
-        return (0, op)
-    return (1, f"{getattr(op, '__module__', '')}.{getattr(op, '__qualname__', repr(op))}")
 
 
 def _module_value(value: object, key: object) -> torch.dtype | Policy:
@@ -396,85 +302,3 @@ class Policy:
             if names:
                 parts.append(f"{category}+={'|'.join(names)}")
         return ",".join(parts)
-
-
-def _op_label(op: OpKey) -> str:
-    return op if isinstance(op, str) else f"<{getattr(op, '__qualname__', repr(op))}>"
-
-
-PRESETS = ("bf16-mixed", "fp16-mixed", "conservative")
-
-
-def _family(device_type: object) -> str:
-    if isinstance(device_type, torch.device):
-        device_type = device_type.type
-    if not isinstance(device_type, str):
-        raise TypeError(
-            f"device_type must be a str such as 'cpu' or 'cuda', got {type(device_type).__name__}"
-        )
-    family = device_type.split(":")[0].strip().lower()
-    if family not in _FAMILY_OPS:
-        raise ValueError(
-            f"unsupported device_type {device_type!r}; mixprec autocast supports {sorted(_FAMILY_OPS)}"
-        )
-    return family
-
-
-def _check_supported(family: str, dtype: torch.dtype | None) -> None:
-    if dtype is not None and dtype not in SUPPORTED_DTYPES[family]:
-        accepted = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES[family])
-        raise ValueError(f"autocast on {family!r} supports dtype {accepted}; got {dtype}")
-
-
-@dataclass(frozen=True, eq=False)
-class ResolvedPolicy:
-    """A policy made concrete for one device family and compute dtype: what the engine reads."""
-
-    policy: Policy
-    device_type: str
-    compute_dtype: torch.dtype
-    by_name: Mapping[str, str]
-    by_callable: Mapping[Callable, str]
-    conditions: Mapping[str, Condition]
-
-    def category(self, op: OpKey) -> str:
-        if isinstance(op, str):
-            return self.by_name.get(op, PASSTHROUGH)
-        return self.by_callable.get(op, PASSTHROUGH)
-
-    @cached_property
-    def lists(self) -> dict[str, frozenset[OpKey]]:
-        out: dict[str, set[OpKey]] = {c: set() for c in _ops.CATEGORIES}
-        for table in (self.by_name, self.by_callable):
-            for op, category in table.items():
-                if category in out:
-                    out[category].add(op)
-        return {c: frozenset(v) for c, v in out.items()}
-
-
-_RESOLVED: dict[tuple[Policy, str, torch.dtype | None], ResolvedPolicy] = {}
-
-
-def _resolve(policy: Policy, family: str, dtype: torch.dtype | None) -> ResolvedPolicy:
-    key = (policy, family, dtype)
-    hit = _RESOLVED.get(key)
-    if hit is not None:
-        return hit
-    compute = dtype or policy.compute_dtype or DEFAULT_DTYPES[family]
-    _check_supported(family, compute)
-    base = policy.device_type or family
-    by_name: dict[str, str] = {}
-    for category, names in _FAMILY_OPS[base].items():
-        for name in names:
-            by_name[name] = category
-    by_name.update(_ops.COMPOSITES.get(base, {}))
-    by_name.update(dict.fromkeys(_ops.BANNED.get(base, ()), BANNED))
-    by_callable: dict[Callable, str] = {}
-    for op, category in policy.op_overrides:
-        (by_name if isinstance(op, str) else by_callable)[op] = category
-    edited = {op for op, _ in policy.op_overrides}
-    conditions = {name: rule for name, rule in CONDITIONS.get(base, {}).items() if name not in edited}
-    resolved = ResolvedPolicy(policy, family, compute, by_name, by_callable, conditions)
-    if len(_RESOLVED) < 256:  # a memo of immutable values; bounded so odd callers cannot grow it forever
-        _RESOLVED[key] = resolved
-    return resolved
