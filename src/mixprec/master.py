@@ -213,6 +213,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """The current loss scale (1.0 without scaling). Reading it syncs with the device."""
         return float(self.scaler.get_scale())
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far because a gradient was inf/nan (0 for a scaler that does not count)."""
+        return int(getattr(self.scaler, "skipped_steps", 0))
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step()`` was skipped: step LR schedulers only when it was not."""
+        return bool(getattr(self.scaler, "last_step_skipped", False))
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale ``loss`` and run backward; ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``)."""
         self.scaler.scale(loss).backward(**kwargs)

@@ -111,6 +111,9 @@ def test_overflowing_loss_skips_the_step_under_the_default_scaler():
     opt.step()
     assert_same(before, snapshot(opt, model))
     assert opt.loss_scale == scale / 2
+    assert opt.last_step_skipped and opt.skipped_steps == 1
+    train_step(opt, model, x)
+    assert not opt.last_step_skipped and opt.skipped_steps == 1
 
 
 def test_matches_torch_amp_on_fp32_params_bit_for_bit():
