@@ -1,23 +1,7 @@
 """`mixprec.autocast`: run a region's ops in the precision a :class:`~mixprec.Policy` gives them.
 
-How it works. Entering the outermost enabled region pushes one :class:`torch.overrides.TorchFunctionMode`
-per thread; every torch function and Tensor method called in the region reaches its
-``__torch_function__``. The mode looks the function up in a table (function -> handler) built
-lazily from the active policy:
-
-* "lower" ops: floating, non-float64 tensors on the region's device are cast to the compute dtype
-  (fp32 leaf parameters through a per-region cache that checks the tensor version);
-* "fp32" ops (and torch's fp32_set_opt_dtype / fp32_append_dtype families): cast up to float32,
-  unless the caller passed ``dtype=`` explicitly;
-* "promote" ops: cast every eligible tensor to the widest floating dtype among them;
-* anything else runs untouched, with the mode suspended inside it. A Python-level function that
-  dispatches through ``__torch_function__`` is seen as one call, so the ops inside it are not;
-  where such a function contains listed ops (``torch.einsum`` -> bmm,
-  ``F.multi_head_attention_forward`` -> linear/SDPA) the catalogue names it in ``COMPOSITES``.
-
-Region state (the stack of nested regions, the cast cache, the module-override stack) is per thread
-and restored on exit; backward never runs through the mode, so gradients flow in the dtypes the
-forward casts recorded, as with ``torch.autocast``.
+The public region and its queries. How the engine works (one TorchFunctionMode per thread, the cast
+cache, the op handlers) is described in :mod:`mixprec._engine`.
 """
 
 from __future__ import annotations

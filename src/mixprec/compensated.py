@@ -176,12 +176,7 @@ class CompensatedOptimizer(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (scratch never holds any between steps)."""
-        for param in self.model_params:
-            if set_to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.detach_().zero_()
-        self.optimizer.zero_grad(set_to_none)
+        self._zero_grads(self.model_params, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, Kahan compensation buffers and stochastic-rounding generator states."""

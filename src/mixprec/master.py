@@ -114,6 +114,15 @@ class OptimizerWrapper(Optimizer):
         """The tensors whose ``.grad`` :meth:`step` consumes: what a loss scaler must unscale first."""
         return [p for group in self.param_groups for p in group["params"]]
 
+    def _zero_grads(self, model_params: list[torch.Tensor], set_to_none: bool) -> None:
+        """Clear the model's gradients (not in the inner optimizer's groups) and then the inner's."""
+        for param in model_params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_().zero_()
+        self.optimizer.zero_grad(set_to_none)
+
     def __getstate__(self) -> dict[str, Any]:
         # Hooks are not state (torch drops them too); everything else is the wrapper's own fields.
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
@@ -272,12 +281,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's and the masters' gradients."""
-        for param in self.model_params:
-            if set_to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.detach_().zero_()
-        self.optimizer.zero_grad(set_to_none)
+        self._zero_grads(self.model_params, set_to_none)
         self._grads_ready = False
 
     def state_dict(self) -> dict[str, Any]:
