@@ -31,15 +31,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add contention (10x slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def digits():
     features, labels = load_digits(return_X_y=True)
