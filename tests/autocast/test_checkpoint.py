@@ -35,11 +35,28 @@ def test_gradients_equal_the_uncheckpointed_run(policy: Policy | None) -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
-def test_torch_checkpoint_alone_recomputes_in_fp32_and_fails() -> None:
-    model = block()
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_in_a_region_equals_torch_autocast(reentrant: bool) -> None:
+    """A region is torch's autocast state, so torch's own checkpoint replays it on recompute."""
+    grads = []
+    for region in (mixprec.autocast("cpu"), torch.autocast("cpu", dtype=torch.bfloat16)):
+        model = block()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with region:
+            out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=reentrant)
+        out.float().sum().backward()
+        grads.append([p.grad for p in model.parameters()] + [x.grad])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_edited_policy_with_torch_checkpoint_needs_mixprec_checkpoint() -> None:
+    """torch's recompute re-enters torch.autocast only: an edited op is recomputed in torch's dtype and
+    the non-reentrant checkpoint says so loudly; mixprec.checkpoint replays the policy."""
+    policy = Policy.for_device("cpu").with_ops(fp32=["linear"])
     x = torch.randn(4, 8, requires_grad=True)
-    with mixprec.autocast("cpu"):
-        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    with mixprec.autocast("cpu", policy=policy):
+        out = torch.utils.checkpoint.checkpoint(block(), x, use_reentrant=False)
     with pytest.raises(CheckpointError, match="different metadata"):
         out.float().sum().backward()
 

@@ -24,6 +24,22 @@ if TYPE_CHECKING:
     from mixprec.policy.policy import Policy
 
 
+@dataclass(frozen=True)
+class Deviations:
+    """What a resolved policy does differently from torch.autocast's own lists on its device.
+
+    ``by_name`` maps op names to the category the policy gives them where that differs from torch's
+    (``"none"`` where the policy takes an op torch casts off every list); ``by_callable`` holds the
+    ops given as Python callables. Empty for the default policy: torch's kernels then do everything.
+    """
+
+    by_name: Mapping[str, str]
+    by_callable: Mapping[Callable, str]
+
+    def __bool__(self) -> bool:
+        return bool(self.by_name) or bool(self.by_callable)
+
+
 @dataclass(frozen=True, eq=False)
 class ResolvedPolicy:
     """A policy made concrete for one device family and compute dtype: what the engine reads."""
@@ -41,6 +57,17 @@ class ResolvedPolicy:
         return self.by_callable.get(op, PASSTHROUGH)
 
     @cached_property
+    def deviations(self) -> Deviations:
+        """The ops whose category differs from torch.autocast's on :attr:`device_type` (see Deviations)."""
+        native = _base_table(self.device_type)
+        by_name = {op: cat for op, cat in self.by_name.items() if native.get(op, PASSTHROUGH) != cat}
+        by_name.update({op: PASSTHROUGH for op in native if op not in self.by_name})
+        # An op the policy names is run by mixprec even where torch's list agrees: mixprec's promote
+        # takes any mix of floating dtypes (torch's raises on bf16 + fp32 in an fp16 region).
+        by_name.update({op: cat for op, cat in self.policy.op_overrides if isinstance(op, str)})
+        return Deviations(by_name, dict(self.by_callable))
+
+    @cached_property
     def lists(self) -> dict[str, frozenset[OpKey]]:
         out: dict[str, set[OpKey]] = {c: set() for c in _ops.CATEGORIES}
         for table in (self.by_name, self.by_callable):
@@ -48,6 +75,23 @@ class ResolvedPolicy:
                 if category in out:
                     out[category].add(op)
         return {c: frozenset(v) for c, v in out.items()}
+
+
+_BASE: dict[str, dict[str, str]] = {}
+
+
+def _base_table(family: str) -> dict[str, str]:
+    """torch.autocast's own categories on ``family``, by op name (lists, composites, banned ops)."""
+    hit = _BASE.get(family)
+    if hit is None:
+        by_name: dict[str, str] = {}
+        for category, names in _FAMILY_OPS[family].items():
+            for name in names:
+                by_name[name] = category
+        by_name.update(_ops.COMPOSITES.get(family, {}))
+        by_name.update(dict.fromkeys(_ops.BANNED.get(family, ()), BANNED))
+        hit = _BASE[family] = by_name
+    return hit
 
 
 _RESOLVED: dict[tuple[Policy, str, torch.dtype | None], ResolvedPolicy] = {}
@@ -61,12 +105,7 @@ def _resolve(policy: Policy, family: str, dtype: torch.dtype | None) -> Resolved
     compute = dtype or policy.compute_dtype or DEFAULT_DTYPES[family]
     _check_supported(family, compute)
     base = policy.device_type or family
-    by_name: dict[str, str] = {}
-    for category, names in _FAMILY_OPS[base].items():
-        for name in names:
-            by_name[name] = category
-    by_name.update(_ops.COMPOSITES.get(base, {}))
-    by_name.update(dict.fromkeys(_ops.BANNED.get(base, ()), BANNED))
+    by_name = dict(_base_table(base))
     by_callable: dict[Callable, str] = {}
     for op, category in policy.op_overrides:
         (by_name if isinstance(op, str) else by_callable)[op] = category

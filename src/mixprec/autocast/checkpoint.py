@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.utils.checkpoint
 
-from mixprec.autocast import autocast
+from mixprec.autocast.region import autocast
 
 __all__ = ["checkpoint"]
 

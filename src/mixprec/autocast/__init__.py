@@ -1,0 +1,11 @@
+"""The autocast engine: :class:`autocast` (a torch.autocast region driven by a Policy), its queries,
+``custom_fwd``/``custom_bwd`` and :func:`checkpoint`.
+
+Files: ``region.py`` (the public region), ``engine.py`` (per-thread state, the deviation mode),
+``pins.py`` (module pins), ``custom_function.py``, ``checkpoint.py``.
+"""
+
+from mixprec.autocast.engine import _state  # noqa: F401  (tests and diagnostics read it)
+from mixprec.autocast.region import autocast, get_autocast_dtype, is_autocast_enabled
+
+__all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]

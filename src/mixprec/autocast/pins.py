@@ -1,0 +1,178 @@
+"""Module pins (``Policy.with_modules``): a module runs in its own dtype while it runs.
+
+A pinned module switches torch's autocast state for its forward: pinned to float32 it runs with
+autocast off and its floating inputs (positional and keyword) cast up to float32 on entry, as HF's
+``_keep_in_fp32_modules`` and apex's fp32 BatchNorm mean it; pinned to a low dtype it runs autocast in
+that dtype; pinned to a Policy it runs that policy's rules and its outputs are cast to the policy's
+``output_dtype``. torch.amp.custom_fwd/custom_bwd inside a pinned module therefore record, and replay in
+backward, the pinned state.
+
+Which module is which: qualified names are relative to the first module called in the region (the
+root). Process-wide forward hooks find the root; they are installed while any thread has a region with
+pins (a lock-protected count) and read only this thread's state, so one thread's region never removes
+hooks another thread relies on. The pinned modules get per-module hooks (installed once, weakly
+tracked) that act only while the calling thread's region pins them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from mixprec.autocast.engine import _PinScope, _state, cast_floating
+from mixprec.policy.policy import Policy
+
+_lock = threading.Lock()
+_users = 0
+_global_handles: list[Any] = []
+_armed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+_optimizer_hook: list[Any] = []
+
+
+def has_policy_pins(policy: Policy) -> bool:
+    """Whether a pin gives a module a whole Policy (whose op rules the deviation mode must apply)."""
+    return any(isinstance(value, Policy) for _, value in policy.module_overrides)
+
+
+def acquire() -> None:
+    """Count one more region with pins; install the process-wide root hooks for the first."""
+    global _users
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    with _lock:
+        _users += 1
+        if _users == 1:
+            _global_handles.append(register_module_forward_pre_hook(_root_pre_hook))
+            _global_handles.append(register_module_forward_hook(_root_post_hook, always_call=True))
+
+
+def release() -> None:
+    global _users
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            while _global_handles:
+                _global_handles.pop().remove()
+
+
+def watch_optimizers() -> None:
+    """Install (once) an optimizer-step hook that drops this thread's cast cache inside a region."""
+    if _optimizer_hook:
+        return
+    with _lock:
+        if not _optimizer_hook:
+            hook = register_optimizer_step_post_hook(_after_optimizer_step)
+            _optimizer_hook.append(hook)
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _state.frames:  # plain torch.autocast users (no mixprec frame) keep torch's behaviour
+        torch.clear_autocast_cache()
+        _state.cache.clear()
+
+
+def _region() -> Any:
+    frames = _state.frames
+    if not frames or not frames[-1].enabled or frames[-1].rules is None:
+        return None
+    return frames[-1]
+
+
+def _root_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
+    frame = _region()
+    if frame is None:
+        return None
+    _state.depth += 1
+    if _state.depth > 1:
+        return None
+    _state.names = {id(m): name for name, m in module.named_modules()}
+    if not _arm(module, frame.rules.policy):
+        return None
+    # The root was armed just now: torch has already listed this call's hooks, so pin it here.
+    pinned = _pin_pre_hook(module, args, {})
+    return None if pinned is None else pinned[0]
+
+
+def _root_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    if _region() is not None:
+        _state.depth = max(0, _state.depth - 1)
+
+
+def _arm(root: nn.Module, policy: Policy) -> bool:
+    """Give every module of ``root`` the policy pins the per-module hooks (once per module).
+
+    Returns whether ``root`` itself was armed by this call.
+    """
+    root_armed = False
+    if not policy.module_overrides:
+        return False
+    for name, module in root.named_modules():
+        if module in _armed or policy.module_override(module, name) is None:
+            continue
+        with _lock:
+            if module not in _armed:
+                _armed[module] = [
+                    module.register_forward_pre_hook(_pin_pre_hook, with_kwargs=True),
+                    module.register_forward_hook(_pin_post_hook, always_call=True),
+                ]
+                root_armed = root_armed or module is root
+    return root_armed
+
+
+def _pin_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    frame = _region()
+    if frame is None:
+        return None
+    dev = frame.device_type
+    if not torch.is_autocast_enabled(dev) and not _state.scopes:  # an island: torch.autocast(enabled=False)
+        return None
+    override = frame.rules.policy.module_override(module, _state.names.get(id(module), ""))
+    if override is None:
+        return None
+    mode = _state.mode
+    scope = _PinScope(
+        module,
+        dev,
+        torch.is_autocast_enabled(dev),
+        torch.get_autocast_dtype(dev),
+        mode.rules if mode is not None else None,
+        override.output_dtype if isinstance(override, Policy) else None,
+    )
+    _state.scopes.append(scope)
+    rules = (
+        override.resolve(dev) if isinstance(override, Policy) else frame.rules.policy.resolve(dev, override)
+    )
+    dtype = rules.compute_dtype
+    if mode is not None:
+        mode.set_rules(None if dtype is torch.float32 else rules)
+    if dtype is torch.float32:
+        torch.set_autocast_enabled(dev, False)
+        return cast_floating(args, torch.float32, dev), cast_floating(kwargs, torch.float32, dev)
+    if scope.saved_enabled and dtype != scope.saved_dtype:
+        torch.clear_autocast_cache()  # torch's cache is keyed by tensor only, not by dtype
+        scope.cleared_cache = True
+    torch.set_autocast_enabled(dev, True)
+    torch.set_autocast_dtype(dev, dtype)
+    return None
+
+
+def _pin_post_hook(module: nn.Module, args: tuple, output: Any) -> Any:
+    scopes = _state.scopes
+    if not scopes or scopes[-1].module is not module:
+        return None
+    scope = scopes.pop()
+    torch.set_autocast_enabled(scope.device_type, scope.saved_enabled)
+    torch.set_autocast_dtype(scope.device_type, scope.saved_dtype)
+    if scope.cleared_cache:
+        torch.clear_autocast_cache()
+    mode = _state.mode
+    if mode is not None:
+        mode.set_rules(scope.saved_rules)
+    if scope.output_dtype is None:
+        return None
+    return cast_floating(output, scope.output_dtype, scope.device_type)

@@ -1,0 +1,195 @@
+"""`mixprec.autocast`: a torch.autocast region that applies an editable :class:`~mixprec.Policy`.
+
+The region is a subclass of ``torch.autocast`` and *is* torch's autocast state while it runs; the
+engine (:mod:`mixprec.autocast.engine`) adds what a policy changes. See docs/architecture.md for why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.autocast import pins
+from mixprec.autocast.engine import _DeviationMode, _Frame, _state
+from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family
+
+__all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
+
+
+def _check_policy(policy: object) -> Policy | None:
+    if isinstance(policy, str):
+        return Policy.parse(policy)
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy must be a Policy, a preset name or a policy string, got {type(policy).__name__}"
+        )
+    return policy
+
+
+class autocast(torch.amp.autocast_mode.autocast):
+    """Context manager and decorator: ``torch.autocast`` driven by a :class:`~mixprec.Policy`.
+
+    Drop-in for ``torch.autocast`` with the same signature and defaults, plus ``policy``. Inside an
+    enabled region ``torch.is_autocast_enabled(device_type)`` is True and torch's own autocast kernels
+    cast the ops on torch's lists; what the policy changes (ops moved between lists, modules pinned to
+    a dtype) is applied on top. With the default policy a region is exactly ``torch.autocast``.
+
+    Beyond torch.autocast: a nested region of another dtype never gets a cast cached by the outer one,
+    and an optimizer step inside a region drops the cast cache, so the next forward sees new weights.
+
+    Args:
+        device_type: "cpu" or "cuda" (a ``torch.device`` or "cuda:0" is accepted too).
+        dtype: the low-precision dtype; default: the policy's compute dtype, else bfloat16 on CPU
+            and float16 on CUDA. Any dtype is accepted when ``enabled=False`` (as torch).
+        enabled: False makes the region a no-op (and disables autocast inside an enabled region).
+        cache_enabled: cache casts of fp32 leaf parameters in the region (default True, as torch).
+        policy: a :class:`Policy`, a preset name ("bf16-mixed", "conservative", ...) or a
+            ``"params=...,compute=..."`` string. Default: ``Policy.for_device(device_type, dtype)``.
+
+    Raises:
+        TypeError: for a non-bool ``enabled``, a non-dtype ``dtype`` or a policy of another type.
+        ValueError: for an unsupported device type, or an unsupported dtype in an enabled region
+            (e.g. float64, int8): unlike torch, mixprec does not silently disable itself.
+    """
+
+    def __init__(
+        self,
+        device_type: str | torch.device,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | str | None = None,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
+        family = _family(device_type)
+        policy = _check_policy(policy)
+        rules: ResolvedPolicy | None = None
+        if enabled:
+            if policy is None:
+                policy = Policy.for_device(family, dtype)
+            elif dtype is not None and policy.compute_dtype is not None and policy.compute_dtype != dtype:
+                raise ValueError(
+                    f"dtype={dtype} conflicts with the policy's compute dtype {policy.compute_dtype}; "
+                    "give one of them"
+                )
+            rules = policy.resolve(family, dtype)  # validates the dtype before anything changes
+            dtype = rules.compute_dtype
+        elif policy is None:
+            policy = Policy(device_type=family)
+        native = enabled and dtype is not torch.float32  # an fp32 compute dtype is a pin: torch stays off
+        super().__init__(family, dtype=dtype if native else None, enabled=native, cache_enabled=cache_enabled)
+        # torch disables a "cuda" region without CUDA (with its warning): so does mixprec.
+        self.enabled = enabled and (self._enabled or not native)
+        self.device_type = family
+        self.policy: Policy = policy
+        self._rules = rules if self.enabled else None
+        self.fast_dtype = dtype if self.enabled and dtype is not None else self.fast_dtype
+        self.cache_enabled = self._cache_enabled
+        self._entries: list[tuple[Any, Any, Any]] = []  # torch's saved state per entry: re-entrant
+
+    @classmethod
+    def current(cls) -> autocast | None:
+        """A region that re-enters the mixprec state in force now on this thread, or None.
+
+        It carries the rules active at this point (a pinned module's included), so code recomputed
+        later, e.g. by activation checkpointing during backward, runs in the same dtypes.
+        """
+        frames = _state.frames
+        if not frames:
+            return None
+        frame = frames[-1]
+        mode = _state.mode
+        rules = mode.rules if mode is not None and mode.rules is not None else frame.rules
+        if rules is None or not frame.enabled:
+            return cls(frame.device_type, enabled=False)
+        return cls(frame.device_type, dtype=rules.compute_dtype, policy=rules.policy)
+
+    def __enter__(self) -> autocast:  # type: ignore[override]
+        dev = self.device_type
+        outer_dtype, outer_on = torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev)
+        # (a region inside a pinned or disabled part still shares torch's cache with the outer region)
+        super().__enter__()
+        self._entries.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled))
+        if torch.compiler.is_compiling():
+            return self  # traced as torch.autocast (policies with deviations are refused in __init__)
+        frame = _Frame(dev, self.enabled, self._rules, self._cache_enabled)
+        # torch keys its cast cache by tensor only: a nested region of another dtype must not be served
+        # the outer region's casts (torch raises "expected ... same dtype" there).
+        if self.enabled and outer_dtype != self.fast_dtype and (outer_on or _state.frames):
+            torch.clear_autocast_cache()
+            frame.cleared_cache = True
+        _state.frames.append(frame)
+        rules = self._rules
+        mode = _state.mode
+        if rules is not None and (rules.deviations or pins.has_policy_pins(rules.policy)) and mode is None:
+            mode = _state.mode = _DeviationMode(dev)
+            mode.__enter__()
+            frame.pushed_mode = True
+        if mode is not None:
+            frame.saved_rules = mode.rules
+            mode.set_rules(rules)
+        if rules is not None and rules.policy.module_overrides:
+            pins.acquire()
+            frame.holds_pins = True
+        pins.watch_optimizers()
+        return self
+
+    def __exit__(self, *exc: object) -> None:  # type: ignore[override]
+        if not torch.compiler.is_compiling():
+            frame = _state.frames.pop()
+            mode = _state.mode
+            if frame.pushed_mode and mode is not None:
+                mode.__exit__(None, None, None)
+                _state.mode = None
+            elif mode is not None:
+                mode.set_rules(frame.saved_rules)
+            if frame.holds_pins:
+                pins.release()
+            if not _state.frames:
+                _state.cache.clear()
+                _state.names.clear()
+                _state.depth = 0
+            if frame.cleared_cache:
+                torch.clear_autocast_cache()
+        self.prev, self.prev_fastdtype, self.prev_cache_enabled = self._entries.pop()
+        super().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return (
+            f"mixprec.autocast({self.device_type!r}, dtype={self.fast_dtype}, enabled={self.enabled}, "
+            f"policy='{self.policy}')"
+        )
+
+
+# --------------------------------------------------------------------------- queries
+def _innermost(device_type: str) -> _Frame | None:
+    family = _family(device_type)
+    for frame in reversed(_state.frames):
+        if frame.device_type == family:
+            return frame
+    return None
+
+
+def is_autocast_enabled(device_type: str = "cpu") -> bool:
+    """Whether a mixprec region is enabled for ``device_type`` on this thread (torch's own state is
+    ``torch.is_autocast_enabled``, which a mixprec region sets too)."""
+    frame = _innermost(device_type)
+    return frame is not None and frame.enabled
+
+
+def get_autocast_dtype(device_type: str = "cpu") -> torch.dtype:
+    """The compute dtype of the innermost mixprec region on ``device_type`` (the device default outside)."""
+    frame = _innermost(device_type)
+    if frame is None or frame.rules is None:
+        return DEFAULT_DTYPES[_family(device_type)]
+    return frame.rules.compute_dtype
+
+
+def _suspended(device_type: str) -> Any:
+    """A region that switches mixprec and torch autocast off for ``device_type`` (custom_fwd's cast)."""
+    return autocast(device_type, enabled=False)
