@@ -10,8 +10,8 @@ stochastic rounding), and the numeric :mod:`formats`. Diagnostics live in :mod:`
 from mixprec import distributed, formats
 from mixprec.autocast import autocast, get_autocast_dtype, is_autocast_enabled
 from mixprec.autocast.checkpoint import checkpoint
-from mixprec.compensated import CompensatedOptimizer
 from mixprec.autocast.custom_function import custom_bwd, custom_fwd
+from mixprec.compensated import CompensatedOptimizer
 from mixprec.master import MixedPrecisionOptimizer
 from mixprec.policy import Policy
 from mixprec.recipes import OPT_LEVELS, PRESETS, initialize

@@ -98,7 +98,7 @@ def test_optimizer_step_inside_region_is_seen(lin: nn.Linear, x: torch.Tensor) -
             assert not torch.equal(y, fresh)
 
 
-def test_manual_in_place_update_is_served_the_cached_cast_as_in_torch(lin: nn.Linear, x: torch.Tensor) -> None:
+def test_manual_in_place_update_is_served_the_cached_cast_as_torch(lin: nn.Linear, x: torch.Tensor) -> None:
     """Outside an optimizer step the cast cache is torch's: clear it after editing weights in place."""
     with mixprec.autocast("cpu"):
         lin(x)
