@@ -27,6 +27,33 @@ def _check_policy(policy: object) -> Policy | None:
     return policy
 
 
+def _settings(
+    device_type: object, dtype: object, enabled: object, policy: object
+) -> tuple[str, bool, Policy, ResolvedPolicy | None]:
+    """Validate a region's arguments: (device family, enabled, policy, rules or None when disabled)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
+    family = _family(device_type)
+    policy = _check_policy(policy)
+    if not enabled:
+        return family, False, policy or Policy(device_type=family), None
+    if policy is None:
+        policy = Policy.for_device(family, dtype)
+    elif dtype is not None and policy.compute_dtype is not None and policy.compute_dtype != dtype:
+        raise ValueError(
+            f"dtype={dtype} conflicts with the policy's compute dtype {policy.compute_dtype}; "
+            "give one of them"
+        )
+    return family, True, policy, policy.resolve(family, dtype)  # resolving validates the dtype
+
+
+def _needs_engine(rules: ResolvedPolicy | None) -> bool:
+    """Whether a region needs more than torch's own autocast state (deviations or module pins)."""
+    return rules is not None and bool(rules.deviations or rules.policy.module_overrides)
+
+
 class autocast(torch.amp.autocast_mode.autocast):
     """Context manager and decorator: ``torch.autocast`` driven by a :class:`~mixprec.Policy`.
 
@@ -53,6 +80,31 @@ class autocast(torch.amp.autocast_mode.autocast):
             (e.g. float64, int8): unlike torch, mixprec does not silently disable itself.
     """
 
+    def __new__(
+        cls,
+        device_type: str | torch.device,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | str | None = None,
+    ) -> Any:
+        if not torch.compiler.is_compiling():
+            return super().__new__(cls)
+        # Traced by torch.compile: a region that needs no engine is torch.autocast itself, which dynamo
+        # traces natively (graph breaks inside included). One that needs the engine cannot be traced.
+        family, on, policy, rules = _settings(device_type, dtype, enabled, policy)
+        if _needs_engine(rules):
+            raise RuntimeError(
+                f"torch.compile cannot trace a mixprec.autocast region whose policy changes torch's op "
+                f"lists or pins modules ({policy}); enter the region outside the compiled function "
+                "(with mixprec.autocast(...): compiled_model(x)): the compiled code then follows it"
+            )
+        native = on and rules is not None and rules.compute_dtype is not torch.float32
+        return torch.amp.autocast(
+            family, dtype=rules.compute_dtype if native else None, enabled=native, cache_enabled=cache_enabled
+        )
+
     def __init__(
         self,
         device_type: str | torch.device,
@@ -62,25 +114,8 @@ class autocast(torch.amp.autocast_mode.autocast):
         *,
         policy: Policy | str | None = None,
     ) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
-        family = _family(device_type)
-        policy = _check_policy(policy)
-        rules: ResolvedPolicy | None = None
-        if enabled:
-            if policy is None:
-                policy = Policy.for_device(family, dtype)
-            elif dtype is not None and policy.compute_dtype is not None and policy.compute_dtype != dtype:
-                raise ValueError(
-                    f"dtype={dtype} conflicts with the policy's compute dtype {policy.compute_dtype}; "
-                    "give one of them"
-                )
-            rules = policy.resolve(family, dtype)  # validates the dtype before anything changes
-            dtype = rules.compute_dtype
-        elif policy is None:
-            policy = Policy(device_type=family)
+        family, enabled, policy, rules = _settings(device_type, dtype, enabled, policy)
+        dtype = rules.compute_dtype if rules is not None else dtype
         native = enabled and dtype is not torch.float32  # an fp32 compute dtype is a pin: torch stays off
         super().__init__(family, dtype=dtype if native else None, enabled=native, cache_enabled=cache_enabled)
         # torch disables a "cuda" region without CUDA (with its warning): so does mixprec.
@@ -115,8 +150,6 @@ class autocast(torch.amp.autocast_mode.autocast):
         # (a region inside a pinned or disabled part still shares torch's cache with the outer region)
         super().__enter__()
         self._entries.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled))
-        if torch.compiler.is_compiling():
-            return self  # traced as torch.autocast (policies with deviations are refused in __init__)
         frame = _Frame(dev, self.enabled, self._rules, self._cache_enabled)
         # torch keys its cast cache by tensor only: a nested region of another dtype must not be served
         # the outer region's casts (torch raises "expected ... same dtype" there).
@@ -140,22 +173,21 @@ class autocast(torch.amp.autocast_mode.autocast):
         return self
 
     def __exit__(self, *exc: object) -> None:  # type: ignore[override]
-        if not torch.compiler.is_compiling():
-            frame = _state.frames.pop()
-            mode = _state.mode
-            if frame.pushed_mode and mode is not None:
-                mode.__exit__(None, None, None)
-                _state.mode = None
-            elif mode is not None:
-                mode.set_rules(frame.saved_rules)
-            if frame.holds_pins:
-                pins.release()
-            if not _state.frames:
-                _state.cache.clear()
-                _state.names.clear()
-                _state.depth = 0
-            if frame.cleared_cache:
-                torch.clear_autocast_cache()
+        frame = _state.frames.pop()
+        mode = _state.mode
+        if frame.pushed_mode and mode is not None:
+            mode.__exit__(None, None, None)
+            _state.mode = None
+        elif mode is not None:
+            mode.set_rules(frame.saved_rules)
+        if frame.holds_pins:
+            pins.release()
+        if not _state.frames:
+            _state.cache.clear()
+            _state.names.clear()
+            _state.depth = 0
+        if frame.cleared_cache:
+            torch.clear_autocast_cache()
         self.prev, self.prev_fastdtype, self.prev_cache_enabled = self._entries.pop()
         super().__exit__(*exc)
 
