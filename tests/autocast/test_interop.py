@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -133,7 +134,7 @@ def test_fp32_pin_casts_keyword_inputs() -> None:
 
 
 class _Recorder(torch.autograd.Function):
-    seen: dict[str, torch.dtype] = {}
+    seen: ClassVar[dict[str, torch.dtype]] = {}
 
     @staticmethod
     @mixprec.custom_fwd
