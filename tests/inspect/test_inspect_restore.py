@@ -82,7 +82,7 @@ def test_trace_leaves_nothing_behind():
     model = Busy().eval()  # the trace runs nothing itself; eval keeps batch norm's buffers still
     before = snapshot(model)
     with trace_dtypes(model), autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        assert torch._C._len_torch_function_stack() == 2
+        assert torch._C._len_torch_function_stack() == 1  # the trace; a default region pushes none
         model(demo.demo_inputs())
     assert_restored(model, before)
     assert_no_hooks(model)

@@ -52,7 +52,8 @@ class DtypeTrace:
     Args:
         model: the model whose modules the counts are keyed by (qualified names as in
             ``model.named_modules()``, "" for the root); None keys everything as ``"(outside the model)"``.
-        include_casts: also count dtype casts (``to``, ``float``, ``half`` ...) and attribute reads.
+        include_casts: also count dtype casts the code calls (``to``, ``float``, ``half`` ...) and
+            attribute reads. Autocast's own casts happen inside torch's kernels and are not seen.
 
     Attributes:
         counts: ``{module: {op: {dtype: n}}}``.

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec.policy import ops as _ops
-from mixprec.policy.conditions import CONDITIONS, Condition
 from mixprec.policy.names import (
     _FAMILY_OPS,
     BANNED,
@@ -49,7 +48,6 @@ class ResolvedPolicy:
     compute_dtype: torch.dtype
     by_name: Mapping[str, str]
     by_callable: Mapping[Callable, str]
-    conditions: Mapping[str, Condition]
 
     def category(self, op: OpKey) -> str:
         if isinstance(op, str):
@@ -109,9 +107,7 @@ def _resolve(policy: Policy, family: str, dtype: torch.dtype | None) -> Resolved
     by_callable: dict[Callable, str] = {}
     for op, category in policy.op_overrides:
         (by_name if isinstance(op, str) else by_callable)[op] = category
-    edited = {op for op, _ in policy.op_overrides}
-    conditions = {name: rule for name, rule in CONDITIONS.get(base, {}).items() if name not in edited}
-    resolved = ResolvedPolicy(policy, family, compute, by_name, by_callable, conditions)
+    resolved = ResolvedPolicy(policy, family, compute, by_name, by_callable)
     if len(_RESOLVED) < 256:  # a memo of immutable values; bounded so odd callers cannot grow it forever
         _RESOLVED[key] = resolved
     return resolved
