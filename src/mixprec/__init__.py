@@ -9,7 +9,7 @@ stochastic rounding), and the numeric :mod:`formats`. Diagnostics live in :mod:`
 
 from mixprec import distributed, formats
 from mixprec.autocast import autocast, get_autocast_dtype, is_autocast_enabled
-from mixprec.autocast.checkpoint import checkpoint
+from mixprec.autocast.checkpoint import autocast_context_fn, checkpoint
 from mixprec.autocast.custom_function import custom_bwd, custom_fwd
 from mixprec.compensated import CompensatedOptimizer
 from mixprec.master import MixedPrecisionOptimizer
@@ -32,6 +32,7 @@ __all__ = [
     "StaticScale",
     "__version__",
     "autocast",
+    "autocast_context_fn",
     "checkpoint",
     "custom_bwd",
     "custom_fwd",

@@ -73,3 +73,33 @@ def test_outside_a_region_it_is_torch_checkpoint() -> None:
 def test_reentrant_is_refused() -> None:
     with pytest.raises(ValueError, match="use_reentrant=False only"):
         mixprec.checkpoint(block(), torch.randn(2, 8), use_reentrant=True)
+
+
+class _Blocks(nn.Module):
+    """Checkpoints each block from inside its own forward, as HF models do."""
+
+    def __init__(self, **checkpoint_kwargs: object) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(block() for _ in range(2))
+        self.kwargs = checkpoint_kwargs
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, **self.kwargs) if self.kwargs else b(h)
+        return h
+
+
+def test_context_fn_replays_an_edited_policy_and_a_named_pin() -> None:
+    policy = Policy.for_device("cpu").with_ops(lower=["layer_norm"]).with_modules({"blocks.1": torch.float32})
+    grads = []
+    for kwargs in ({}, {"use_reentrant": False, "context_fn": mixprec.autocast_context_fn}):
+        model = _Blocks(**kwargs)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with mixprec.autocast("cpu", policy=policy):
+            out = model(x)
+        out.float().sum().backward()
+        grads.append([p.grad for p in model.parameters()] + [x.grad])
+    assert out.dtype == torch.float32  # blocks.1 pinned: its layer_norm ran in fp32
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 
 from mixprec.autocast.region import autocast
 
-__all__ = ["checkpoint"]
+__all__ = ["autocast_context_fn", "checkpoint"]
 
 
 def checkpoint(
@@ -45,18 +45,31 @@ def checkpoint(
         )
 
     def contexts() -> tuple[Any, Any]:
-        if context_fn is not None:
-            forward_ctx, recompute_ctx = context_fn()
-        else:
-            forward_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
-        region = autocast.current()  # called by torch at forward time: the region in force now
-        if region is None:
+        forward_ctx, recompute_ctx = context_fn() if context_fn is not None else autocast_context_fn()
+        if context_fn is None:
             return forward_ctx, recompute_ctx
+        _, region = autocast_context_fn()
         return forward_ctx, _both(recompute_ctx, region)
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=contexts, **kwargs
     )
+
+
+def autocast_context_fn() -> tuple[Any, Any]:
+    """A ``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) that replays the mixprec region.
+
+    torch's checkpoint calls it at forward time; the recompute then runs under the rules in force at
+    that point (an edited policy, a pinned module and the qualified names of the region's root
+    included), not only torch's autocast state. Use it where the checkpoint call is not yours, e.g.
+    ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+    "context_fn": mixprec.autocast_context_fn})`` for a Hugging Face model.
+
+    Returns:
+        (forward context, recompute context): a no-op, and the region (a no-op outside a region).
+    """
+    region = autocast.current()
+    return contextlib.nullcontext(), region if region is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

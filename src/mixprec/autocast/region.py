@@ -126,6 +126,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         self.fast_dtype = dtype if self.enabled and dtype is not None else self.fast_dtype
         self.cache_enabled = self._cache_enabled
         self._entries: list[tuple[Any, Any, Any]] = []  # torch's saved state per entry: re-entrant
+        self._replay_names: dict[int, str] | None = None  # a replayed region keeps its root's names
 
     @classmethod
     def current(cls) -> autocast | None:
@@ -142,7 +143,9 @@ class autocast(torch.amp.autocast_mode.autocast):
         rules = mode.rules if mode is not None and mode.rules is not None else frame.rules
         if rules is None or not frame.enabled:
             return cls(frame.device_type, enabled=False)
-        return cls(frame.device_type, dtype=rules.compute_dtype, policy=rules.policy)
+        region = cls(frame.device_type, dtype=rules.compute_dtype, policy=rules.policy)
+        region._replay_names = dict(_state.names) if _state.depth else None
+        return region
 
     def __enter__(self) -> autocast:  # type: ignore[override]
         dev = self.device_type
@@ -156,6 +159,9 @@ class autocast(torch.amp.autocast_mode.autocast):
         if self.enabled and outer_dtype != self.fast_dtype and (outer_on or _state.frames):
             torch.clear_autocast_cache()
             frame.cleared_cache = True
+        if self._replay_names is not None and not _state.frames:
+            # A recompute: qualified names stay those of the original root, not the first module called.
+            _state.names, _state.depth = dict(self._replay_names), 1
         _state.frames.append(frame)
         rules = self._rules
         mode = _state.mode
