@@ -1,0 +1,36 @@
+"""The zoo's harness can fail: its comparison sees one ulp, a dtype, a missing gradient; its oracle
+really autocasts; the child-process oracle (used when the engine registers process-wide kernels)
+gives torch.autocast's bits without importing mixprec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.models.zoo import DTYPES, assert_bitwise, oracle_in_subprocess, reference_in_subprocess, run_case
+
+
+def test_assert_bitwise_sees_one_ulp_a_dtype_and_a_missing_gradient() -> None:
+    base = {"loss": torch.tensor(1.0), "grad.w": torch.ones(3, dtype=torch.bfloat16), "grad.b": None}
+    assert_bitwise(base, dict(base))
+    one_ulp = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    for change in ({"loss": one_ulp}, {"grad.w": torch.ones(3)}, {"grad.b": torch.zeros(1)}):
+        with pytest.raises(AssertionError):
+            assert_bitwise(base, {**base, **change})
+
+
+@pytest.mark.parametrize("name", ["gpt2_sdpa", "nn_gru"])
+def test_oracle_runs_in_low_precision(name: str) -> None:
+    plain = run_case(name, contextlib.nullcontext(), train=True)
+    autocast = run_case(name, torch.autocast("cpu", dtype=torch.bfloat16), train=True)
+    assert plain["logits"].dtype == torch.float32
+    assert not torch.equal(plain["loss"], autocast["loss"])
+
+
+@pytest.mark.skipif(oracle_in_subprocess(), reason="torch.autocast in this process runs mixprec's kernels")
+def test_child_process_oracle_is_torch_autocast() -> None:
+    expected = run_case("nn_mha", torch.autocast("cpu", dtype=DTYPES["bf16"]), train=True)
+    assert_bitwise(expected, reference_in_subprocess("nn_mha", DTYPES["bf16"], train=True))
