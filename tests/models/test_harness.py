@@ -13,11 +13,24 @@ import torch
 from tests.models.zoo import DTYPES, assert_bitwise, oracle_in_subprocess, reference_in_subprocess, run_case
 
 
-def test_assert_bitwise_sees_one_ulp_a_dtype_and_a_missing_gradient() -> None:
-    base = {"loss": torch.tensor(1.0), "grad.w": torch.ones(3, dtype=torch.bfloat16), "grad.b": None}
-    assert_bitwise(base, dict(base))
-    one_ulp = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
-    for change in ({"loss": one_ulp}, {"grad.w": torch.ones(3)}, {"grad.b": torch.zeros(1)}):
+def test_assert_bitwise_sees_one_ulp_a_dtype_a_sign_a_layout_and_a_missing_gradient() -> None:
+    nan = torch.tensor([0.0, float("nan")])
+    base = {
+        "loss": torch.tensor(1.0),
+        "logits": torch.arange(6.0).reshape(2, 3),
+        "grad.w": torch.ones(3, dtype=torch.bfloat16),
+        "grad.b": None,
+        "grad.n": nan,
+    }
+    assert_bitwise(base, {**base, "grad.n": nan.clone()})  # NaN at the same place is the same bits
+    changes = [
+        {"loss": torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))},
+        {"logits": torch.arange(6.0).reshape(2, 3).t().contiguous().t()},  # same values, strides (1, 2)
+        {"grad.w": torch.ones(3)},
+        {"grad.b": torch.zeros(1)},
+        {"grad.n": torch.tensor([-0.0, float("nan")])},
+    ]
+    for change in changes:
         with pytest.raises(AssertionError):
             assert_bitwise(base, {**base, **change})
 

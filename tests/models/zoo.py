@@ -115,7 +115,10 @@ def reference_in_subprocess(name: str, dtype: torch.dtype, train: bool) -> dict[
 
 
 def assert_bitwise(expected: dict, actual: dict) -> None:
-    """Every entry identical: same keys, same dtype, same bits (None only where None)."""
+    """Every entry identical: same keys, dtype, shape, strides and bits (None only where None).
+
+    Bits, not ``torch.equal``: NaN matches NaN at the same place and -0.0 does not match 0.0.
+    """
     assert expected.keys() == actual.keys()
     problems = []
     for key, e in expected.items():
@@ -126,10 +129,22 @@ def assert_bitwise(expected: dict, actual: dict) -> None:
             continue
         if e.dtype != a.dtype or e.shape != a.shape:
             problems.append(f"{key}: expected {e.dtype}{list(e.shape)}, got {a.dtype}{list(a.shape)}")
-        elif not torch.equal(e, a):
+        elif not _same_bits(e, a):
             diff = (e.double() - a.double()).abs().nan_to_num(float("inf")).max().item()
             problems.append(f"{key}: {e.dtype} values differ, max |diff| {diff:.3g}")
+        elif e.stride() != a.stride():
+            problems.append(f"{key}: expected strides {e.stride()}, got {a.stride()}")
     assert not problems, f"{len(problems)} of {len(expected)} differ:\n" + "\n".join(problems[:20])
+
+
+_SAME_WIDTH_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def _same_bits(e: torch.Tensor, a: torch.Tensor) -> bool:
+    if not e.is_floating_point():
+        return torch.equal(e, a)
+    width = _SAME_WIDTH_INT[e.element_size()]
+    return torch.equal(e.view(width), a.view(width))
 
 
 def _kind(t: torch.Tensor | None) -> str:
