@@ -47,4 +47,5 @@ def test_model_matches_torch_autocast(name: str, dtype: str, mode: str) -> None:
     train = mode == "train"
     expected = reference(name, DTYPES[dtype], train)
     actual = run_case(name, mixprec.autocast("cpu", dtype=DTYPES[dtype]), train)
+    assert not train or any(k.startswith("grad.") and v is not None for k, v in expected.items())
     assert_bitwise(expected, actual)
