@@ -4,14 +4,17 @@ Every case is built from a fixed seed, so two builds are identical. :func:`run_c
 (+ loss + backward in train mode, a ``no_grad`` forward in eval mode) inside a region and returns every
 tensor the comparison needs: the loss, the logits and every parameter gradient (None where the
 parameter got no gradient). :func:`reference` gives the same under ``torch.autocast``: in this process,
-or in a child process when the installed engine registers process-wide kernels (then torch.autocast in
-this process would run mixprec's kernels, and the comparison would be mixprec against itself).
+or, when the installed engine says it registers process-wide kernels
+(``mixprec.autocast_engine_registers_kernels``), from one child process that computes every case once
+and never imports mixprec (in this process torch.autocast would run mixprec's kernels, and the
+comparison would be mixprec against itself).
 
 Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is imported.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -95,23 +98,39 @@ def run_case(name: str, region: Any, train: bool, seed: int = 0) -> dict[str, to
 
 
 def reference(name: str, dtype: torch.dtype, train: bool) -> dict[str, torch.Tensor | None]:
-    """:func:`run_case` under ``torch.autocast("cpu", dtype)``: in a child process if needed."""
+    """:func:`run_case` under ``torch.autocast("cpu", dtype)``: from a child process if needed."""
     if not oracle_in_subprocess():
         return run_case(name, torch.autocast("cpu", dtype=dtype), train)
-    return reference_in_subprocess(name, dtype, train)
+    value = _all_references()[_key(name, dtype, train)]
+    if isinstance(value, str):
+        raise RuntimeError(
+            f"torch.autocast raised on {_key(name, dtype, train)} in the oracle process: {value}"
+        )
+    return value
 
 
-def reference_in_subprocess(name: str, dtype: torch.dtype, train: bool) -> dict[str, torch.Tensor | None]:
-    """:func:`run_case` under torch.autocast in a fresh interpreter that never imports mixprec's engine."""
-    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+def references_in_subprocess(keys: list[str]) -> dict[str, dict | str]:
+    """``key -> run_case result`` (or the error torch.autocast raised, as text) from one fresh
+    interpreter that never imports mixprec. Keys are ``"name/bf16/1"`` (train) or ``"all"``."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ref.pt"
-        cmd = [sys.executable, "-m", "tests.models.zoo", name, dtype_name, str(int(train)), str(out)]
+        out = Path(tmp) / "references.pt"
+        cmd = [sys.executable, "-m", "tests.models.zoo", str(out), *keys]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            raise RuntimeError(f"reference run of {name} failed:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"the oracle process failed:\n{proc.stderr[-4000:]}")
         return torch.load(out)
+
+
+@functools.cache
+def _all_references() -> dict[str, dict | str]:
+    # One child for every case: a child per test would cost an interpreter and imports each time.
+    return references_in_subprocess(["all"])
+
+
+def _key(name: str, dtype: torch.dtype, train: bool) -> str:
+    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+    return f"{name}/{dtype_name}/{int(train)}"
 
 
 def assert_bitwise(expected: dict, actual: dict) -> None:
@@ -153,11 +172,22 @@ def _kind(t: torch.Tensor | None) -> str:
 
 def _child_main(argv: list[str]) -> None:
     # The child never imports mixprec: whatever the engine registers, torch.autocast here is torch's own.
-    name, dtype_name, train, out = argv
+    from tests.models import zoo_hf, zoo_torch
+
     torch.set_num_threads(1)
-    result = run_case(name, torch.autocast("cpu", dtype=DTYPES[dtype_name]), bool(int(train)))
+    out, keys = argv[0], argv[1:]
+    if keys == ["all"]:
+        names = [*zoo_torch.CASES, *zoo_hf.CASES]
+        keys = [f"{n}/{d}/{t}" for n in names for d in DTYPES for t in (0, 1)]
+    results: dict[str, dict | str] = {}
+    for key in keys:
+        name, dtype_name, train = key.split("/")
+        try:
+            results[key] = run_case(name, torch.autocast("cpu", dtype=DTYPES[dtype_name]), train == "1")
+        except Exception as e:  # recorded: the parent raises it for the test that asks for this case
+            results[key] = f"{type(e).__name__}: {e}"
     assert "mixprec" not in sys.modules, "the oracle process imported mixprec"
-    torch.save(result, out)
+    torch.save(results, out)
 
 
 if __name__ == "__main__":
