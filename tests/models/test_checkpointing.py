@@ -43,17 +43,21 @@ def _grads(reentrant: bool | None, policy: mixprec.Policy | None) -> list[torch.
     return [p.grad for p in model.parameters()] + [x.grad]
 
 
+def _differs(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return not all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=VARIANTS)
 def test_custom_policy_and_pinned_module_survive_the_recompute(reentrant: bool) -> None:
     # No torch oracle for a custom policy: the checkpointed model must match the same model without
-    # checkpointing, in the same region. The policy must matter, or the test would prove nothing.
-    policy = (
-        mixprec.Policy.for_device("cpu", torch.bfloat16)
-        .with_ops(fp32=["gelu"])
-        .with_modules({"blocks.1": torch.float32})
-    )
+    # checkpointing, in the same region. Each edit must matter, or the test would prove nothing
+    # (block 0's layer_norm in bf16, which torch's CPU lists leave in fp32 here; block 1 pinned to fp32).
+    default = mixprec.Policy.for_device("cpu", torch.bfloat16)
+    op_edit = default.with_ops(lower=["layer_norm"])
+    policy = op_edit.with_modules({"blocks.1": torch.float32})
     plain = _grads(None, policy)
-    assert not all(torch.equal(a, b) for a, b in zip(plain, _grads(None, None), strict=True))
-    for expected, actual in zip(plain, _grads(reentrant, policy), strict=True):
-        assert actual.dtype == expected.dtype
-        assert torch.equal(actual, expected)
+    assert _differs(plain, _grads(None, op_edit)), "the module pin changed nothing"
+    assert _differs(_grads(None, default), _grads(None, op_edit)), "the op edit changed nothing"
+    for i, (expected, actual) in enumerate(zip(plain, _grads(reentrant, policy), strict=True)):
+        assert actual.dtype == expected.dtype, f"gradient {i}"
+        assert torch.equal(actual, expected), f"gradient {i}"
