@@ -32,9 +32,9 @@ def test_checkpointed_gradients_match_torch_autocast(name: str, dtype: str) -> N
     assert_bitwise(expected, actual)
 
 
-def _grads(reentrant: bool | None, policy: mixprec.Policy | None) -> list[torch.Tensor]:
+def _grads(reentrant: bool | None, policy: mixprec.Policy | None, **kwargs: object) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = Checkpointed(reentrant)
+    model = Checkpointed(reentrant, **kwargs)
     batch = checkpointed_batch(torch.Generator().manual_seed(0))
     (x,), target = batch["inputs"], batch["target"]
     with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy):
@@ -47,17 +47,30 @@ def _differs(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return not all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=VARIANTS)
-def test_custom_policy_and_pinned_module_survive_the_recompute(reentrant: bool) -> None:
-    # No torch oracle for a custom policy: the checkpointed model must match the same model without
-    # checkpointing, in the same region. Each edit must matter, or the test would prove nothing
-    # (block 0's layer_norm in bf16, which torch's CPU lists leave in fp32 here; block 1 pinned to fp32).
+def _policies() -> tuple[mixprec.Policy, mixprec.Policy, mixprec.Policy]:
+    # Each edit must matter, or the tests would prove nothing (block 0's layer_norm in bf16, which
+    # torch's CPU lists leave in fp32 here; block 1 pinned to fp32).
     default = mixprec.Policy.for_device("cpu", torch.bfloat16)
     op_edit = default.with_ops(lower=["layer_norm"])
-    policy = op_edit.with_modules({"blocks.1": torch.float32})
+    return default, op_edit, op_edit.with_modules({"blocks.1": torch.float32})
+
+
+def test_custom_policy_and_pinned_module_survive_the_recompute() -> None:
+    """torch's non-reentrant checkpoint with mixprec's context_fn replays the policy, pins included."""
+    default, op_edit, policy = _policies()
     plain = _grads(None, policy)
     assert _differs(plain, _grads(None, op_edit)), "the module pin changed nothing"
     assert _differs(_grads(None, default), _grads(None, op_edit)), "the op edit changed nothing"
-    for i, (expected, actual) in enumerate(zip(plain, _grads(reentrant, policy), strict=True)):
-        assert actual.dtype == expected.dtype, f"gradient {i}"
-        assert torch.equal(actual, expected), f"gradient {i}"
+    actual = _grads(False, policy, context_fn=mixprec.autocast_context_fn)
+    for i, (expected, got) in enumerate(zip(plain, actual, strict=True)):
+        assert got.dtype == expected.dtype, f"gradient {i}"
+        assert torch.equal(got, expected), f"gradient {i}"
+
+
+def test_custom_policy_without_context_fn_fails_loudly_or_is_documented_lost() -> None:
+    """Without the hook, torch's checkpoint replays torch's state only: the non-reentrant variant
+    raises; the reentrant one has no hook at all and recomputes in torch's dtypes (README)."""
+    _, _, policy = _policies()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different metadata"):
+        _grads(False, policy)
+    assert _differs(_grads(None, policy), _grads(True, policy))

@@ -8,6 +8,7 @@ invisible to torch would take another code path than torch.autocast.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,9 +119,10 @@ class Checkpointed(nn.Module):
     ``reentrant=None`` runs the same blocks without checkpointing.
     """
 
-    def __init__(self, reentrant: bool | None) -> None:
+    def __init__(self, reentrant: bool | None, **checkpoint_kwargs: Any) -> None:
         super().__init__()
         self.reentrant = reentrant
+        self.checkpoint_kwargs = checkpoint_kwargs
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(D), nn.Linear(D, FFN), nn.GELU(), nn.Linear(FFN, D)) for _ in range(2)
         )
@@ -130,7 +132,7 @@ class Checkpointed(nn.Module):
             if self.reentrant is None:
                 x = x + block(x)
             else:
-                x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+                x = x + checkpoint(block, x, use_reentrant=self.reentrant, **self.checkpoint_kwargs)
         return x.softmax(-1)
 
 
