@@ -137,8 +137,8 @@ class Diagnoser:
             report = dataclasses.replace(report, module=rename(report.module))
         if report is None:
             found = (
-                f"every value stayed finite when find_nonfinite re-ran that batch at loss scale {scale:g}, so "
-                "the inf/nan did not come from this batch's forward or backward alone (look at the data "
+                f"every value stayed finite when find_nonfinite re-ran that batch at loss scale {scale:g}, "
+                "so the inf/nan did not come from this batch's forward or backward alone (look at the data "
                 "pipeline, gradient accumulation or the optimizer)"
             )
         else:

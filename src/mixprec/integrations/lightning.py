@@ -160,8 +160,8 @@ class MixprecPrecision(Precision):
         """Lightning's clipping, refused (as Lightning does) for optimizers that unscale inside their step."""
         if clip_val > 0 and self.scaler is not None and _optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
-                f"{type(optimizer).__qualname__} unscales inside its step (a fused optimizer), so its gradients "
-                "cannot be clipped before the step"
+                f"{type(optimizer).__qualname__} unscales inside its step (a fused optimizer), so its "
+                "gradients cannot be clipped before the step"
             )
         super().clip_gradients(optimizer, clip_val, *args, **kwargs)
 

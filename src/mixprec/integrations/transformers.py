@@ -54,10 +54,13 @@ __all__ = ["MixprecTrainer"]
 
 
 class _AfterStep(transformers.TrainerCallback):
-    """Runs the pending diagnosis once the optimizer step (and the scaler's skip decision) is done."""
+    """Tells Accelerate the truth about a skipped step, and runs the pending diagnosis after the step."""
 
     def __init__(self, trainer: MixprecTrainer) -> None:
         self.trainer = trainer
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._report_skip()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._diagnose_pending_step()
@@ -139,6 +142,18 @@ class MixprecTrainer(transformers.Trainer):
             elif scaler is not None and self.accelerator.sync_gradients:
                 self._pending = (model, inputs, "", scale)  # decided after the step: skipped or not
         return loss
+
+    def _report_skip(self) -> None:
+        """Make ``accelerator.optimizer_step_was_skipped`` follow the scaler (read right after this hook).
+
+        Accelerate infers a skip from the scaler not calling ``optimizer.step``; a fused optimizer (the
+        Trainer's default ``adamw_torch_fused``) is always called and skips inside its kernel, so Accelerate
+        would report no skip and the LR schedule would advance (with torch's GradScaler too).
+        """
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        if self.mixprec_scaler is not None and isinstance(self.optimizer, AcceleratedOptimizer):
+            self.optimizer._is_overflow = self.mixprec_scaler.last_step_skipped  # Accelerate's own flag
 
     def _accelerate_unscales(self) -> bool:
         """Whether ``accelerator.clip_grad_norm_`` unscales by itself (its own fp16 on an accelerator)."""
