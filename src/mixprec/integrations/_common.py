@@ -111,6 +111,7 @@ class Diagnoser:
         region: Any,
         scale: float = 1.0,
         rename: Callable[[str], str] | None = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
     ) -> str:
         """Run find_nonfinite on ``model(inputs)`` (loss from :func:`loss_of`, times ``scale``); log and keep
         the sentence.
@@ -121,14 +122,16 @@ class Diagnoser:
             reason: what happened ("skipped its optimizer step", "gave a non-finite loss").
             region: the mixprec.autocast the step ran under (its device type, dtype and policy are reused).
             scale: the loss scale at that step.
+            loss_fn: ``loss_fn(output) -> loss`` instead of :func:`loss_of`.
             rename: maps the report's module name (e.g. strips a wrapper's prefix).
         """
         from mixprec.inspect import find_nonfinite  # only a diagnosis pays for importing inspect
 
+        get_loss = loss_of if loss_fn is None else loss_fn
         report = find_nonfinite(
             model,
             inputs,
-            loss_fn=lambda output: loss_of(output).float() * scale,
+            loss_fn=lambda output: get_loss(output).float() * scale,
             dtype=region.fast_dtype,
             device_type=region.device_type,
             policy=region.policy,
