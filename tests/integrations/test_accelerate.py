@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -97,7 +96,7 @@ def test_fp16_inf_batches_are_skipped_counted_and_diagnosed(caplog: pytest.LogCa
 
     with caplog.at_level(logging.WARNING, logger="mixprec.integrations"):
         # fused AdamW skips inside its kernel: Accelerate alone would not notice the skip
-        model, optimizer, scheduler, losses = tiny.train(
+        _, _, scheduler, losses = tiny.train(
             accelerator, inf_batches=(5, 8), fused=True, after_step=after_step
         )
     assert skipped == [0] * 5 + [1] * 3 + [2] * 12

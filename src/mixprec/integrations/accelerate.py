@@ -1,10 +1,12 @@
-"""Accelerate: ``MixprecAccelerator``, an ``Accelerator`` whose autocast, loss scaling and unscaling are mixprec's.
+"""Accelerate: ``MixprecAccelerator``, an ``Accelerator`` whose autocast, loss scaling and unscaling are
+mixprec's.
 
 The shortest working path is one changed line, the constructor; the loop stays Accelerate's::
 
     from mixprec.integrations.accelerate import MixprecAccelerator
 
-    accelerator = MixprecAccelerator(policy=policy, scaler=mixprec.GradScaler(hysteresis=2), dtype=torch.float16)
+    scaler = mixprec.GradScaler(hysteresis=2)
+    accelerator = MixprecAccelerator(policy=policy, scaler=scaler, dtype=torch.float16)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     for batch in loader:
         loss = model(batch)                   # the prepared forward runs under mixprec.autocast
@@ -96,6 +98,7 @@ class MixprecAccelerator(Accelerator):
 
     Attributes:
         mixprec_scaler: the scaler, or None.
+        mixprec_steps: backward passes that ended a gradient accumulation (optimizer steps taken or skipped).
         mixprec_diagnoses: the diagnosis sentences so far.
 
     Raises:
@@ -123,6 +126,7 @@ class MixprecAccelerator(Accelerator):
         self.mixprec_policy, self.mixprec_dtype, self.mixprec_scaler = policy, dtype, scaler
         self._diagnoser = diagnoser
         self._step_scale: torch.Tensor | None = None
+        self.mixprec_steps = 0
         if scaler is not None:
             self.scaler = scaler
 
@@ -146,10 +150,10 @@ class MixprecAccelerator(Accelerator):
         """Accelerate's preparation, then the model's forward wrapped in the mixprec region; its floating
         outputs are converted to float32, as Accelerate's own mixed precision does.
 
-        A pin by qualified name (``policy.with_modules({"encoder.0": ...})``) is resolved relative to the first
-        module called inside the region; the wrapped forward enters it inside the model's own call, where the
-        names are the children's. Call the model inside ``with accelerator.autocast():`` for such pins (a
-        warning says so once); pins by module class need nothing.
+        A pin by qualified name (``policy.with_modules({"encoder.0": ...})``) is resolved relative to the
+        first module called inside the region; the wrapped forward enters it inside the model's own call,
+        where the names are the children's. Call the model inside ``with accelerator.autocast():`` for such
+        pins (a warning says so once); pins by module class or by filter need nothing.
         """
         model = super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
@@ -177,7 +181,10 @@ class MixprecAccelerator(Accelerator):
         return prepared
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Accelerate's backward (the loss scaled by the mixprec scaler); counts optimizer steps."""
         super().backward(loss, **kwargs)
+        if self.sync_gradients:
+            self.mixprec_steps += 1
         scale = None if self.mixprec_scaler is None else self.mixprec_scaler.rule.scale
         self._step_scale = None if scale is None else scale.detach().clone()  # for a diagnosis; no sync
 
@@ -210,7 +217,8 @@ class MixprecAccelerator(Accelerator):
             inputs: the batch as the model takes it.
             loss: the step's loss, checked for inf/nan.
             loss_fn: ``loss_fn(output) -> loss`` when the output is not the loss (nor holds ``loss``).
-            step: the step number for the sentence (default: Accelerate's ``step`` counter).
+            step: the step number for the sentence (default: :attr:`mixprec_steps`, the backward passes
+                that ended an accumulation, so the 1-based number of the step just taken).
         """
         if not self._diagnoser.wanted:
             return None
@@ -221,7 +229,7 @@ class MixprecAccelerator(Accelerator):
         return self._diagnoser.run(
             model,
             inputs,
-            step=self.step if step is None else step,
+            step=self.mixprec_steps if step is None else step,
             reason="skipped its optimizer step" if skipped else "gave a non-finite loss",
             region=self.mixprec_region(),
             scale=1.0 if self._step_scale is None else float(self._step_scale.item()),
