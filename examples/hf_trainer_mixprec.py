@@ -26,14 +26,14 @@ STEPS, BATCH = 20, 8
 
 
 class Copies(torch.utils.data.Dataset):
-    """Eight token sequences, repeated (the model can memorise them); step ``inf_step`` holds an inf."""
+    """Eight token sequences, repeated (the model can memorise them); with ``inf_step`` (1-based), fed as
+    embeddings, every sample that step (whatever the sampler) sees holds an inf."""
 
     def __init__(self, inf_step: int | None = None) -> None:
         eight = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
         self.ids = eight.repeat(STEPS * BATCH // 8, 1)
         self.embeds = None if inf_step is None else torch.zeros(STEPS * BATCH, 16, 32)
-        if self.embeds is not None:
-            self.embeds[(inf_step - 1) * BATCH, 0, 0] = float("inf")
+        self.inf_step, self.fetched = inf_step, 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -41,7 +41,11 @@ class Copies(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         if self.embeds is None:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
-        return {"inputs_embeds": self.embeds[i], "labels": self.ids[i]}
+        self.fetched += 1  # samples are fetched in the order they are used (no dataloader workers)
+        embeds = self.embeds[i].clone()
+        if (self.fetched - 1) // BATCH + 1 == self.inf_step:
+            embeds[0, 0] = float("inf")
+        return {"inputs_embeds": embeds, "labels": self.ids[i]}
 
 
 def train(out: str, data: Copies, **kwargs) -> tuple[MixprecTrainer, GPT2LMHeadModel]:
@@ -50,7 +54,6 @@ def train(out: str, data: Copies, **kwargs) -> tuple[MixprecTrainer, GPT2LMHeadM
     args = TrainingArguments(
         output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=3e-3,
         use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
-        train_sampling_strategy="sequential",
     )  # fmt: skip
     trainer = MixprecTrainer(model=model, args=args, train_dataset=data, **kwargs)
     with trace_dtypes(model) as trace:

@@ -44,17 +44,31 @@ class TokenData(torch.utils.data.Dataset):
 
 
 class EmbedData(TokenData):
-    """The same, fed as ``inputs_embeds``; the batches of the (1-based) ``inf_steps`` hold an inf."""
+    """The same, fed as ``inputs_embeds``."""
 
-    def __init__(self, inf_steps: tuple[int, ...] = ()) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        generator = torch.Generator().manual_seed(1)
-        self.embeds = torch.randn(STEPS * BATCH, SEQ, WIDTH, generator=generator)
-        for step in inf_steps:
-            self.embeds[(step - 1) * BATCH, 3, 5] = float("inf")
+        self.embeds = torch.randn(STEPS * BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(1))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"inputs_embeds": self.embeds[i], "labels": self.ids[i]}
+
+
+class InfCollator:
+    """The default collator, but the batches it builds ``inf_steps``-th (1-based) hold an inf embedding.
+
+    Batches are collated in the order they are used, whatever the sampler, so these are those steps.
+    """
+
+    def __init__(self, inf_steps: tuple[int, ...]) -> None:
+        self.inf_steps, self.calls = inf_steps, 0
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = transformers.default_data_collator(features)
+        self.calls += 1
+        if self.calls in self.inf_steps:
+            batch["inputs_embeds"][0, 3, 5] = float("inf")
+        return batch
 
 
 def training_args(out_dir: str, **overrides: Any) -> TrainingArguments:

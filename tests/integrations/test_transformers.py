@@ -96,8 +96,8 @@ def test_fp16_inf_batches_are_skipped_counted_logged_and_diagnosed(
         trainer, model = tiny.train(
             MixprecTrainer,
             str(tmp_path),
-            data=tiny.EmbedData(inf_steps=(6, 9)),
-            args={"train_sampling_strategy": "sequential"},  # so the inf batches are steps 6 and 9
+            data=tiny.EmbedData(),
+            data_collator=tiny.InfCollator(inf_steps=(6, 9)),
             dtype=torch.float16,
             scaler=scaler,
             callbacks=[snapshots],
