@@ -15,6 +15,7 @@ from torch import nn
 pytest.importorskip("accelerate")
 
 from accelerate.state import AcceleratorState
+from accelerate.utils import AutocastKwargs
 
 import mixprec
 from mixprec.inspect import trace_dtypes
@@ -114,8 +115,20 @@ def test_fp16_inf_batches_are_skipped_counted_and_diagnosed(caplog: pytest.LogCa
     assert [r.getMessage() for r in caplog.records if r.name == "mixprec.integrations"] == [sentence]
 
 
+def test_autocast_honours_autocast_kwargs() -> None:
+    accelerator = MixprecAccelerator(cpu=True, dtype=torch.bfloat16)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with accelerator.autocast():
+        assert torch.mm(a, b).dtype == torch.bfloat16
+        with accelerator.autocast(AutocastKwargs(enabled=False)):  # Accelerate's fp32 island
+            assert torch.mm(a, b).dtype == torch.float32
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="mixprec.GradScaler"):
         MixprecAccelerator(cpu=True, scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="compute dtype"):
         MixprecAccelerator(cpu=True, policy="fp16-mixed", dtype=torch.bfloat16)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(ValueError, match="contradicts mixed_precision='bf16'"):
+        MixprecAccelerator(cpu=True, mixed_precision="bf16", dtype=torch.float16)

@@ -13,7 +13,7 @@ from torch import nn
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
-__all__ = ["Diagnoser", "check_policy", "check_scaler", "region_dtype", "scaler_metrics"]
+__all__ = ["Diagnoser", "check_policy", "check_scaler", "framework_dtype", "region_dtype", "scaler_metrics"]
 
 logger = logging.getLogger("mixprec.integrations")
 
@@ -56,6 +56,20 @@ def region_dtype(policy: Policy | None, dtype: torch.dtype | None, source: str) 
     if dtype is not None and compute is not None and compute != dtype:
         raise ValueError(f"{source} asks for {dtype}, but the policy's compute dtype is {compute}; give one")
     return dtype if compute is None else compute
+
+
+def framework_dtype(
+    dtype: torch.dtype | None, flag: torch.dtype | None, flag_name: str
+) -> torch.dtype | None:
+    """``dtype`` (the user's) or else the one the framework's own mixed-precision flag names.
+
+    Raises:
+        ValueError: when both are given and differ (the framework's torch.autocast would run in another
+            dtype inside the mixprec region).
+    """
+    if dtype is not None and flag is not None and dtype != flag:
+        raise ValueError(f"dtype={dtype} contradicts {flag_name} ({flag}); drop one of them")
+    return dtype if dtype is not None else flag
 
 
 def scaler_metrics(scaler: GradScaler) -> dict[str, float]:

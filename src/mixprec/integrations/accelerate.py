@@ -47,7 +47,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from mixprec import autocast, is_autocast_enabled
-from mixprec.integrations._common import Diagnoser, check_policy, check_scaler, region_dtype
+from mixprec.integrations._common import Diagnoser, check_policy, check_scaler, framework_dtype, region_dtype
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -119,7 +119,10 @@ class MixprecAccelerator(Accelerator):
         scaler = check_scaler(scaler)
         diagnoser = Diagnoser(max_diagnoses)
         super().__init__(*args, **kwargs)
-        dtype = region_dtype(policy, dtype or _DTYPES.get(str(self.mixed_precision)), "dtype")
+        flag = _DTYPES.get(str(self.mixed_precision))
+        dtype = region_dtype(
+            policy, framework_dtype(dtype, flag, f"mixed_precision={self.mixed_precision!r}"), "dtype"
+        )
         autocast(self.device.type, dtype=dtype, policy=policy)  # validates device and dtype
         if scaler is None and dtype == torch.float16:
             scaler = GradScaler()
@@ -134,14 +137,18 @@ class MixprecAccelerator(Accelerator):
     def mixprec_diagnoses(self) -> list[str]:
         return self._diagnoser.diagnoses
 
-    def mixprec_region(self) -> autocast:
+    def mixprec_region(self, enabled: bool = True, cache_enabled: bool | None = None) -> autocast:
         """A new :class:`mixprec.autocast` with this accelerator's device, dtype and policy."""
-        return autocast(self.device.type, dtype=self.mixprec_dtype, policy=self.mixprec_policy)
+        device, dtype, policy = self.device.type, self.mixprec_dtype, self.mixprec_policy
+        return autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled, policy=policy)
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Any = None) -> Generator[None, None, None]:
-        """The mixprec region (``autocast_handler`` is accepted and ignored: the policy decides)."""
-        with self.mixprec_region():
+        """The mixprec region; an ``AutocastKwargs`` handler (this call's, else the accelerator's) gives
+        ``enabled`` (False: an fp32 island, as with Accelerate) and ``cache_enabled``."""
+        handler = self.autocast_handler if autocast_handler is None else autocast_handler
+        enabled = True if handler is None else bool(handler.enabled)
+        with self.mixprec_region(enabled, None if handler is None else handler.cache_enabled):
             yield
 
     def prepare_model(

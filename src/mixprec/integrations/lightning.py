@@ -210,8 +210,8 @@ class MixprecDiagnostics(pl.Callback):
     :func:`mixprec.inspect.find_nonfinite` and log the sentence (module, op, phase and a suggestion).
 
     Works with :class:`MixprecPrecision` (its region and the step's loss scale are reused) and, for
-    non-finite losses, with Lightning's own precisions (then the region is mixprec's default policy in the
-    Trainer's precision dtype, or the device's default dtype for a full-precision run).
+    non-finite losses, with Lightning's own "bf16-mixed"/"16-mixed" (re-run under mixprec's default policy
+    in that dtype); with other precisions it does nothing.
 
     Args:
         max_diagnoses: re-runs per fit (default 1: the first incident).
@@ -240,9 +240,10 @@ class MixprecDiagnostics(pl.Callback):
             return
         if isinstance(plugin, MixprecPrecision):
             region, scale = plugin.region(), plugin.last_step_scale
+        elif str(trainer.precision) in _DTYPES:
+            region, scale = autocast(pl_module.device.type, dtype=_DTYPES[str(trainer.precision)]), 1.0
         else:
-            dtype = _DTYPES.get(str(trainer.precision))
-            region, scale = autocast(pl_module.device.type, dtype=dtype), 1.0
+            return  # a full- or pure-low-precision run: no mixed-precision region to re-run it in
         reason = "skipped its optimizer step" if skipped else "gave a non-finite loss"
         with _logging_muted(pl_module):
             self._diagnoser.run(

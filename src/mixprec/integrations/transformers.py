@@ -46,7 +46,14 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from mixprec import autocast
-from mixprec.integrations._common import Diagnoser, check_policy, check_scaler, region_dtype, scaler_metrics
+from mixprec.integrations._common import (
+    Diagnoser,
+    check_policy,
+    check_scaler,
+    framework_dtype,
+    region_dtype,
+    scaler_metrics,
+)
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -99,7 +106,10 @@ class MixprecTrainer(transformers.Trainer):
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         policy = check_policy(policy)
-        dtype = region_dtype(policy, dtype or _dtype_of(training_args), "dtype")
+        flag = _dtype_of(training_args)
+        dtype = region_dtype(
+            policy, framework_dtype(dtype, flag, "the TrainingArguments' bf16/fp16"), "dtype"
+        )
         self.mixprec_scaler = check_scaler(scaler)
         if self.mixprec_scaler is None and dtype == torch.float16:
             self.mixprec_scaler = GradScaler()
