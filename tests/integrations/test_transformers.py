@@ -143,3 +143,29 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         MixprecTrainer(model=model, args=args, dtype=torch.float16)
     with pytest.raises(ValueError, match="max_diagnoses"):
         MixprecTrainer(model=model, args=args, max_diagnoses=-1)
+
+
+def test_checkpoints_hold_the_scaler_and_resume_bitwise(tmp_path: Path) -> None:
+    def run(out: Path, inf_steps: tuple[int, ...], resume: str | None = None, **args) -> tuple:
+        scaler = mixprec.GradScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
+        model = tiny.make_model()
+        trainer = MixprecTrainer(
+            model=model,
+            args=tiny.training_args(str(out), **args),
+            train_dataset=tiny.EmbedData(),
+            data_collator=tiny.InfCollator(inf_steps),
+            dtype=torch.float16,
+            scaler=scaler,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model, scaler
+
+    out = tmp_path / "run"
+    straight, straight_scaler = run(out, (6,), save_strategy="steps", save_steps=10)
+    saved = torch.load(out / "checkpoint-10" / "scaler.pt", weights_only=True)
+    assert saved["scale"] == 4096.0 and saved["_growth_tracker"] == 1 and saved["skipped_steps"] == 1
+    assert saved["_hysteresis_tracker"] == 2  # earned back by the growth at step 9
+    resumed, resumed_scaler = run(out, (), resume=str(out / "checkpoint-10"), save_strategy="no")
+    assert resumed_scaler.state_dict() == straight_scaler.state_dict()
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
