@@ -1,0 +1,210 @@
+"""HF transformers: ``MixprecTrainer``, the ``Trainer`` under a mixprec policy, scaler and diagnosis.
+
+Usage::
+
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    policy = mixprec.Policy.preset("bf16-mixed").with_modules({"lm_head": torch.float32})
+    trainer = MixprecTrainer(model=model, args=args, train_dataset=data, policy=policy)
+    trainer.train()
+
+Why a subclass and not a ``TrainerCallback``: a callback sees neither the forward (it cannot enter an autocast
+region around ``compute_loss``), nor ``accelerator.backward`` (where the loss is scaled), nor the log dict
+before it is stored. The subclass overrides four public methods and nothing else:
+
+* ``compute_loss_context_manager``: ``compute_loss`` (training and evaluation) runs inside
+  :class:`mixprec.autocast`. With ``bf16=True``/``fp16=True`` Accelerate also wraps the model's forward in its
+  own ``torch.autocast``, entered inside the mixprec region; the mixprec policy must win there (the engine's
+  job: a mixprec region is torch's autocast state).
+* ``create_accelerator_and_postprocess``: the accelerator's ``scaler`` is the :class:`mixprec.GradScaler`
+  (before ``prepare``), so ``accelerator.backward`` scales, the prepared optimizer steps or skips through it,
+  ``accelerator.optimizer_step_was_skipped`` is True on a skipped step and the Trainer then leaves the LR
+  schedule where it was; checkpoints save and resume the scaler (``scaler.pt``).
+* ``training_step``: on the last micro-batch of an accumulation, gradients are unscaled before the Trainer
+  clips them and measures ``grad_norm`` (Accelerate does it itself only for its own fp16 on an accelerator); a
+  step whose loss is non-finite, or that the scaler skipped, is diagnosed once (see below).
+* ``log``: every training log gains ``loss_scale`` and ``skipped_steps`` (with a scaler).
+
+Diagnosis: the first time a step is skipped or its loss is non-finite, :func:`mixprec.inspect.find_nonfinite`
+re-runs that batch and the sentence is logged (logger ``"mixprec.integrations"``) and kept in
+``trainer.mixprec_diagnoses``. Needs ``pip install 'mixprec[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "mixprec.integrations.transformers needs HF transformers: pip install 'mixprec[transformers]'"
+    ) from error
+
+from mixprec import autocast
+from mixprec.integrations._common import (
+    Diagnoser,
+    check_policy,
+    check_scaler,
+    framework_dtype,
+    region_dtype,
+    scaler_metrics,
+)
+from mixprec.policy import Policy
+from mixprec.scaling import GradScaler
+
+__all__ = ["MixprecTrainer"]
+
+
+class _AfterStep(transformers.TrainerCallback):
+    """Tells Accelerate the truth about a skipped step, and runs the pending diagnosis after the step."""
+
+    def __init__(self, trainer: MixprecTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._report_skip()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._diagnose_pending_step()
+
+
+class MixprecTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose forward runs under mixprec's policy and whose loss scaling is mixprec's.
+
+    Takes every ``Trainer`` argument, plus (keyword-only):
+
+    Args:
+        policy: a :class:`mixprec.Policy` or policy string; default: the device's default policy.
+        scaler: a :class:`mixprec.GradScaler`; default: a new one when the region's dtype is float16, none
+            for bfloat16 (pass one to count skipped steps there too). Replaces Accelerate's own scaler.
+        dtype: the region's dtype; default: the policy's compute dtype, else bfloat16 with ``bf16=True``,
+            float16 with ``fp16=True``, else the device's default (bfloat16 on CPU, float16 on CUDA).
+        max_diagnoses: skipped or non-finite steps to explain with find_nonfinite (0: never).
+
+    Attributes:
+        mixprec_scaler: the scaler, or None.
+        mixprec_diagnoses: the diagnosis sentences logged so far.
+
+    Raises:
+        ValueError: for a dtype that contradicts the policy or ``bf16``/``fp16``.
+        TypeError: for a scaler that is not a mixprec.GradScaler, or a bad policy.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        policy: Policy | str | None = None,
+        scaler: GradScaler | None = None,
+        dtype: torch.dtype | None = None,
+        max_diagnoses: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        policy = check_policy(policy)
+        flag = _dtype_of(training_args)
+        dtype = region_dtype(
+            policy, framework_dtype(dtype, flag, "the TrainingArguments' bf16/fp16"), "dtype"
+        )
+        self.mixprec_scaler = check_scaler(scaler)
+        if self.mixprec_scaler is None and dtype == torch.float16:
+            self.mixprec_scaler = GradScaler()
+        self._mixprec_policy, self._mixprec_dtype = policy, dtype
+        self._diagnoser = Diagnoser(max_diagnoses)
+        self._pending: tuple[nn.Module, Any, str, torch.Tensor | None] | None = None
+        super().__init__(*args, **kwargs)
+        autocast(self.args.device.type, dtype=dtype, policy=policy)  # validates device and dtype now
+        self.add_callback(_AfterStep(self))
+
+    @property
+    def mixprec_diagnoses(self) -> list[str]:
+        return self._diagnoser.diagnoses
+
+    def mixprec_region(self) -> autocast:
+        """A new :class:`mixprec.autocast` with this trainer's device, dtype and policy."""
+        return autocast(self.args.device.type, dtype=self._mixprec_dtype, policy=self._mixprec_policy)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.mixprec_scaler is not None:
+            self.accelerator.scaler = self.mixprec_scaler
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        stack = super().compute_loss_context_manager()
+        stack.enter_context(self.mixprec_region())
+        return stack
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        scaler = self.mixprec_scaler
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        scale = None if scaler is None or scaler.rule.scale is None else scaler.rule.scale.detach().clone()
+        if scaler is not None and self.accelerator.sync_gradients and not self._accelerate_unscales():
+            scaler.unscale_(_inner_optimizer(self.optimizer))  # before the Trainer clips / measures grads
+        if self._diagnoser.wanted and self._pending is None:
+            if not bool(torch.isfinite(loss).all()):
+                self._pending = (model, inputs, "gave a non-finite loss", scale)
+            elif scaler is not None and self.accelerator.sync_gradients:
+                self._pending = (model, inputs, "", scale)  # decided after the step: skipped or not
+        return loss
+
+    def _report_skip(self) -> None:
+        """Make ``accelerator.optimizer_step_was_skipped`` follow the scaler (read right after this hook).
+
+        Accelerate infers a skip from the scaler not calling ``optimizer.step``; a fused optimizer (the
+        Trainer's default ``adamw_torch_fused``) is always called and skips inside its kernel, so Accelerate
+        would report no skip and the LR schedule would advance (with torch's GradScaler too).
+        """
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        if self.mixprec_scaler is not None and isinstance(self.optimizer, AcceleratedOptimizer):
+            self.optimizer._is_overflow = self.mixprec_scaler.last_step_skipped  # Accelerate's own flag
+
+    def _accelerate_unscales(self) -> bool:
+        """Whether ``accelerator.clip_grad_norm_`` unscales by itself (its own fp16 on an accelerator)."""
+        return bool(self.accelerator.native_amp) and self.accelerator.mixed_precision == "fp16"
+
+    def _diagnose_pending_step(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        model, inputs, reason, scale = pending
+        if not reason:
+            if not self.accelerator.optimizer_step_was_skipped:
+                return
+            reason = "skipped its optimizer step"
+        self._diagnoser.run(
+            model,
+            inputs,
+            step=self.state.global_step,
+            reason=reason,
+            region=self.mixprec_region(),
+            scale=1.0 if scale is None else float(scale.item()),
+        )
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.mixprec_scaler is not None and "loss" in logs:
+            logs = {**logs, **scaler_metrics(self.mixprec_scaler)}
+        super().log(logs, *args, **kwargs)
+
+
+def _dtype_of(args: Any) -> torch.dtype | None:
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s)."""
+    from accelerate.optimizer import AcceleratedOptimizer  # a dependency of transformers' Trainer
+
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
