@@ -74,7 +74,6 @@ def test_a_module_pinned_to_fp32_runs_in_fp32(tmp_path: Path) -> None:
     _check_pinned(_pinned_trace(tmp_path, bf16=False))
 
 
-@pytest.mark.xfail(strict=False, reason="needs issue-10 engine: torch.autocast inside a region undoes a pin")
 def test_the_pin_holds_inside_accelerates_own_autocast(tmp_path: Path) -> None:
     _check_pinned(_pinned_trace(tmp_path, bf16=True))
 
