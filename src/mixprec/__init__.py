@@ -7,7 +7,7 @@ Lightning-style presets), :class:`CompensatedOptimizer` (pure-bf16 training with
 stochastic rounding), and the numeric :mod:`formats`. Diagnostics live in :mod:`mixprec.inspect`.
 """
 
-from mixprec import distributed, formats
+from mixprec import distributed, float8, formats
 from mixprec.autocast import autocast, get_autocast_dtype, is_autocast_enabled
 from mixprec.checkpoint import checkpoint
 from mixprec.compensated import CompensatedOptimizer
@@ -36,6 +36,7 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "distributed",
+    "float8",
     "formats",
     "get_autocast_dtype",
     "initialize",
