@@ -26,8 +26,9 @@ class Float8Linear(nn.Linear):
     Buffers:
         ``amax_history`` (delayed scaling only): float32[3, amax_history_len], rows input, weight,
             grad_output, newest first; persistent, so it is in ``state_dict()`` and a resumed run continues
-            bitwise. It advances in training mode only (input and weight at each forward, grad_output at
-            each backward); in eval mode it is read, not written.
+            bitwise; a checkpoint without one (from ``nn.Linear`` or dynamic scaling) loads with an empty
+            history, and a dynamic module ignores one. It advances in training mode only (input and
+            weight at each forward, grad_output at each backward); in eval mode it is read, not written.
         ``fp8_stats`` (not in ``state_dict``): float32[2, 3], the last amax (row 0) and scale (row 1) of
             input, weight and grad_output, for diagnostics.
 
@@ -92,6 +93,16 @@ class Float8Linear(nn.Linear):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # Checkpoints move between nn.Linear, dynamic and delayed modules: a missing history starts empty,
+        # a history is ignored by a dynamic module. (state_dict is torch's per-module copy.)
+        key = prefix + "amax_history"
+        if self.amax_history is not None and key not in state_dict:
+            state_dict[key] = torch.zeros_like(self.amax_history)
+        elif self.amax_history is None:
+            state_dict.pop(key, None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.config.short_str()}"
