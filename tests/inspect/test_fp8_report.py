@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mixprec.float8 import Float8Config, convert_to_float8_training
-from mixprec.inspect.fp8 import fp8_report
+from mixprec.inspect.fp8 import fp8_report, plot_fp8_report
 
 
 class Outlier(nn.Module):
@@ -89,3 +89,12 @@ def test_bad_threshold_names_itself(name: str) -> None:
 def test_model_without_linear_layers_is_refused() -> None:
     with pytest.raises(ValueError, match="nn.Linear"):
         fp8_report(nn.Sequential(nn.ReLU()), torch.randn(2, 3), loss_fn=lambda out: out.sum())
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    report = fp8_report(_model(), torch.randn(4, 16), loss_fn=_loss)
+    path = plot_fp8_report(report, tmp_path / "fp8.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(TypeError, match="report"):
+        plot_fp8_report({"layers": {}}, tmp_path / "x.png")

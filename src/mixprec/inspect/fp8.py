@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from mixprec.float8.scaling import amax_of, amax_to_scale, delayed_scale, to_flo
 from mixprec.inspect._modules import call_model, check_loss, check_model
 from mixprec.inspect._restore import preserved
 
-__all__ = ["Fp8LayerStats", "Fp8Report", "Fp8TensorStats", "fp8_report"]
+__all__ = ["Fp8LayerStats", "Fp8Report", "Fp8TensorStats", "fp8_report", "plot_fp8_report"]
 
 _FORMATS = {"input": formats.FP8_E4M3FN, "weight": formats.FP8_E4M3FN, "grad_output": formats.FP8_E5M2}
 _ROW = {"input": 0, "weight": 1, "grad_output": 2}
@@ -236,3 +237,41 @@ def _post_hook(name: str, found: dict, handles: Any) -> Callable[..., None]:
             handles.add(output.register_hook(lambda g: _record(found, name, module, "grad_output", g)))
 
     return hook
+
+
+def plot_fp8_report(report: Fp8Report, path: str | Path) -> Path:
+    """PNG of an :class:`Fp8Report`: per layer and tensor, the round-trip error and the fraction lost
+    (underflow + saturation); layers suggested for bf16 are labelled in red. Needs matplotlib.
+
+    Raises:
+        TypeError: if ``report`` is not an :class:`Fp8Report`.
+        ImportError: without matplotlib (``pip install 'mixprec[plot]'``).
+    """
+    from mixprec.inspect.plots import _figure, _save
+
+    if not isinstance(report, Fp8Report):
+        raise TypeError(f"report must be an Fp8Report, got {type(report).__name__}")
+    names = list(report.layers)
+    keep = set(report.keep_in_bf16())
+    figure = _figure(figsize=(10, 1.2 + 0.45 * len(names)))
+    panels = (("round-trip error (relative L2)", "error"), ("fraction lost (underflow + saturate)", None))
+    for index, (title, key) in enumerate(panels):
+        axes = figure.add_subplot(1, 2, index + 1)
+        for offset, role in enumerate(_FORMATS):
+            values = []
+            for name in names:
+                stats = getattr(report.layers[name], role)
+                values.append(
+                    0.0 if stats is None else stats.error if key else stats.underflow + stats.saturate
+                )
+            positions = [i + (offset - 1) * 0.27 for i in range(len(names))]
+            axes.barh(positions, values, height=0.27, label=f"{role} ({_FORMATS[role].name[4:]})")
+        axes.set_yticks(range(len(names)), names if index == 0 else [""] * len(names))
+        axes.invert_yaxis()
+        axes.set_title(title, fontsize=10)
+        if index == 0:
+            for label in axes.get_yticklabels():
+                label.set_color("tab:red" if label.get_text() in keep else "black")
+            axes.legend(fontsize=8, loc="lower right")
+    figure.suptitle(f"fp8 per layer; keep in bf16 (red): {', '.join(sorted(keep)) or 'none'}", fontsize=11)
+    return _save(figure, path, top=0.93)
