@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -130,9 +131,16 @@ def main(argv: list[str] | None = None) -> dict:
         preset = replace(preset, params=SMALL)
     corpus = spec.load(preset, args.seed, None)
     runs = [Run(m, spec, corpus, preset, args.seed, args.steps, device) for m in modes]
+    start = time.perf_counter()
     for step in range(args.steps):
         for i in range(len(runs)):
             runs[(step + i) % len(runs)].step()
+        if (step + 1) % 25 == 0:
+            losses = ", ".join(f"{r.mode} {statistics.fmean(r.losses[-25:]):.3f}" for r in runs)
+            print(
+                f"step {step + 1}/{args.steps} ({time.perf_counter() - start:.0f} s): {losses}",
+                file=sys.stderr,
+            )
     results = {"size": args.size, "steps": args.steps, "seed": args.seed, "device": str(device)}
     results.update(torch=torch.__version__, params=dict(preset.params), modes={})
     for run in runs:
