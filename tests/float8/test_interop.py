@@ -40,10 +40,12 @@ def test_mixprec_autocast_region() -> None:
     with mixprec.autocast("cpu", dtype=BF16):
         torch_state = torch.is_autocast_enabled("cpu")
         inside = model[0](x)
+        other = inside @ torch.ones(32, 2)  # a non-Linear op follows the region's policy: bf16
         out = model(x)
         out.float().sum().backward()
     expected = model[0](x.to(BF16) if torch_state else x)
     assert torch.equal(inside, expected)
+    assert other.dtype == BF16
     assert model[0].weight.grad is not None and torch.isfinite(model[0].weight.grad).all()
 
 
