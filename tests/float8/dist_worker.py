@@ -1,6 +1,6 @@
 """One gloo rank of the fp8 DDP scenario (run by test_distributed.py): delayed scaling, amax agreed per step.
 
-    python dist_worker.py RANK WORLD_SIZE OUT_DIR
+python dist_worker.py RANK WORLD_SIZE OUT_DIR
 """
 
 from __future__ import annotations
