@@ -7,7 +7,7 @@ Lightning-style presets), :class:`CompensatedOptimizer` (pure-bf16 training with
 stochastic rounding), and the numeric :mod:`formats`. Diagnostics live in :mod:`mixprec.inspect`.
 """
 
-from mixprec import distributed, formats
+from mixprec import distributed, float8, formats
 from mixprec.autocast import autocast, get_autocast_dtype, is_autocast_enabled
 from mixprec.autocast.checkpoint import autocast_context_fn, checkpoint
 from mixprec.autocast.custom_function import custom_bwd, custom_fwd
@@ -37,6 +37,7 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "distributed",
+    "float8",
     "formats",
     "get_autocast_dtype",
     "initialize",

@@ -1,0 +1,38 @@
+"""`mixprec.float8`: fp8 training by module swap, dynamic or delayed (amax history) scaling.
+
+* :func:`convert_to_float8_training` swaps ``nn.Linear`` for :class:`Float8Linear` (torchao's name and
+  ``module_filter_fn(module, fqn) -> bool`` contract);
+* :class:`Float8Config` picks the recipe: ``"dynamic"`` (scale from the tensor's own amax, as torchao) or
+  ``"delayed"`` (Transformer Engine: scale from an amax history kept in buffers);
+* :func:`sync_float8_amax_history` agrees the delayed amaxes across data-parallel ranks in one all-reduce;
+* the matmuls run in ``torch._scaled_mm`` (CPU with torch >= 2.13: an exact emulation, slower than bf16;
+  Hopper-class GPUs: real fp8 tensor cores).
+
+Example::
+
+    from mixprec.float8 import Float8Config, convert_to_float8_training
+    convert_to_float8_training(model, config=Float8Config(scaling="delayed"),
+                               module_filter_fn=lambda m, fqn: fqn != "head")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+
+The per-layer fp8 diagnostics are in :mod:`mixprec.inspect.fp8`.
+"""
+
+from mixprec.float8.config import Float8Config
+from mixprec.float8.convert import ModuleFilter, convert_to_float8_training, float8_linears, skip_fqns
+from mixprec.float8.distributed import sync_float8_amax_history
+from mixprec.float8.linear import Float8Linear
+from mixprec.float8.matmul import scaled_mm
+
+__all__ = [
+    "Float8Config",
+    "Float8Linear",
+    "ModuleFilter",
+    "convert_to_float8_training",
+    "float8_linears",
+    "scaled_mm",
+    "skip_fqns",
+    "sync_float8_amax_history",
+]

@@ -1,0 +1,124 @@
+"""`Float8Linear`: an ``nn.Linear`` whose three matmuls run in fp8 (the module swapped in by conversion)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixprec.float8.config import Float8Config
+from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
+
+__all__ = ["ROLES", "Float8Linear"]
+
+#: The tensors of a linear layer that are cast to fp8, in the order of the rows of its amax buffers.
+ROLES = ("input", "weight", "grad_output")
+assert (INPUT, WEIGHT, GRAD_OUTPUT) == (0, 1, 2)
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` with fp8 matmuls: e4m3 input and weight, e5m2 output gradient, per-tensor scales.
+
+    Same parameters (``weight`` (out, in), ``bias`` (out,)) and the same call as ``nn.Linear``: input
+    (..., in_features) of any float dtype, output (..., out_features) in the input's dtype, or in the
+    autocast dtype inside a ``torch.autocast`` / ``mixprec.autocast`` region (as ``F.linear`` there).
+    The bias is added in the output dtype after the fp8 matmul.
+
+    Buffers:
+        ``amax_history`` (delayed scaling only): float32[3, amax_history_len], rows input, weight,
+            grad_output, newest first; persistent, so it is in ``state_dict()`` and a resumed run continues
+            bitwise; a checkpoint without one (from ``nn.Linear`` or dynamic scaling) loads with an empty
+            history, and a dynamic module ignores one. It advances in training mode only (input and
+            weight at each forward, grad_output at each backward); in eval mode it is read, not written.
+        ``fp8_stats`` (not in ``state_dict``): float32[2, 3], the last amax (row 0) and scale (row 1) of
+            input, weight and grad_output, for diagnostics.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        config: the :class:`Float8Config` (default: dynamic scaling).
+
+    Raises:
+        TypeError: if ``config`` is not a :class:`Float8Config`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        config: Float8Config | None = None,
+    ) -> None:
+        config = _check_config(config)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config
+        self._add_buffers(self.weight.device)
+
+    def _add_buffers(self, device: torch.device) -> None:
+        if self.config.delayed:
+            history = torch.zeros(
+                len(ROLES), self.config.amax_history_len, dtype=torch.float32, device=device
+            )
+            self.register_buffer("amax_history", history)
+        else:
+            self.amax_history = None
+        self.register_buffer("fp8_stats", torch.zeros(2, len(ROLES), device=device), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
+        """A Float8Linear sharing ``linear``'s parameter objects (an optimizer built before keeps working).
+
+        Raises:
+            TypeError: if ``linear`` is not an ``nn.Linear`` or ``config`` not a :class:`Float8Config`.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        config = _check_config(config)
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._add_buffers(linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            input = input.to(torch.get_autocast_dtype(device_type))
+        out = Float8LinearFunction.apply(
+            input, self.weight, self.amax_history, self.fp8_stats, self.config, self.training
+        )
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # Checkpoints move between nn.Linear, dynamic and delayed modules: a missing history starts empty,
+        # a history is ignored by a dynamic module. (state_dict is torch's per-module copy.)
+        key = prefix + "amax_history"
+        if self.amax_history is not None and key not in state_dict:
+            state_dict[key] = torch.zeros_like(self.amax_history)
+        elif self.amax_history is None:
+            state_dict.pop(key, None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.config.short_str()}"
+
+    def last_amax(self) -> dict[str, float]:
+        """The amax of input, weight and grad_output at their last cast (0.0 before any); host sync."""
+        return dict(zip(ROLES, self.fp8_stats[0].tolist(), strict=True))
+
+    def last_scale(self) -> dict[str, float]:
+        """The scale used at the last cast of input, weight and grad_output (0.0 before any); host sync."""
+        return dict(zip(ROLES, self.fp8_stats[1].tolist(), strict=True))
+
+
+def _check_config(config: Float8Config | None) -> Float8Config:
+    if config is None:
+        return Float8Config()
+    if not isinstance(config, Float8Config):
+        raise TypeError(f"config must be a mixprec.float8.Float8Config or None, got {type(config).__name__}")
+    return config

@@ -1,0 +1,92 @@
+"""The scaling math of fp8 training: amax, scale, saturating cast, amax history.
+
+Conventions (torchao's and Transformer Engine's): a *scale* multiplies a high-precision tensor into the
+fp8 range, ``x_fp8 = saturate(x * scale)``, and ``x ~ x_fp8 / scale``. The scale of a tensor whose
+absolute maximum is ``amax`` is ``format.max / amax / 2**margin``, so the largest value lands on the
+format's largest finite value (448 for e4m3fn, 57344 for e5m2, from :mod:`mixprec.formats`).
+
+Delayed scaling (Transformer Engine, ``DelayedScaling`` recipe)::
+
+    history: float32[L], newest first, zeros at the start
+    at each use of a tensor x:
+        amax   = max|x|
+        past   = max(history)  (or history[0] for amax_compute_algo="most_recent")
+        scale  = format.max / (past if past > 0 else amax) / 2**margin      # first use: dynamic
+        x_fp8  = saturate(x * scale)            # values beyond past * 2**margin saturate this step
+        if amax is finite: history = [amax, history[0], ..., history[L-2]]
+        else: scale = nan (the non-finite values reach the gradients, so a GradScaler skips the step)
+                and the history is left as it was
+
+Everything is tensor math without host synchronisation (``torch.where``, no ``.item()``), so it runs
+under ``torch.compile`` and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec import formats
+
+__all__ = ["EPS", "amax_of", "amax_to_scale", "delayed_scale", "push_amax", "to_float8"]
+
+#: Smallest amax a scale is computed from (torchao's value), so an all-zero tensor gets a finite scale.
+EPS = 1e-12
+
+
+@torch.no_grad()
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a float32 scalar tensor (nan if ``x`` has a nan, inf if it has an inf)."""
+    return torch.max(torch.abs(x)).to(torch.float32)
+
+
+@torch.no_grad()
+def amax_to_scale(amax: torch.Tensor, fmt: formats.Format, margin: int = 0) -> torch.Tensor:
+    """``fmt.max / max(amax, EPS) / 2**margin`` as a float32 scalar tensor.
+
+    Computed in float64 and rounded once to float32, as torchao does (eager and compiled agree).
+    """
+    scale = (fmt.max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+    return scale / 2.0**margin if margin else scale
+
+
+@torch.no_grad()
+def delayed_scale(
+    history: torch.Tensor, amax: torch.Tensor, fmt: formats.Format, margin: int, algo: str
+) -> torch.Tensor:
+    """The delayed-scaling scale for a tensor with current ``amax``, from ``history`` (see the module doc).
+
+    Args:
+        history: float32[L] amax history, newest first.
+        amax: float32 scalar, ``max|x|`` of the tensor about to be cast.
+        fmt: the fp8 format the tensor is cast to.
+        margin: the scale is divided by ``2**margin``.
+        algo: "max" (largest entry) or "most_recent" (``history[0]``).
+
+    Returns:
+        A float32 scalar: nan when ``amax`` is not finite, so the cast result is all nan.
+    """
+    past = history.max() if algo == "max" else history[0]
+    scale = amax_to_scale(torch.where(past > 0, past, amax), fmt, margin)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+@torch.no_grad()
+def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """Push ``amax`` to the front of ``history`` in place (oldest dropped); a non-finite amax is skipped."""
+    shifted = torch.cat([amax.reshape(1).to(history.dtype), history[:-1]])
+    history.copy_(torch.where(torch.isfinite(amax), shifted, history))
+
+
+@torch.no_grad()
+def to_float8(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Format) -> torch.Tensor:
+    """``saturate(x * scale)`` in ``fmt``: multiplied in float32, clamped to ``±fmt.max``, cast.
+
+    Clamping first makes e5m2 (which has inf) saturate like e4m3fn; a nan stays nan.
+
+    Raises:
+        ValueError: for a format the installed torch has no dtype for.
+    """
+    if fmt.dtype is None:
+        raise ValueError(f"torch {torch.__version__} has no dtype for {fmt.name}")
+    scaled = x.to(torch.float32) * scale
+    return scaled.clamp(min=-fmt.max, max=fmt.max).to(fmt.dtype)

@@ -1,0 +1,277 @@
+"""`fp8_report`: what each linear layer loses in fp8, and which layers to keep out of it.
+
+For every ``nn.Linear`` of a model (converted :class:`~mixprec.float8.Float8Linear` modules included),
+one float32 forward and backward measures the three tensors fp8 training casts: the input and the weight
+in e4m3, the gradient of the output in e5m2. Each is judged at the scale fp8 training would give it: the
+dynamic scale ``format.max / amax`` for a plain ``nn.Linear`` or a dynamic Float8Linear, the scale from
+the module's amax history for a delayed one (so a history that lags the data shows as saturation).
+Per tensor: amax, scale, the fraction of non-zero values flushed to zero (``|x * scale|`` below half the
+smallest subnormal), the fraction saturating (``|x * scale|`` more than half an ulp above
+``format.max``, so clamped) and the relative error ``‖x - dequant(fp8(x))‖ / ‖x‖`` of the round trip.
+
+Layers over any threshold are suggested to stay in bf16; :meth:`Fp8Report.module_filter_fn` is the
+ready filter for :func:`mixprec.float8.convert_to_float8_training`. The model is restored exactly after
+the measurement (hooks removed; parameters, buffers, amax histories, grads, modes and RNG as before).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec import formats
+from mixprec.float8.convert import ModuleFilter, skip_fqns
+from mixprec.float8.linear import Float8Linear
+from mixprec.float8.scaling import amax_of, amax_to_scale, delayed_scale, to_float8
+from mixprec.inspect._modules import call_model, check_loss, check_model
+from mixprec.inspect._restore import preserved
+
+__all__ = ["Fp8LayerStats", "Fp8Report", "Fp8TensorStats", "fp8_report", "plot_fp8_report"]
+
+_FORMATS = {"input": formats.FP8_E4M3FN, "weight": formats.FP8_E4M3FN, "grad_output": formats.FP8_E5M2}
+_ROW = {"input": 0, "weight": 1, "grad_output": 2}
+
+
+@dataclass(frozen=True)
+class Fp8TensorStats:
+    """One tensor of one layer as fp8 training would cast it.
+
+    Attributes:
+        format: "fp8_e4m3fn" or "fp8_e5m2".
+        amax: ``max|x|`` (unscaled units of the tensor).
+        scale: the multiplier into the fp8 range (dimensionless).
+        underflow: fraction of the non-zero values that become zero.
+        saturate: fraction of the values clamped to ``±format.max`` (beyond it by more than half an ulp).
+        error: relative L2 error of the fp8 round trip (0 for an all-zero tensor).
+    """
+
+    format: str
+    amax: float
+    scale: float
+    underflow: float
+    saturate: float
+    error: float
+
+    @classmethod
+    def measure(cls, x: torch.Tensor, fmt: formats.Format, scale: torch.Tensor) -> Fp8TensorStats:
+        x = x.detach().to(torch.float32)
+        scaled = (x * scale).abs()
+        nonzero = (x != 0).sum().clamp(min=1)
+        underflow = ((x != 0) & (scaled < fmt.smallest_subnormal / 2)).sum() / nonzero
+        saturate = (scaled > _saturation_point(fmt)).float().mean()
+        back = to_float8(x, scale, fmt).to(torch.float32) / scale
+        error = (back - x).norm() / x.norm().clamp(min=torch.finfo(torch.float32).tiny)
+        values = torch.stack([amax_of(x), scale, underflow, saturate, error]).tolist()
+        return cls(fmt.name, *values)
+
+
+@dataclass(frozen=True)
+class Fp8LayerStats:
+    """The three fp8 tensors of one linear layer (``grad_output`` None if no gradient reached it)."""
+
+    input: Fp8TensorStats
+    weight: Fp8TensorStats
+    grad_output: Fp8TensorStats | None
+
+
+@dataclass(frozen=True)
+class Fp8Report:
+    """Per-layer fp8 losses and the layers suggested to stay in bf16.
+
+    Attributes:
+        layers: qualified module name -> :class:`Fp8LayerStats`, in ``named_modules`` order.
+        max_underflow, max_saturate, max_error: the thresholds a layer is judged against.
+    """
+
+    layers: dict[str, Fp8LayerStats]
+    max_underflow: float
+    max_saturate: float
+    max_error: float
+
+    def reasons(self, name: str) -> list[str]:
+        """Why layer ``name`` should stay in bf16 (empty: fp8 is fine for it)."""
+        out = []
+        for role, stats in asdict(self.layers[name]).items():
+            if stats is None:
+                continue
+            for key, limit in (("underflow", self.max_underflow), ("saturate", self.max_saturate)):
+                if stats[key] > limit:
+                    out.append(f"{role} {key} {stats[key]:.2%} > {limit:.2%}")
+            if stats["error"] > self.max_error:
+                out.append(f"{role} error {stats['error']:.3f} > {self.max_error:.3f}")
+        return out
+
+    def keep_in_bf16(self) -> list[str]:
+        """The layers over a threshold, in model order."""
+        return [name for name in self.layers if self.reasons(name)]
+
+    def module_filter_fn(self) -> ModuleFilter:
+        """``(module, fqn) -> bool`` for ``convert_to_float8_training``: False for :meth:`keep_in_bf16`."""
+        return skip_fqns(self.keep_in_bf16())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready): per-layer stats, thresholds and the suggestion."""
+        return {
+            "layers": {name: asdict(stats) for name, stats in self.layers.items()},
+            "thresholds": {"underflow": self.max_underflow, "saturate": self.max_saturate},
+            "max_error": self.max_error,
+            "keep_in_bf16": self.keep_in_bf16(),
+        }
+
+    def table(self) -> str:
+        """A text table: one row per layer and tensor, the suggestion at the end."""
+        head = f"{'layer':<24} {'tensor':<12} {'format':<10} {'amax':>10} {'scale':>10} "
+        lines = [head + f"{'underflow':>10} {'saturate':>9} {'error':>7}"]
+        for name, layer in self.layers.items():
+            for role, stats in (
+                ("input", layer.input),
+                ("weight", layer.weight),
+                ("grad_output", layer.grad_output),
+            ):
+                if stats is None:
+                    continue
+                lines.append(
+                    f"{name:<24} {role:<12} {stats.format[4:]:<10} {stats.amax:>10.3g} {stats.scale:>10.3g} "
+                    f"{stats.underflow:>10.2%} {stats.saturate:>9.2%} {stats.error:>7.3f}"
+                )
+        keep = self.keep_in_bf16()
+        lines.append(
+            "keep in bf16: " + (", ".join(f"{n} ({'; '.join(self.reasons(n))})" for n in keep) or "none")
+        )
+        return "\n".join(lines)
+
+
+def _saturation_point(fmt: formats.Format) -> float:
+    """``max`` plus half an ulp: beyond it a value's nearest fp8 number would exceed the max (clamped)."""
+    return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits - 1)
+
+
+def _scale(module: nn.Linear, role: str, x: torch.Tensor) -> torch.Tensor:
+    """The scale fp8 training gives ``x`` in this module right now (see the module doc)."""
+    fmt = _FORMATS[role]
+    amax = amax_of(x)
+    if isinstance(module, Float8Linear) and module.amax_history is not None:
+        config = module.config
+        return delayed_scale(
+            module.amax_history[_ROW[role]], amax, fmt, config.margin, config.amax_compute_algo
+        )
+    margin = module.config.margin if isinstance(module, Float8Linear) else 0
+    return amax_to_scale(amax, fmt, margin)
+
+
+def fp8_report(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor],
+    max_underflow: float = 0.01,
+    max_saturate: float = 0.001,
+    max_error: float = 0.1,
+) -> Fp8Report:
+    """Measure every linear layer's fp8 losses on one forward and backward (see the module doc).
+
+    Args:
+        model: the model (plain or converted); it is handed back exactly as it was.
+        inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
+        loss_fn: ``loss_fn(output) -> scalar tensor``.
+        max_underflow: a layer whose tensors flush more than this fraction of non-zero values is kept in bf16.
+        max_saturate: ... or saturate more than this fraction of values.
+        max_error: ... or lose more than this relative L2 error in the round trip.
+
+    Returns:
+        An :class:`Fp8Report`; ``print(report.table())``, ``report.module_filter_fn()``.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+        ValueError: for a threshold outside [0, 1] (name in the message), a model without ``nn.Linear``,
+            or a loss that is not a one-element tensor requiring grad.
+    """
+    check_model(model)
+    for name, value in (
+        ("max_underflow", max_underflow),
+        ("max_saturate", max_saturate),
+        ("max_error", max_error),
+    ):
+        if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError("model has no nn.Linear layer to report on")
+    found: dict[str, dict[str, Fp8TensorStats]] = {name: {} for name, _ in linears}
+    with preserved(model, inputs) as handles:
+        for name, module in linears:
+            handles.add(module.register_forward_pre_hook(_pre_hook(name, found)))
+            handles.add(module.register_forward_hook(_post_hook(name, found, handles)))
+        with torch.enable_grad():
+            check_loss(loss_fn(call_model(model, inputs))).backward()
+    layers = {
+        name: Fp8LayerStats(stats["input"], stats["weight"], stats.get("grad_output"))
+        for name, stats in found.items()
+        if "input" in stats
+    }
+    return Fp8Report(layers, float(max_underflow), float(max_saturate), float(max_error))
+
+
+def _record(found: dict, name: str, module: nn.Linear, role: str, x: torch.Tensor) -> None:
+    if role not in found[name]:  # a layer called twice is reported at its first call
+        found[name][role] = Fp8TensorStats.measure(x, _FORMATS[role], _scale(module, role, x))
+
+
+def _pre_hook(name: str, found: dict) -> Callable[..., None]:
+    def hook(module: nn.Linear, args: tuple) -> None:
+        _record(found, name, module, "input", args[0])
+        _record(found, name, module, "weight", module.weight)
+
+    return hook
+
+
+def _post_hook(name: str, found: dict, handles: Any) -> Callable[..., None]:
+    def hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            handles.add(output.register_hook(lambda g: _record(found, name, module, "grad_output", g)))
+
+    return hook
+
+
+def plot_fp8_report(report: Fp8Report, path: str | Path) -> Path:
+    """PNG of an :class:`Fp8Report`: per layer and tensor, the round-trip error and the fraction lost
+    (underflow + saturation); layers suggested for bf16 are labelled in red. Needs matplotlib.
+
+    Raises:
+        TypeError: if ``report`` is not an :class:`Fp8Report`.
+        ImportError: without matplotlib (``pip install 'mixprec[plot]'``).
+    """
+    from mixprec.inspect.plots import _figure, _save
+
+    if not isinstance(report, Fp8Report):
+        raise TypeError(f"report must be an Fp8Report, got {type(report).__name__}")
+    names = list(report.layers)
+    keep = set(report.keep_in_bf16())
+    figure = _figure(figsize=(10, 1.2 + 0.45 * len(names)))
+    panels = (("round-trip error (relative L2)", "error"), ("fraction lost (underflow + saturate)", None))
+    for index, (title, key) in enumerate(panels):
+        axes = figure.add_subplot(1, 2, index + 1)
+        for offset, role in enumerate(_FORMATS):
+            values = []
+            for name in names:
+                stats = getattr(report.layers[name], role)
+                values.append(
+                    0.0 if stats is None else stats.error if key else stats.underflow + stats.saturate
+                )
+            positions = [i + (offset - 1) * 0.27 for i in range(len(names))]
+            axes.barh(positions, values, height=0.27, label=f"{role} ({_FORMATS[role].name[4:]})")
+        axes.set_yticks(range(len(names)), names if index == 0 else [""] * len(names))
+        axes.invert_yaxis()
+        axes.set_title(title, fontsize=10)
+        if index == 0:
+            for label in axes.get_yticklabels():
+                label.set_color("tab:red" if label.get_text() in keep else "black")
+            axes.legend(fontsize=8, loc="lower right")
+    figure.suptitle(f"fp8 per layer; keep in bf16 (red): {', '.join(sorted(keep)) or 'none'}", fontsize=11)
+    return _save(figure, path, top=0.93)
