@@ -13,10 +13,10 @@ from mixprec.scaling._devices import is_available, parse_device, wide_float
 from mixprec.scaling.accessors import TorchAccessors
 from mixprec.scaling.factory import build_rule
 from mixprec.scaling.fused import run_fused_step, supports_fused_scaling
-from mixprec.scaling.guards import check_new_scale, refuse_closure
+from mixprec.scaling.guards import check_new_scale, check_optimizer, refuse_closure
 from mixprec.scaling.monitor import SkipMonitor
 from mixprec.scaling.outputs import map_tensors
-from mixprec.scaling.rules import ScaleRule
+from mixprec.scaling.rules import ScaleRule, check_flag
 from mixprec.scaling.state import GradScalerError, OptimizerRecord, OptState
 from mixprec.scaling.sync import RankSync
 
@@ -57,7 +57,8 @@ class GradScaler(TorchAccessors):
         device: device type the scaler is meant for; None (default) means the device of the first tensor
             scaled. Like torch, an explicit device whose backend is unavailable disables the scaler with a
             warning.
-        init_scale: starting scale.
+        init_scale: starting scale, in [smallest normal float32, float32 max] (the scale and its reciprocal
+            are float32).
         growth_factor: > 1, applied after ``growth_interval`` good steps in a row.
         backoff_factor: in (0, 1), applied on overflow.
         growth_interval: >= 1.
@@ -65,8 +66,8 @@ class GradScaler(TorchAccessors):
         rule: a ready rule object instead of the arguments above.
         growth: ``"interval"`` (torch's rule) or ``"headroom"`` (also grow as soon as gradients allow).
         hysteresis: overflows tolerated before backing off (every overflow still skips its step).
-        min_scale: floor for the scale (default: smallest normal float32, never 0).
-        max_scale: cap for the scale.
+        min_scale: floor for the scale, >= the smallest normal float32 (the default), so never 0.
+        max_scale: cap for the scale, <= float32 max.
         allow_fp16_grads: unscale fp16 gradients instead of raising torch's ValueError.
         warn_after_skips: warn once after this many skipped steps in a row; None never warns.
         process_group: the ranks that must agree on skipping; None means the default group.
@@ -80,6 +81,8 @@ class GradScaler(TorchAccessors):
 
     Raises:
         ValueError: for a bad argument, naming it and the accepted values.
+        TypeError: for a ``rule`` that is not a ScaleRule, or a flag (``enabled``, ``allow_fp16_grads``) that
+            is not a bool.
     """
 
     def __init__(
@@ -115,8 +118,8 @@ class GradScaler(TorchAccessors):
         )
         self.monitor = SkipMonitor(warn_after_skips)
         self.rank_sync = RankSync(sync, process_group)
-        self.allow_fp16_grads = bool(allow_fp16_grads)
-        self._enabled = bool(enabled) and self._backend_usable()
+        self.allow_fp16_grads = check_flag("allow_fp16_grads", allow_fp16_grads)
+        self._enabled = check_flag("enabled", enabled) and self._backend_usable()
         self._records: dict[int, OptimizerRecord] = {}
 
     def _backend_usable(self) -> bool:
@@ -164,6 +167,7 @@ class GradScaler(TorchAccessors):
         return self.rule.scale
 
     def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+        check_optimizer(optimizer)
         return self._records.setdefault(id(optimizer), OptimizerRecord())
 
     # -- unscale_ / step -------------------------------------------------------------------------------
@@ -178,6 +182,7 @@ class GradScaler(TorchAccessors):
         Raises:
             GradScalerError: when called twice in an iteration, after ``step``, or before any ``scale``.
             ValueError: for fp16 gradients unless ``allow_fp16_grads``.
+            TypeError: for an ``optimizer`` without ``param_groups``.
         """
         if not self._enabled:
             return
@@ -217,6 +222,7 @@ class GradScaler(TorchAccessors):
         Raises:
             GradScalerError: for a closure (keyword or positional), a second ``step`` in the iteration, no
                 ``scale`` earlier, or an optimizer none of whose parameters has a gradient.
+            TypeError: for an ``optimizer`` without ``param_groups``.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -230,6 +236,7 @@ class GradScaler(TorchAccessors):
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
         if not record.found_inf:
+            self._records.pop(id(optimizer))  # nothing was unscaled: leave no trace of this call
             raise GradScalerError(
                 "No inf checks were recorded for this optimizer. (None of its parameters has a .grad: was "
                 "backward() called on the scaled loss, and does the optimizer hold the model's parameters?)"
@@ -285,30 +292,36 @@ class GradScaler(TorchAccessors):
         """Move the scale once per iteration, after every optimizer's ``step`` (no sync).
 
         Args:
-            new_scale: set the scale to this instead (a finite float or int > 0, or a 1-element tensor
-                whose value is copied).
+            new_scale: set the scale to this instead: a float or int in [smallest normal float32, float32
+                max], or a 1-element tensor whose value is copied (not checked: that would sync).
+
+        An iteration that only calls ``update(new_scale)`` (no step, no unscale_) skipped nothing:
+        ``last_step_skipped`` is False after it.
 
         Raises:
             GradScalerError: with no ``new_scale`` and no step/unscale_ in this iteration, or no scale() ever.
-            ValueError: for a bad ``new_scale``.
+            ValueError: for a bad ``new_scale``; the scaler is left as it was, and ``update()`` may follow.
         """
         if not self._enabled:
             return
         scale = self._require_scale("update")
+        checked = None if new_scale is None else check_new_scale(new_scale)
+        if checked is None and not any(record.found_inf for record in self._records.values()):
+            raise GradScalerError("No inf checks were recorded prior to update.")
         for record in self._records.values():
             if record.found_inf and record.stage is not OptState.STEPPED:
                 self._combine_found_inf(record, scale.device)  # unscale_() without step(): agree now
         found_infs = [tensor for record in self._records.values() for tensor in record.found_inf.values()]
-        if new_scale is None and not found_infs:
-            raise GradScalerError("No inf checks were recorded prior to update.")
         found_inf = kernels.combine_max(found_infs, scale.device)
-        if new_scale is not None:
-            self.rule.set_scale(check_new_scale(new_scale))
+        if checked is not None:
+            self.rule.set_scale(checked)
         else:
             amax = self._combine_amax(scale.device) if self.rule.needs_amax else None
             self.rule.update(found_inf, amax)
         if found_infs:
             self.monitor.record(found_inf)
+        else:
+            self.monitor.record_no_step()
         self._records = {}
 
     def _combine_amax(self, device: torch.device) -> torch.Tensor:

@@ -40,26 +40,42 @@ FP16_MESSAGE = (
 
 
 def collect_grads(params: Iterable[torch.Tensor], allow_fp16: bool) -> GradGroups:
-    """Group the gradients to check by device and dtype; sparse gradients contribute their values.
+    """Group the gradients to check by device and dtype; sparse gradients contribute their values, complex
+    ones their real and imaginary parts.
 
     Raises:
-        ValueError: for an fp16 gradient unless ``allow_fp16`` (torch's error, same first sentence).
+        ValueError: for an fp16 (or complex32) gradient unless ``allow_fp16`` (torch's error, same first
+            sentence).
+        TypeError: for a sparse complex gradient.
     """
     groups: GradGroups = defaultdict(lambda: defaultdict(list))
     for param in params:
         if param.grad is None:
             continue
-        if param.grad.dtype == torch.float16 and not allow_fp16:
-            raise ValueError(FP16_MESSAGE)
         if param.grad.is_sparse:
+            if param.grad.is_complex():
+                raise TypeError(f"complex sparse gradients are not supported (dtype {param.grad.dtype})")
             # Scaled fp16 values with duplicate indices may overflow once summed, so check the sums (torch).
+            if param.grad.dtype == torch.float16 and not allow_fp16:
+                raise ValueError(FP16_MESSAGE)
             if param.grad.dtype == torch.float16:
                 param.grad = param.grad.coalesce()
             grad = param.grad._values()
         else:
-            grad = _local_shard(param.grad)
+            grad = _real_view(_local_shard(param.grad))
+        if grad.dtype == torch.float16 and not allow_fp16:
+            raise ValueError(FP16_MESSAGE)
         groups[grad.device][grad.dtype].append(grad)
     return groups
+
+
+def _real_view(grad: torch.Tensor) -> torch.Tensor:
+    """A complex gradient as its real and imaginary parts (``view_as_real``: same storage).
+
+    Unscaling a complex number by a real scale unscales both parts, and it is non-finite exactly when a
+    part is, so checking and multiplying the view checks and unscales the gradient.
+    """
+    return torch.view_as_real(grad) if grad.is_complex() else grad
 
 
 def _local_shard(grad: torch.Tensor) -> torch.Tensor:
