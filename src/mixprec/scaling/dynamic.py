@@ -70,11 +70,12 @@ class DynamicScale(ScaleRule):
     Underflow recovery: after a long run of overflows (a stretch of bad data, a NaN loss) the scale sits at
     the floor, every half-precision gradient flushes to exactly 0, no step overflows and nothing grows for
     ``growth_interval`` steps: training stalls silently. So a step whose gradients are finite and *all
-    exactly zero* (``amax == 0``, read in the same pass as the inf check, no sync) with the scale below
-    ``init_scale`` puts the scale back to ``init_scale``: zeros everywhere under a finite loss are
-    underflow, and nothing that is all zero can overflow. If ``init_scale`` is still too high, the next
-    steps back off as usual. A model whose gradients are genuinely all zero at a lowered scale costs at
-    most a few skipped steps.
+    exactly zero* (``amax == 0``) with the scale below ``init_scale`` puts the scale back to
+    ``init_scale``: zeros everywhere under a finite loss are underflow, and nothing that is all zero can
+    overflow. If ``init_scale`` is still too high, the next steps back off as usual. A model whose
+    gradients are genuinely all zero at a lowered scale costs at most a few skipped steps. The scaler
+    passes amax where it costs no extra sync (see :class:`~mixprec.scaling.GradScaler`); without amax
+    (``update(found_inf)``) the rule is torch's.
 
     Args:
         init_scale: starting scale.
@@ -95,7 +96,7 @@ class DynamicScale(ScaleRule):
         TypeError: for a ``raise_at_min_scale`` that is not a bool.
     """
 
-    needs_amax: ClassVar[bool] = True  # amax == 0 is the underflow signal
+    reads_amax: ClassVar[bool] = True  # amax == 0 is the underflow signal
 
     def __init__(
         self,
@@ -195,7 +196,7 @@ class DynamicScale(ScaleRule):
         amax: torch.Tensor | None,
     ) -> torch.Tensor:
         grown = _times(scale, self.growth_factor)
-        grown = torch.where(torch.isfinite(grown), grown, scale)
+        grown = torch.where(grown < math.inf, grown, scale)  # scale is finite: only inf to rule out
         if self.max_scale is not None:
             grown = grown.clamp_max(self.max_scale)
         backed_off = _times(scale, self.backoff_factor).clamp_min_(self.floor)

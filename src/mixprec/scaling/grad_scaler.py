@@ -210,7 +210,9 @@ class GradScaler(TorchAccessors):
         # The reciprocal in float64 (where the device has it), as torch does: float32 division can be inexact.
         inv_scale = scale.to(wide_float(scale.device)).reciprocal().float()
         unscale = unscale and not self.rule.is_identity
-        record.found_inf, record.amax = kernels.check_and_unscale_(groups, inv_scale, unscale)
+        record.found_inf, record.amax = kernels.check_and_unscale_(
+            groups, inv_scale, unscale, want_amax=self.rule.needs_amax
+        )
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step(*args, **kwargs)`` unless a
@@ -242,9 +244,33 @@ class GradScaler(TorchAccessors):
                 "backward() called on the scaled loss, and does the optimizer hold the model's parameters?)"
             )
         found_inf = self._combine_found_inf(record, scale.device)
-        retval = optimizer.step(*args, **kwargs) if found_inf.item() == 0 else self._on_skip()
+        skip = self._skip_decision(optimizer, record, found_inf, scale)
+        retval = self._on_skip() if skip else optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
+
+    def _skip_decision(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: OptimizerRecord,
+        found_inf: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> bool:
+        """Read found_inf on the host (the step's one sync). With the same sync, a rule that reads amax but
+        got none from torch's fused pass learns the scale: below 1 (only there can every gradient flush to
+        zero), a clean step measures amax for the underflow check, agreed across ranks."""
+        if not (self.rule.reads_amax and not record.amax):
+            return bool(found_inf.item() != 0)
+        found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
+        if found == 0 and current < 1:
+            params = (param for group in optimizer.param_groups for param in group["params"])
+            groups = kernels.collect_grads(params, allow_fp16=True)
+            _, amax = kernels.check_and_unscale_(groups, torch.ones((), device=scale.device), False)
+            _, agreed = self.rank_sync.max_across_ranks(
+                found_inf, kernels.combine_max(amax.values(), scale.device)
+            )
+            record.amax = {scale.device: agreed}
+        return found != 0
 
     def _fused_step(
         self,
@@ -279,7 +305,8 @@ class GradScaler(TorchAccessors):
         optimizer. The agreed values replace the record's, so ``update()`` needs no collective of its own.
         """
         found_inf = kernels.combine_max(record.found_inf.values(), device)
-        amax = kernels.combine_max(record.amax.values(), device) if self.rule.needs_amax else None
+        measured = self.rule.reads_amax and record.amax
+        amax = kernels.combine_max(record.amax.values(), device) if measured else None
         found_inf, amax = self.rank_sync.max_across_ranks(found_inf, amax)
         record.found_inf = {device: found_inf}
         if amax is not None:
@@ -316,18 +343,19 @@ class GradScaler(TorchAccessors):
         if checked is not None:
             self.rule.set_scale(checked)
         else:
-            amax = self._combine_amax(scale.device) if self.rule.needs_amax else None
-            self.rule.update(found_inf, amax)
+            self.rule.update(found_inf, self._combine_amax(scale.device))
         if found_infs:
             self.monitor.record(found_inf)
         else:
             self.monitor.record_no_step()
         self._records = {}
 
-    def _combine_amax(self, device: torch.device) -> torch.Tensor:
-        return kernels.combine_max(
-            (a for record in self._records.values() for a in record.amax.values()), device
-        )
+    def _combine_amax(self, device: torch.device) -> torch.Tensor | None:
+        """The largest amax over every optimizer, or None unless the rule reads it and all have one."""
+        records = [record for record in self._records.values() if record.found_inf]
+        if not self.rule.reads_amax or not all(record.amax for record in records):
+            return None
+        return kernels.combine_max((a for record in records for a in record.amax.values()), device)
 
     # -- accessors -------------------------------------------------------------------------------------
 

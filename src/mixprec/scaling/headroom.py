@@ -56,6 +56,7 @@ class HeadroomScale(DynamicScale):
     """
 
     needs_amax: ClassVar[bool] = True
+    reads_amax: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -11,16 +11,17 @@ Two kernels give the same results; the choice is per device type, as data:
   ``aminmax`` is a fast exact check (nan propagates to both ends, +inf to max, -inf to min).
 - ``_foreach_norm(inf)`` then ``_foreach_mul_``: a couple of multi-tensor launches on accelerators.
 
-Why not torch's own ``torch._amp_foreach_non_finite_check_and_unscale_`` (one fused pass, what
-torch.amp.GradScaler runs)? It is torch's private AMP kernel, and the project's rule is to build on torch's
-public ops and dispatcher. It also returns only found_inf, while the rules read ``amax`` from this same pass
-(HeadroomScale's headroom, DynamicScale's underflow recovery); computing amax beside it would cost the pass it
-saves. Measured on 200 tensors / 8M fp32 values, one CPU thread (``benchmarks/scaler_overhead.py``): the
-fused op 1.4-1.6 ms; ``aminmax`` alone 1.7-1.9 ms, ``_foreach_max`` 1.6-1.7 ms, a float64 ``sum`` 9 ms,
-``_foreach_norm(1)`` 13 ms: no public reduction reads faster than the fused op reads *and* writes, so a
-public-op unscale stays near 1.7x torch's on the CPU (the multiply, run while the tensor is still in cache,
-adds ~1 ms). Fused optimizers (``Adam(fused=True)`` & co.) skip this multiply entirely: the scaler only
-checks and hands them ``grad_scale``/``found_inf`` (scaling/fused.py).
+Two passes read every gradient; torch's own ``torch._amp_foreach_non_finite_check_and_unscale_`` (what
+torch.amp.GradScaler runs) checks and multiplies in one. Decision: when the rule needs no amax, unscaling
+runs that op (:func:`_torch_fused`); the public-op kernels above serve everything else (check-only passes for
+fused optimizers, amax for HeadroomScale) and any torch build without it. Why, given the project's rule of
+building on torch's public ops and dispatcher: it *is* a dispatcher op (``torch.ops.aten``, with CPU, CUDA
+and MPS kernels, which torch.amp and FSDP's ShardedGradScaler call), its results are torch's bit for bit by
+construction, and no public op can do a check and a multiply in one pass. Measured on 200 tensors / 8M fp32
+values, one CPU thread: the fused op 1.4-1.6 ms; ``aminmax`` alone 1.7-1.9 ms, ``_foreach_max`` 1.6-1.7 ms,
+a float64 ``sum`` 9 ms, ``_foreach_norm(1)`` 13 ms, so a public-op unscale stays near 1.7x torch's.
+Fused optimizers (``Adam(fused=True)`` & co.) skip the multiply altogether: the scaler only checks and hands
+them ``grad_scale``/``found_inf`` (scaling/fused.py).
 """
 
 from __future__ import annotations
@@ -130,8 +131,16 @@ def foreach_kernel(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) ->
 KERNELS: dict[str, Kernel] = {"cpu": per_tensor_kernel}
 
 
+# torch's one-pass check-and-multiply, where this torch build has it (see the module docstring).
+TORCH_FUSED: Callable[..., None] | None = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+
+
 def check_and_unscale_(
-    groups: GradGroups, inv_scale: torch.Tensor, unscale: bool, kernel: Kernel | None = None
+    groups: GradGroups,
+    inv_scale: torch.Tensor,
+    unscale: bool,
+    kernel: Kernel | None = None,
+    want_amax: bool = True,
 ) -> tuple[DeviceResults, DeviceResults]:
     """Check every gradient for inf/nan and, if ``unscale``, multiply it in place by ``inv_scale``.
 
@@ -139,13 +148,17 @@ def check_and_unscale_(
         groups: gradients by device and dtype, from :func:`collect_grads`.
         inv_scale: float32 0-dim tensor, ``1 / scale``.
         unscale: False to only check (fused optimizers unscale inside their own kernel).
-        kernel: force one kernel (tests); default: ``KERNELS`` for the device type, else the foreach one.
+        kernel: force one kernel (tests); default: torch's fused pass when unscaling without
+            ``want_amax``, else ``KERNELS`` for the device type, else the foreach one.
+        want_amax: measure amax; False lets an unscaling pass run torch's fused kernel instead.
 
     Returns:
         ``(found_inf, amax)`` per device: float32 0-dim tensors, ``found_inf`` 1.0 if any gradient on that
         device was non-finite else 0.0; ``amax`` the largest ``|gradient| * inv_scale`` (non-finite with
-        ``found_inf``).
+        ``found_inf``); ``amax`` is empty when it was not measured.
     """
+    if kernel is None and unscale and not want_amax and TORCH_FUSED is not None:
+        return _torch_fused(groups, inv_scale), {}
     found_inf: DeviceResults = {}
     amax: DeviceResults = {}
     for device, per_dtype in groups.items():
@@ -157,6 +170,19 @@ def check_and_unscale_(
         found_inf[device] = (~torch.isfinite(scaled)).float()
         amax[device] = scaled * device_inv
     return found_inf, amax
+
+
+def _torch_fused(groups: GradGroups, inv_scale: torch.Tensor) -> DeviceResults:
+    """torch's ``_amp_foreach_non_finite_check_and_unscale_``, one call per device and dtype."""
+    assert TORCH_FUSED is not None
+    found_inf: DeviceResults = {}
+    for device, per_dtype in groups.items():
+        device_inv = inv_scale.to(device, non_blocking=True)
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for grads in per_dtype.values():
+            TORCH_FUSED(grads, found, device_inv)
+        found_inf[device] = found
+    return found_inf
 
 
 def _max(tensors: list[torch.Tensor]) -> torch.Tensor:

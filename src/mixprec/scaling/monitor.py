@@ -56,7 +56,7 @@ class SkipMonitor:
         assert self._skipped is not None and self._run is not None
         skipped = found_inf > 0
         self._skipped.add_(skipped)
-        self._run.copy_(torch.where(skipped, self._run + 1, torch.zeros_like(self._run)))
+        self._run.mul_(skipped).add_(skipped)  # run + 1 after a skip, else 0
 
     @property
     def skipped_steps(self) -> int:

@@ -100,11 +100,14 @@ class ScaleRule:
         init_scale: the scale before the first update; a finite number > 0.
 
     Attributes:
-        needs_amax: whether :meth:`update` reads ``amax`` (the scaler computes it in the same pass anyway).
+        needs_amax: whether :meth:`update` needs ``amax`` every step (the scaler then checks the gradients
+            with its own public-op kernel, which yields amax in the same pass).
+        reads_amax: whether :meth:`update` uses ``amax`` when it is given (it may be None).
         is_identity: whether the scale is always exactly 1, so unscaling can skip the multiply.
     """
 
     needs_amax: ClassVar[bool] = False
+    reads_amax: ClassVar[bool] = False
     is_identity: ClassVar[bool] = False
 
     def __init__(self, init_scale: float) -> None:
@@ -152,7 +155,8 @@ class ScaleRule:
         Args:
             found_inf: float32 0-dim tensor on the scale's device, > 0 if any gradient was non-finite.
             amax: float32 0-dim tensor, the largest ``|gradient|`` after unscaling (non-finite when
-                ``found_inf``); only rules with ``needs_amax`` read it.
+                ``found_inf``), or None where the scaler did not measure it; only rules with ``reads_amax``
+                read it.
         """
 
     def after_skip(self) -> None:
