@@ -11,8 +11,9 @@ import torch.distributed as dist
 from mixprec.scaling import kernels
 from mixprec.scaling._devices import is_available, parse_device, wide_float
 from mixprec.scaling.accessors import TorchAccessors
+from mixprec.scaling.decisions import Decisions
 from mixprec.scaling.factory import build_rule
-from mixprec.scaling.fused import run_fused_step, supports_fused_scaling
+from mixprec.scaling.fused import supports_fused_scaling
 from mixprec.scaling.guards import check_new_scale, check_optimizer, refuse_closure
 from mixprec.scaling.monitor import SkipMonitor
 from mixprec.scaling.outputs import map_tensors
@@ -27,7 +28,7 @@ _NO_SCALE_YET = (
 )
 
 
-class GradScaler(TorchAccessors):
+class GradScaler(TorchAccessors, Decisions):
     """Loss scaling for mixed-precision training; same calls, errors and checkpoints as torch.amp.GradScaler.
 
     Typical use, exactly as with torch::
@@ -48,6 +49,13 @@ class GradScaler(TorchAccessors):
     arguments build one, or pass ``rule=`` (:class:`StaticScale`, :class:`NoScale`, :class:`HeadroomScale`).
     ``unscale_`` and ``update`` never wait for the device; ``step`` syncs once for its skip decision, as torch
     does, except with fused optimizers, which skip inside their kernel.
+
+    Unscaling runs torch's one-pass check-and-multiply op unless the rule needs amax every step
+    (HeadroomScale): see scaling/kernels.py for that decision. The default rule still reads amax for its
+    underflow recovery (all-zero gradients at a lowered scale restart it, see :class:`DynamicScale`): fused
+    optimizers' check pass measures it anyway; otherwise ``step``, which syncs once for its skip decision,
+    reads the scale in that same sync and, only when the scale is below 1 and the step is clean, reads the
+    gradients once more for amax (plus one all-reduce under torch.distributed).
 
     Under torch.distributed every rank skips or steps together: each optimizer's found_inf is all-reduced
     (MAX) over ``process_group`` in one collective before its skip decision, and ``update()`` combines those
@@ -249,70 +257,6 @@ class GradScaler(TorchAccessors):
         record.stage = OptState.STEPPED
         return retval
 
-    def _skip_decision(
-        self,
-        optimizer: torch.optim.Optimizer,
-        record: OptimizerRecord,
-        found_inf: torch.Tensor,
-        scale: torch.Tensor,
-    ) -> bool:
-        """Read found_inf on the host (the step's one sync). With the same sync, a rule that reads amax but
-        got none from torch's fused pass learns the scale: below 1 (only there can every gradient flush to
-        zero), a clean step measures amax for the underflow check, agreed across ranks."""
-        if not (self.rule.reads_amax and not record.amax):
-            return bool(found_inf.item() != 0)
-        found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
-        if found == 0 and current < 1:
-            params = (param for group in optimizer.param_groups for param in group["params"])
-            groups = kernels.collect_grads(params, allow_fp16=True)
-            _, amax = kernels.check_and_unscale_(groups, torch.ones((), device=scale.device), False)
-            _, agreed = self.rank_sync.max_across_ranks(
-                found_inf, kernels.combine_max(amax.values(), scale.device)
-            )
-            record.amax = {scale.device: agreed}
-        return found != 0
-
-    def _fused_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        record: OptimizerRecord,
-        scale: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Hand the scale and found_inf to an optimizer that unscales and skips in its own kernel."""
-        if record.stage is OptState.READY:
-            self._check_grads(optimizer, record, scale, unscale=False, allow_fp16=True)
-            # As torch: compose with a grad_scale the user may have set on the optimizer.
-            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
-        else:
-            grad_scale = getattr(optimizer, "grad_scale", None)  # already unscaled by unscale_()
-        found_inf = self._combine_found_inf(record, scale.device)
-        retval = run_fused_step(optimizer, grad_scale, found_inf, args, kwargs)
-        record.stage = OptState.STEPPED
-        return retval
-
-    def _on_skip(self) -> None:
-        """A step was just skipped and the host knows it: the cheap moment for checks that need a sync."""
-        self.monitor.check(pending=1, scale=self.rule.get_scale())
-        self.rule.after_skip()
-
-    def _combine_found_inf(self, record: OptimizerRecord, device: torch.device) -> torch.Tensor:
-        """One optimizer's found_inf (1.0 if any device's is non-zero) on ``device``, the same on every rank.
-
-        Every skip decision goes through here, and :meth:`update` only combines its results: this is where
-        found_inf (with amax, when the rule reads it) is all-reduced across ranks, one collective per
-        optimizer. The agreed values replace the record's, so ``update()`` needs no collective of its own.
-        """
-        found_inf = kernels.combine_max(record.found_inf.values(), device)
-        measured = self.rule.reads_amax and record.amax
-        amax = kernels.combine_max(record.amax.values(), device) if measured else None
-        found_inf, amax = self.rank_sync.max_across_ranks(found_inf, amax)
-        record.found_inf = {device: found_inf}
-        if amax is not None:
-            record.amax = {device: amax}
-        return found_inf
-
     # -- update ----------------------------------------------------------------------------------------
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -349,13 +293,6 @@ class GradScaler(TorchAccessors):
         else:
             self.monitor.record_no_step()
         self._records = {}
-
-    def _combine_amax(self, device: torch.device) -> torch.Tensor | None:
-        """The largest amax over every optimizer, or None unless the rule reads it and all have one."""
-        records = [record for record in self._records.values() if record.found_inf]
-        if not self.rule.reads_amax or not all(record.amax for record in records):
-            return None
-        return kernels.combine_max((a for record in records for a in record.amax.values()), device)
 
     # -- accessors -------------------------------------------------------------------------------------
 
