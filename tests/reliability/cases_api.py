@@ -14,7 +14,7 @@ import mixprec.inspect as mi
 from mixprec import formats
 
 from .battery import BAD_INPUT, Case
-from .cases_scaling import check_roundtrip
+from .cases_scaler_state import check_roundtrip
 
 
 def _c(case_id: str, call: Any, names: tuple[str, ...], owner: str, **kw: Any) -> Case:

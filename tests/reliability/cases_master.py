@@ -10,7 +10,7 @@ import torch
 import mixprec
 
 from .battery import BAD_INPUT, Case
-from .cases_scaling import check_roundtrip
+from .cases_scaler_state import check_roundtrip
 
 OWNER = "master"
 
