@@ -8,11 +8,17 @@ mixprec / torch.
 
     python benchmarks/scaler_overhead.py --repeats 50
     python benchmarks/scaler_overhead.py --optimizer adam-fused --no-unscale --dtype bfloat16
+    python benchmarks/scaler_overhead.py --clock cpu --threads 1 --json scaler.json
+
+``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared machine a
+preempted phase then costs what it computed, not how long it waited. The spread printed is the
+interquartile range.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -41,6 +47,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall", help="perf_counter or process_time"
+    )
+    parser.add_argument("--json", help="write the samples and medians here")
+    parser.add_argument(
         "--no-unscale",
         action="store_true",
         help="skip the explicit unscale_() and let step() check (fused optimizers unscale in their kernel)",
@@ -59,6 +69,10 @@ def make_setup(args: argparse.Namespace, seed: int = 0):
     return params, grads, OPTIMIZERS[args.optimizer](params)
 
 
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+now = time.perf_counter
+
+
 def time_iteration(scaler, params, grads, optimizer, loss: torch.Tensor, unscale: bool) -> dict[str, float]:
     with torch.no_grad():
         for param, grad in zip(params, grads, strict=True):
@@ -67,16 +81,16 @@ def time_iteration(scaler, params, grads, optimizer, loss: torch.Tensor, unscale
             else:
                 param.grad.copy_(grad)
     times = {}
-    start = time.perf_counter()
+    start = now()
     scaler.scale(loss)
-    times["scale"] = time.perf_counter()
+    times["scale"] = now()
     if unscale:
         scaler.unscale_(optimizer)
-    times["unscale_"] = time.perf_counter()
+    times["unscale_"] = now()
     scaler.step(optimizer)
-    times["step"] = time.perf_counter()
+    times["step"] = now()
     scaler.update()
-    times["update"] = time.perf_counter()
+    times["update"] = now()
     previous, out = start, {}
     for phase in PHASES:
         out[phase], previous = times[phase] - previous, times[phase]
@@ -102,30 +116,49 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     return samples
 
 
-def report(samples: dict[str, dict[str, list[float]]]) -> None:
-    print(f"{'median ms':<12}" + "".join(f"{phase:>10}" for phase in (*PHASES, "total", "scaler")))
-    totals, scaler_only = {}, {}
+def _iqr(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4)
+    return f"{q[0]:.3f}-{q[2]:.3f}"
+
+
+def report(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    print(
+        f"{'median ms':<12}"
+        + "".join(f"{phase:>10}" for phase in (*PHASES, "total", "scaler"))
+        + "  scaler IQR"
+    )
+    summary: dict[str, dict[str, float]] = {}
     for name, phases in samples.items():
-        medians = [statistics.median(phases[phase]) * 1e3 for phase in PHASES]
-        columns = [phases[phase] for phase in PHASES]
-        totals[name] = statistics.median(sum(row) * 1e3 for row in zip(*columns, strict=True))
+        ms = {phase: [v * 1e3 for v in phases[phase]] for phase in PHASES}
+        medians = [statistics.median(ms[phase]) for phase in PHASES]
+        total = [sum(row) for row in zip(*ms.values(), strict=True)]
         # Everything but step(), which is mostly the optimizer's own arithmetic.
-        own = [phases[phase] for phase in PHASES if phase != "step"]
-        scaler_only[name] = statistics.median(sum(row) * 1e3 for row in zip(*own, strict=True))
-        row = "".join(f"{m:>10.3f}" for m in (*medians, totals[name], scaler_only[name]))
-        print(f"{name:<12}{row}")
-    print(f"ratio mixprec / torch: total {totals['mixprec'] / totals['torch']:.2f}x, "
-          f"scale+unscale_+update {scaler_only['mixprec'] / scaler_only['torch']:.2f}x")  # fmt: skip
+        own = [sum(row) for row in zip(*(ms[p] for p in PHASES if p != "step"), strict=True)]
+        summary[name] = {**dict(zip(PHASES, medians, strict=True)), "total": statistics.median(total),
+                         "scaler": statistics.median(own)}  # fmt: skip
+        row = "".join(f"{m:>10.3f}" for m in (*medians, summary[name]["total"], summary[name]["scaler"]))
+        print(f"{name:<12}{row}  {_iqr(own)}")
+    ratio_total = summary["mixprec"]["total"] / summary["torch"]["total"]
+    ratio_scaler = summary["mixprec"]["scaler"] / summary["torch"]["scaler"]
+    print(f"ratio mixprec / torch: total {ratio_total:.2f}x, scale+unscale_+update {ratio_scaler:.2f}x")
+    summary["ratio"] = {"total": ratio_total, "scaler": ratio_scaler}
+    return summary
 
 
 def main() -> None:
+    global now
     args = parse_args()
+    now = CLOCK[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     values = sum(p.numel() for p in make_setup(args)[0])
     print(f"{args.tensors} tensors, {values / 1e6:.2f}M values, {args.dtype}, optimizer={args.optimizer}, "
           f"threads={torch.get_num_threads()}, repeats={args.repeats}")  # fmt: skip
-    report(measure(args))
+    samples = measure(args)
+    summary = report(samples)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "summary": summary, "samples_s": samples}, handle, indent=1)
 
 
 if __name__ == "__main__":

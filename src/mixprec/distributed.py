@@ -38,7 +38,7 @@ def compression_hook(format: str) -> Callable[..., Any]:
         ValueError: for another format, naming the accepted ones.
         RuntimeError: when torch.distributed is not available.
     """
-    if format not in COMPRESSION_HOOKS:
+    if not isinstance(format, str) or format not in COMPRESSION_HOOKS:
         raise ValueError(f"compression format must be one of {sorted(COMPRESSION_HOOKS)}, got {format!r}")
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed, so no DDP comm hooks")
@@ -57,6 +57,20 @@ def _digest(tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _tensor_list(tensors: object) -> list[torch.Tensor]:
+    """A module's parameters then buffers, or the given iterable of tensors as a list (else TypeError)."""
+    if isinstance(tensors, torch.nn.Module):
+        return [*tensors.parameters(), *tensors.buffers()]
+    if isinstance(tensors, Iterable) and not isinstance(tensors, (str, bytes, torch.Tensor)):
+        items = list(tensors)
+        if all(isinstance(t, torch.Tensor) for t in items):
+            return items
+    raise TypeError(
+        "tensors must be an nn.Module or an iterable of tensors, "
+        f"got {type(tensors).__name__}: {tensors!r:.60}"
+    )
+
+
 def replicas_identical(
     tensors: torch.nn.Module | Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> bool:
@@ -69,9 +83,11 @@ def replicas_identical(
     Args:
         tensors: a module (its ``parameters()`` then ``buffers()``) or tensors in the same order on each rank.
         group: the ranks to compare; None means the default group.
+
+    Raises:
+        TypeError: when ``tensors`` is neither a module nor an iterable of tensors.
     """
-    if isinstance(tensors, torch.nn.Module):
-        tensors = [*tensors.parameters(), *tensors.buffers()]
+    tensors = _tensor_list(tensors)
     digest = _digest(tensors)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,20 @@ class Format:
     has_inf: bool = True
     max_override: float | None = None
     torch_dtype_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"name must be a non-empty str, got {self.name!r}")
+        for field_name, low in (("exponent_bits", 2), ("mantissa_bits", 0)):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 30:
+                raise ValueError(f"{field_name} must be an int in [{low}, 30], got {value!r}")
+        if not isinstance(self.has_inf, bool):
+            raise TypeError(f"has_inf must be a bool, got {self.has_inf!r}")
+        if self.max_override is not None:
+            _number("max_override", self.max_override, positive=True)
+        if self.torch_dtype_name is not None and not isinstance(self.torch_dtype_name, str):
+            raise TypeError(f"torch_dtype_name must be a str or None, got {self.torch_dtype_name!r}")
 
     @property
     def bias(self) -> int:
@@ -93,22 +108,44 @@ class Format:
         return getattr(torch, self.torch_dtype_name, None)
 
     def overflows(self, value: float, scale: float = 1.0) -> bool:
-        """Whether ``|value| * scale`` is beyond the largest finite value (or not finite at all)."""
-        scaled = abs(float(value)) * scale
+        """Whether ``|value| * scale`` is beyond the largest finite value (or not finite at all).
+
+        Raises:
+            TypeError: for a ``value`` or ``scale`` that is not a real number.
+            ValueError: for a ``scale`` that is not finite and > 0.
+        """
+        scaled = _scaled(value, scale)
         return not math.isfinite(scaled) or scaled > self.max
 
     def underflows(self, value: float, scale: float = 1.0) -> bool:
-        """Whether a non-zero ``value * scale`` would be flushed to zero in this format."""
-        scaled = abs(float(value)) * scale
+        """Whether a non-zero ``value * scale`` would be flushed to zero in this format (errors: as
+        :meth:`overflows`)."""
+        scaled = _scaled(value, scale)
         return 0.0 < scaled < self.smallest_subnormal / 2
 
     def is_subnormal(self, value: float, scale: float = 1.0) -> bool:
-        """Whether ``value * scale`` lands in the subnormal range (representable, with lost precision)."""
-        scaled = abs(float(value)) * scale
+        """Whether ``value * scale`` lands in the subnormal range (representable, with lost precision;
+        errors: as :meth:`overflows`)."""
+        scaled = _scaled(value, scale)
         return self.smallest_subnormal / 2 <= scaled < self.smallest_normal
 
     def __str__(self) -> str:
         return self.name
+
+
+def _number(name: str, value: object, positive: bool = False) -> float:
+    """``float(value)`` for a real number (a 0-dim tensor too); with ``positive``, finite and > 0."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}: {value!r:.60}")
+    if positive and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _scaled(value: object, scale: object) -> float:
+    return abs(_number("value", value)) * _number("scale", scale, positive=True)
 
 
 FP32 = Format("fp32", 8, 23, torch_dtype_name="float32")
@@ -141,6 +178,7 @@ def get(spec: Format | torch.dtype | str) -> Format:
 
     Raises:
         ValueError: for a name or dtype mixprec has no format for; the message lists the accepted names.
+        TypeError: for a ``spec`` of another type.
     """
     if isinstance(spec, Format):
         return spec
@@ -158,19 +196,26 @@ def get(spec: Format | torch.dtype | str) -> Format:
         close = difflib.get_close_matches(key, names, n=3)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         raise ValueError(f"unknown format {spec!r}{hint}; accepted: {names}")
-    raise TypeError(f"expected a Format, torch.dtype or str, got {type(spec).__name__}: {spec!r}")
+    raise TypeError(f"spec must be a Format, torch.dtype or str, got {type(spec).__name__}: {spec!r}")
 
 
 def max_safe_scale(amax: float, fmt: Format | torch.dtype | str = FP16, margin: float = 2.0) -> float:
     """Largest power-of-two scale that keeps ``amax * scale * margin`` finite in ``fmt``.
 
-    Returns ``inf`` for ``amax == 0`` (any scale is safe) and raises for negative or non-finite amax.
+    Returns ``inf`` for ``amax == 0`` (any scale is safe).
+
+    Raises:
+        TypeError: for an ``amax`` or ``margin`` that is not a real number, or a bad ``fmt`` (see get).
+        ValueError: for a negative or non-finite ``amax``, a ``margin`` that is not finite and >= 1, or an
+            unknown ``fmt``.
     """
     fmt = get(fmt)
+    amax = _number("amax", amax)
     if not math.isfinite(amax) or amax < 0:
         raise ValueError(f"amax must be finite and >= 0, got {amax}")
-    if margin < 1:
-        raise ValueError(f"margin must be >= 1, got {margin}")
+    margin = _number("margin", margin)
+    if not (math.isfinite(margin) and margin >= 1):
+        raise ValueError(f"margin must be a finite number >= 1, got {margin}")
     if amax == 0:
         return math.inf
     return 2.0 ** math.floor(math.log2(fmt.max / (amax * margin)))

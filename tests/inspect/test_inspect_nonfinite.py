@@ -133,3 +133,21 @@ def test_bad_arguments_name_the_value(inputs):
         find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda y: y)
     with pytest.raises(ValueError, match="conflicts"):
         find_nonfinite(demo.healthy_model(), inputs, dtype=torch.bfloat16, policy=FP16)
+
+
+class _InPlaceDouble(nn.Module):
+    def forward(self, h):
+        h = h.clone()
+        h += h  # fp16 40000 + 40000 overflows: this op made the inf, its input was finite
+        return h
+
+
+def test_an_in_place_overflow_is_blamed_on_the_op_not_on_its_inputs():
+    """Issue 11: the inputs were judged after ``h += h`` had overwritten them, and reported as non-finite."""
+    x = torch.full((2, 3), 40000.0, dtype=torch.float16)
+    report = find_nonfinite(_InPlaceDouble(), x)
+    assert report is not None and report.op in ("__iadd__", "add_") and report.value == "inf"
+    assert report.inputs_finite, str(report)
+    assert report.input_range == (40000.0, 40000.0)
+    assert report.finite_in_fp32 is True  # re-run on float32 copies taken before the op
+    assert torch.equal(x, torch.full((2, 3), 40000.0, dtype=torch.float16))

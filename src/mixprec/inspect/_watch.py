@@ -56,20 +56,28 @@ def nonfinite_kind(tensors: list[torch.Tensor]) -> str:
     return "nan" if any(bool(torch.isnan(t).any()) for t in tensors if t.is_floating_point()) else "inf"
 
 
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
+) | {"__ilshift__", "__irshift__"}
+
+
 def _mutates(func: Any, kwargs: dict) -> bool:
     name = op_name(func)
-    in_place = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+    in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
     return in_place or bool(kwargs.get("inplace")) or kwargs.get("out") is not None
 
 
-def _to_fp32(value: Any) -> Any:
+def _to_fp32(value: Any, copy: bool = False) -> Any:
+    """Floating tensors in ``value`` as float32 (float64 kept); ``copy``: every tensor a fresh copy."""
     if isinstance(value, torch.Tensor):
         keep = not value.is_floating_point() or value.dtype == torch.float64
-        return value if keep else value.detach().float()
+        dtype = value.dtype if keep else torch.float32
+        return value.detach().to(dtype, copy=True) if copy else (value if keep else value.detach().float())
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_fp32(v) for v in value)
+        return type(value)(_to_fp32(v, copy) for v in value)
     if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
+        return {k: _to_fp32(v, copy) for k, v in value.items()}
     return value
 
 
@@ -97,11 +105,15 @@ class Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # An in-place op overwrites its inputs: keep float32 copies to judge them (and re-run the op on).
+        before = None
+        if self.forward is None and _mutates(func, kwargs):
+            before = (_to_fp32(args, copy=True), _to_fp32(kwargs, copy=True))
         result = func(*args, **kwargs)
         outputs = [t for t in tensors_in(result) if t.is_floating_point()]
         if outputs:
             if self.forward is None and not all_finite(outputs):
-                self.forward = self._forward_finding(func, args, kwargs, outputs)
+                self.forward = self._forward_finding(func, args, kwargs, outputs, before)
             if self.watch_backward and self.forward is None:
                 self._hook_nodes(op_name(func), args, kwargs, outputs)
         return result
@@ -112,10 +124,19 @@ class Watch(TorchFunctionMode):
 
     # ----------------------------------------------------------------- forward
     def _forward_finding(
-        self, func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor]
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        outputs: list[torch.Tensor],
+        before: tuple[tuple, dict] | None,
     ) -> NonfiniteReport:
-        inputs = tensors_in((args, kwargs))
+        """The report for the op that produced non-finite ``outputs``; ``before``: float32 copies of an
+        in-place op's arguments taken before it ran (its inputs as they were, not as it left them)."""
         bad = [t for t in outputs if not all_finite([t])]
+        if before is not None:
+            args, kwargs = before
+        inputs = tensors_in((args, kwargs))
         return NonfiniteReport(
             module=self.tracker.current,
             phase="forward",
@@ -124,12 +145,14 @@ class Watch(TorchFunctionMode):
             value=nonfinite_kind(bad),
             input_range=value_range(inputs),
             inputs_finite=all_finite(inputs),
-            finite_in_fp32=self._finite_in_fp32(func, args, kwargs),
+            finite_in_fp32=self._finite_in_fp32(func, args, kwargs, copied=before is not None),
         )
 
-    def _finite_in_fp32(self, func: Any, args: tuple, kwargs: dict) -> bool | None:
-        """Whether the culprit op gives finite results when run in float32 (None: could not re-run it)."""
-        if _mutates(func, kwargs):
+    def _finite_in_fp32(self, func: Any, args: tuple, kwargs: dict, copied: bool) -> bool | None:
+        """Whether the culprit op gives finite results when run in float32 (None: could not re-run it).
+
+        An in-place op is re-run only on ``copied`` arguments (float32 copies made before it ran)."""
+        if _mutates(func, kwargs) and not copied:
             return None
         try:
             with torch.no_grad(), autocast(self.device_type, enabled=False):

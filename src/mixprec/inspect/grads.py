@@ -27,7 +27,7 @@ def named_grads(source: Source, *, model: nn.Module | None = None) -> list[tuple
             ``"param_groups[i][j]"``.
 
     Raises:
-        TypeError: for a source of another kind.
+        TypeError: for a source of another kind, or a ``model`` that is not an ``nn.Module``.
     """
     return [(name, _dense(p.grad)) for name, p in _named_params(source, model) if p.grad is not None]
 
@@ -35,6 +35,8 @@ def named_grads(source: Source, *, model: nn.Module | None = None) -> list[tuple
 def _named_params(source: Source, model: nn.Module | None) -> list[tuple[str, torch.Tensor]]:
     if isinstance(source, nn.Module):
         return list(source.named_parameters())
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}: {model!r:.60}")
     if isinstance(source, torch.optim.Optimizer):
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         return [
@@ -44,9 +46,12 @@ def _named_params(source: Source, model: nn.Module | None) -> list[tuple[str, to
         ]
     if isinstance(source, Iterable) and not isinstance(source, (str, bytes, torch.Tensor)):
         items = list(source)
-        return [item if isinstance(item, tuple) else (f"params[{i}]", item) for i, item in enumerate(items)]
+        pairs = [item if isinstance(item, tuple) else (f"params[{i}]", item) for i, item in enumerate(items)]
+        if all(len(pair) == 2 and isinstance(pair[1], torch.Tensor) for pair in pairs):
+            return pairs
     raise TypeError(
-        f"expected an nn.Module, an optimizer or an iterable of parameters, got {type(source).__name__}"
+        "source must be an nn.Module, an optimizer or an iterable of parameters or (name, parameter) pairs, "
+        f"got {type(source).__name__}: {source!r:.60}"
     )
 
 

@@ -48,12 +48,17 @@ def find_nonfinite(
         execution order: forward ops, then backward nodes) whose result was non-finite.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``.
+        TypeError: if ``model`` is not an ``nn.Module``, ``loss_fn`` not callable, or ``policy`` of another
+            type.
         ValueError: if ``loss_fn`` returns something other than a one-element tensor that requires grad.
     """
     check_model(model)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output -> scalar tensor) or None, got {loss_fn!r:.60}")
     if isinstance(policy, str):
         policy = Policy.parse(policy)
+    elif policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy, a policy string or None, got {type(policy).__name__}")
     if dtype is None and (policy is None or policy.compute_dtype is None):
         dtype = torch.float16
     device_type = device_type or device_type_of(model, inputs)

@@ -72,6 +72,13 @@ def _module_value(value: object, key: object) -> torch.dtype | Policy:
     raise TypeError(f"module override for {key!r} must be a dtype or a Policy, got {type(value).__name__}")
 
 
+def _pairs(name: str, value: object) -> tuple[tuple[object, object], ...]:
+    """``value`` if it is a tuple of 2-tuples (what the ``with_*`` builders make); else a TypeError."""
+    if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        raise TypeError(f"{name} must be a tuple of (key, value) pairs, got {value!r:.80}")
+    return value
+
+
 def _module_key(key: object) -> ModuleKey:
     if isinstance(key, str):
         return key
@@ -120,11 +127,16 @@ class Policy:
             raise ValueError(
                 f"device_type must be one of {sorted(_FAMILY_OPS)} or None, got {self.device_type!r}"
             )
-        for op, category in self.op_overrides:
+        for op, category in _pairs("op_overrides", self.op_overrides):
             if category not in _ALL_CATEGORIES:
                 raise ValueError(
                     f"unknown op category {category!r} for {op!r}; accepted: {list(_ALL_CATEGORIES)}"
                 )
+            canonical_op(op)  # raises for an unknown op name
+        for key, value in _pairs("module_overrides", self.module_overrides):
+            _module_key(key)
+            if not isinstance(value, (torch.dtype, Policy)):
+                raise TypeError(f"module override for {key!r} must be a dtype or a Policy, got {value!r}")
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -142,6 +154,8 @@ class Policy:
         Raises:
             ValueError: for an unknown name, listing the presets.
         """
+        if not isinstance(name, str):
+            raise TypeError(f"preset name must be a str, got {type(name).__name__}: {name!r}")
         key = name.strip().lower()
         family = None if device_type is None else _family(device_type)
         if key in ("bf16-mixed", "bf16"):
@@ -221,6 +235,8 @@ class Policy:
         ):
             if isinstance(opnames, (str, bytes)) or callable(opnames):
                 opnames = [opnames]  # a single op given bare
+            elif not isinstance(opnames, Iterable):
+                raise TypeError(f"{category} must be an op or an iterable of ops, got {opnames!r}")
             for op in opnames:
                 key = canonical_op(op)
                 if key in seen and seen[key] != category:

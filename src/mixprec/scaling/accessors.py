@@ -66,19 +66,38 @@ class TorchAccessors:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` or from a torch GradScaler's; a no-op when disabled.
 
+        Every key is checked before anything changes (see :meth:`validate_state_dict`): a dict that raises
+        leaves the scaler exactly as it was.
+
         Raises:
             RuntimeError: for an empty dict (saved from a disabled scaler).
-            ValueError: for a dict saved from a different kind of rule.
+            TypeError: when ``state_dict`` is not a dict.
+            ValueError: for a missing or bad key (named), or a dict saved from a different kind of rule.
         """
         if not self._enabled:
             return
+        rule_values, monitor_values = self._read_state(state_dict)
+        self.rule._apply_state(rule_values)
+        self.monitor._apply_state(monitor_values)
+
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing.
+
+        For wrappers that restore several parts at once (a model, an optimizer, this scaler): check every
+        part first, then load them all.
+        """
+        if self._enabled:
+            self._read_state(state_dict)
+
+    def _read_state(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}: {state_dict!r:.80}")
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled instance of "
                 "GradScaler."
             )
-        self.rule.load_state_dict(state_dict)
-        self.monitor.load_state_dict(state_dict)
+        return self.rule.read_state(state_dict), self.monitor.read_state(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._records:

@@ -4,16 +4,41 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from mixprec.scaling._devices import wide_float
-from mixprec.scaling.rules import ScaleRule, check_count, check_positive
+from mixprec.scaling.rules import (
+    FLOAT32_TINY,
+    ScaleRule,
+    check_count,
+    check_flag,
+    check_positive,
+    check_scale,
+    optional,
+    required,
+)
 
-__all__ = ["FLOAT32_TINY", "DynamicScale"]
+__all__ = ["FLOAT32_TINY", "DynamicScale", "check_backoff_factor", "check_growth_factor"]
 
-FLOAT32_TINY = torch.finfo(torch.float32).tiny  # default floor: positive, and 1/floor is still finite
+
+def check_growth_factor(name: str, value: Any) -> float:
+    """``float(value)`` for a finite number > 1; otherwise a ValueError naming it."""
+    if check_positive(name, value) <= 1:
+        raise ValueError(f"{name} must be > 1, got {value!r}")
+    return float(value)
+
+
+def check_backoff_factor(name: str, value: Any) -> float:
+    """``float(value)`` for a number in (0, 1); otherwise a ValueError naming it."""
+    if check_positive(name, value) >= 1:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return float(value)
+
+
+def _check_bound(name: str, value: Any) -> float | None:
+    return None if value is None else check_scale(name, value)
 
 
 class DynamicScale(ScaleRule):
@@ -33,12 +58,24 @@ class DynamicScale(ScaleRule):
                 hysteresis_left = hysteresis    # a clean window earns the tolerance back
                 if isfinite(scale * growth_factor):     # never grow to inf (torch)
                     scale = min(scale * growth_factor, max_scale)
+            if amax == 0 and scale < init_scale:    # underflow recovery (beyond torch, see below)
+                scale = min(init_scale, max_scale)
 
     With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` this is torch's rule, except that the
     scale stops at the smallest normal float32 instead of collapsing to 0 after ~160 overflows in a row, and
     that growth happens at ``>=`` rather than ``==`` growth_interval (torch never grows again if the interval
     is lowered below the current tracker). With ``hysteresis=1`` the counter is not kept: every overflow backs
     off.
+
+    Underflow recovery: after a long run of overflows (a stretch of bad data, a NaN loss) the scale sits at
+    the floor, every half-precision gradient flushes to exactly 0, no step overflows and nothing grows for
+    ``growth_interval`` steps: training stalls silently. So a step whose gradients are finite and *all
+    exactly zero* (``amax == 0``) with the scale below ``init_scale`` puts the scale back to
+    ``init_scale``: zeros everywhere under a finite loss are underflow, and nothing that is all zero can
+    overflow. If ``init_scale`` is still too high, the next steps back off as usual. A model whose
+    gradients are genuinely all zero at a lowered scale costs at most a few skipped steps. The scaler
+    passes amax where it costs no extra sync (see :class:`~mixprec.scaling.GradScaler`); without amax
+    (``update(found_inf)``) the rule is torch's.
 
     Args:
         init_scale: starting scale.
@@ -47,15 +84,19 @@ class DynamicScale(ScaleRule):
         growth_interval: good steps in a row before growing, >= 1.
         hysteresis: overflows tolerated before backing off (Megatron/DeepSpeed meaning), >= 1. Every
             overflow still skips its step.
-        min_scale: floor; None means the smallest normal float32.
-        max_scale: cap; None means none (growth still stops short of inf).
+        min_scale: floor, in [smallest normal float32, float32 max]; None means the smallest normal float32
+            (so the scale and its reciprocal stay finite, never 0).
+        max_scale: cap, in the same range; None means none (growth still stops short of inf).
         raise_at_min_scale: raise RuntimeError when a skipped step would back off from the floor
             (checked when the scaler has already synced for the skip decision, so never on fused steps).
 
     Raises:
         ValueError: for any argument outside the ranges above, or ``min_scale > max_scale``, or
             ``init_scale`` outside ``[min_scale, max_scale]``.
+        TypeError: for a ``raise_at_min_scale`` that is not a bool.
     """
+
+    reads_amax: ClassVar[bool] = True  # amax == 0 is the underflow signal
 
     def __init__(
         self,
@@ -74,10 +115,10 @@ class DynamicScale(ScaleRule):
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.hysteresis = check_count("hysteresis", hysteresis)
-        self.min_scale = None if min_scale is None else check_positive("min_scale", min_scale)
-        self.max_scale = None if max_scale is None else check_positive("max_scale", max_scale)
-        self.raise_at_min_scale = bool(raise_at_min_scale)
-        self._check_bounds(self.init_scale)
+        self.min_scale = _check_bound("min_scale", min_scale)
+        self.max_scale = _check_bound("max_scale", max_scale)
+        self.raise_at_min_scale = check_flag("raise_at_min_scale", raise_at_min_scale)
+        _check_bounds(self.min_scale, self.max_scale, self.init_scale)
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_left: torch.Tensor | None = None
         self._init_growth_tracker = 0
@@ -91,9 +132,7 @@ class DynamicScale(ScaleRule):
 
     @growth_factor.setter
     def growth_factor(self, value: float) -> None:
-        if check_positive("growth_factor", value) <= 1:
-            raise ValueError(f"growth_factor must be > 1, got {value!r}")
-        self._growth_factor = float(value)
+        self._growth_factor = check_growth_factor("growth_factor", value)
 
     @property
     def backoff_factor(self) -> float:
@@ -102,9 +141,7 @@ class DynamicScale(ScaleRule):
 
     @backoff_factor.setter
     def backoff_factor(self, value: float) -> None:
-        if check_positive("backoff_factor", value) >= 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {value!r}")
-        self._backoff_factor = float(value)
+        self._backoff_factor = check_backoff_factor("backoff_factor", value)
 
     @property
     def growth_interval(self) -> int:
@@ -120,13 +157,6 @@ class DynamicScale(ScaleRule):
         """The effective minimum scale."""
         return FLOAT32_TINY if self.min_scale is None else self.min_scale
 
-    def _check_bounds(self, init_scale: float) -> None:
-        low, high = self.floor, math.inf if self.max_scale is None else self.max_scale
-        if low > high:
-            raise ValueError(f"min_scale ({self.min_scale}) must be <= max_scale ({self.max_scale})")
-        if not low <= init_scale <= high:
-            raise ValueError(f"init_scale {init_scale} is outside [min_scale, max_scale] = [{low}, {high}]")
-
     def _create_state(self, device: torch.device) -> None:
         super()._create_state(device)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
@@ -136,7 +166,7 @@ class DynamicScale(ScaleRule):
         scale = self._require_state()
         found = found_inf > 0
         grow, back_off = self._advance_counters(found)
-        scale.copy_(self._next_scale(scale, grow, back_off))
+        scale.copy_(self._next_scale(scale, grow, back_off, found, amax))
 
     def _require_state(self) -> torch.Tensor:
         if self._scale is None:
@@ -157,13 +187,25 @@ class DynamicScale(ScaleRule):
         left.copy_(left_after.masked_fill_(grow, self.hysteresis))
         return grow, back_off
 
-    def _next_scale(self, scale: torch.Tensor, grow: torch.Tensor, back_off: torch.Tensor) -> torch.Tensor:
+    def _next_scale(
+        self,
+        scale: torch.Tensor,
+        grow: torch.Tensor,
+        back_off: torch.Tensor,
+        found: torch.Tensor,
+        amax: torch.Tensor | None,
+    ) -> torch.Tensor:
         grown = _times(scale, self.growth_factor)
-        grown = torch.where(torch.isfinite(grown), grown, scale)
+        grown = torch.where(grown < math.inf, grown, scale)  # scale is finite: only inf to rule out
         if self.max_scale is not None:
             grown = grown.clamp_max(self.max_scale)
         backed_off = _times(scale, self.backoff_factor).clamp_min_(self.floor)
-        return torch.where(back_off, backed_off, torch.where(grow, grown, scale))
+        moved = torch.where(back_off, backed_off, torch.where(grow, grown, scale))
+        if amax is None:
+            return moved
+        restart = min(self.init_scale, self.max_scale or math.inf)
+        underflow = (amax.to(scale.device) == 0) & ~found & (moved < restart)
+        return torch.where(underflow, torch.full_like(moved, restart), moved)
 
     def after_skip(self) -> None:
         if not self.raise_at_min_scale or self._scale is None or self._hysteresis_left is None:
@@ -202,24 +244,59 @@ class DynamicScale(ScaleRule):
             "raise_at_min_scale": self.raise_at_min_scale,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore, including from torch's GradScaler (whose keys lack hysteresis/min/max: those stay)."""
-        super().load_state_dict(state_dict)
-        self.growth_factor = state_dict["growth_factor"]
-        self.backoff_factor = state_dict["backoff_factor"]
-        self.growth_interval = state_dict["growth_interval"]
-        self.hysteresis = check_count("hysteresis", state_dict.get("hysteresis", self.hysteresis))
-        min_scale = state_dict.get("min_scale", self.min_scale)
-        max_scale = state_dict.get("max_scale", self.max_scale)
-        self.min_scale = None if min_scale is None else check_positive("min_scale", min_scale)
-        self.max_scale = None if max_scale is None else check_positive("max_scale", max_scale)
-        self._check_bounds(self.floor)
-        self.raise_at_min_scale = bool(state_dict.get("raise_at_min_scale", self.raise_at_min_scale))
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_hysteresis_left = int(state_dict.get("_hysteresis_tracker", self.hysteresis))
+    def read_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Checked values from :meth:`state_dict` or torch's GradScaler's (which lacks hysteresis, min/max:
+        those stay as they are); changes nothing.
+
+        Raises:
+            TypeError, ValueError: naming the missing or bad key.
+        """
+        values = super().read_state(state_dict)
+        hysteresis = optional(state_dict, "hysteresis", self.hysteresis, check_count)
+        values.update(
+            growth_factor=required(state_dict, "growth_factor", check_growth_factor),
+            backoff_factor=required(state_dict, "backoff_factor", check_backoff_factor),
+            growth_interval=required(state_dict, "growth_interval", check_count),
+            growth_tracker=required(state_dict, "_growth_tracker", check_count, 0),
+            hysteresis=hysteresis,
+            hysteresis_left=optional(state_dict, "_hysteresis_tracker", hysteresis, check_count, 0),
+            min_scale=optional(state_dict, "min_scale", self.min_scale, _check_bound),
+            max_scale=optional(state_dict, "max_scale", self.max_scale, _check_bound),
+            raise_at_min_scale=optional(
+                state_dict, "raise_at_min_scale", self.raise_at_min_scale, check_flag
+            ),
+        )
+        if values["hysteresis_left"] > hysteresis:
+            raise ValueError(
+                f"state_dict['_hysteresis_tracker'] ({values['hysteresis_left']}) must be <= hysteresis "
+                f"({hysteresis})"
+            )
+        _check_bounds(values["min_scale"], values["max_scale"], None)
+        return values
+
+    def _apply_state(self, values: dict[str, Any]) -> None:
+        super()._apply_state(values)
+        self._growth_factor = values["growth_factor"]
+        self._backoff_factor = values["backoff_factor"]
+        self._growth_interval = values["growth_interval"]
+        self.hysteresis = values["hysteresis"]
+        self.min_scale, self.max_scale = values["min_scale"], values["max_scale"]
+        self.raise_at_min_scale = values["raise_at_min_scale"]
+        self._init_growth_tracker = values["growth_tracker"]
+        self._init_hysteresis_left = values["hysteresis_left"]
         if self._growth_tracker is not None and self._hysteresis_left is not None:
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._hysteresis_left.fill_(self._init_hysteresis_left)
+
+
+def _check_bounds(min_scale: float | None, max_scale: float | None, init_scale: float | None) -> None:
+    """``min_scale <= max_scale`` and, when given, ``init_scale`` between them (None: no bound)."""
+    low = FLOAT32_TINY if min_scale is None else min_scale
+    high = math.inf if max_scale is None else max_scale
+    if low > high:
+        raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
+    if init_scale is not None and not low <= init_scale <= high:
+        raise ValueError(f"init_scale {init_scale} is outside [min_scale, max_scale] = [{low}, {high}]")
 
 
 def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:

@@ -29,11 +29,18 @@ def build_rule(rule: ScaleRule | None, **arguments: Any) -> ScaleRule:
 
     Raises:
         ValueError: for an unknown ``growth``, or for rule arguments given alongside ``rule``.
+        TypeError: for a ``rule`` that is not a ScaleRule instance.
     """
     if rule is not None:
         changed = sorted(name for name, value in arguments.items() if value != RULE_DEFAULTS[name])
         if changed:
             raise ValueError(f"pass {changed} to the rule object, not to GradScaler, when rule= is given")
+        if not isinstance(rule, ScaleRule):
+            raise TypeError(
+                "rule must be a ScaleRule instance (DynamicScale(), HeadroomScale(), StaticScale(s), "
+                "NoScale()), "
+                f"got {type(rule).__name__}: {rule!r:.80}"
+            )
         return rule
     growth = arguments.pop("growth")
     if growth not in _GROWTH_RULES:

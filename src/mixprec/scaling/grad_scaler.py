@@ -11,12 +11,13 @@ import torch.distributed as dist
 from mixprec.scaling import kernels
 from mixprec.scaling._devices import is_available, parse_device, wide_float
 from mixprec.scaling.accessors import TorchAccessors
+from mixprec.scaling.decisions import Decisions
 from mixprec.scaling.factory import build_rule
-from mixprec.scaling.fused import run_fused_step, supports_fused_scaling
-from mixprec.scaling.guards import check_new_scale, refuse_closure
+from mixprec.scaling.fused import supports_fused_scaling
+from mixprec.scaling.guards import check_new_scale, check_optimizer, refuse_closure
 from mixprec.scaling.monitor import SkipMonitor
 from mixprec.scaling.outputs import map_tensors
-from mixprec.scaling.rules import ScaleRule
+from mixprec.scaling.rules import ScaleRule, check_flag
 from mixprec.scaling.state import GradScalerError, OptimizerRecord, OptState
 from mixprec.scaling.sync import RankSync
 
@@ -27,7 +28,7 @@ _NO_SCALE_YET = (
 )
 
 
-class GradScaler(TorchAccessors):
+class GradScaler(TorchAccessors, Decisions):
     """Loss scaling for mixed-precision training; same calls, errors and checkpoints as torch.amp.GradScaler.
 
     Typical use, exactly as with torch::
@@ -49,6 +50,13 @@ class GradScaler(TorchAccessors):
     ``unscale_`` and ``update`` never wait for the device; ``step`` syncs once for its skip decision, as torch
     does, except with fused optimizers, which skip inside their kernel.
 
+    Unscaling runs torch's one-pass check-and-multiply op unless the rule needs amax every step
+    (HeadroomScale): see scaling/kernels.py for that decision. The default rule still reads amax for its
+    underflow recovery (all-zero gradients at a lowered scale restart it, see :class:`DynamicScale`): fused
+    optimizers' check pass measures it anyway; otherwise ``step``, which syncs once for its skip decision,
+    reads the scale in that same sync and, only when the scale is below 1 and the step is clean, reads the
+    gradients once more for amax (plus one all-reduce under torch.distributed).
+
     Under torch.distributed every rank skips or steps together: each optimizer's found_inf is all-reduced
     (MAX) over ``process_group`` in one collective before its skip decision, and ``update()`` combines those
     agreed values without another one, so the scales stay equal (see :class:`~mixprec.scaling.sync.RankSync`).
@@ -57,7 +65,8 @@ class GradScaler(TorchAccessors):
         device: device type the scaler is meant for; None (default) means the device of the first tensor
             scaled. Like torch, an explicit device whose backend is unavailable disables the scaler with a
             warning.
-        init_scale: starting scale.
+        init_scale: starting scale, in [smallest normal float32, float32 max] (the scale and its reciprocal
+            are float32).
         growth_factor: > 1, applied after ``growth_interval`` good steps in a row.
         backoff_factor: in (0, 1), applied on overflow.
         growth_interval: >= 1.
@@ -65,8 +74,8 @@ class GradScaler(TorchAccessors):
         rule: a ready rule object instead of the arguments above.
         growth: ``"interval"`` (torch's rule) or ``"headroom"`` (also grow as soon as gradients allow).
         hysteresis: overflows tolerated before backing off (every overflow still skips its step).
-        min_scale: floor for the scale (default: smallest normal float32, never 0).
-        max_scale: cap for the scale.
+        min_scale: floor for the scale, >= the smallest normal float32 (the default), so never 0.
+        max_scale: cap for the scale, <= float32 max.
         allow_fp16_grads: unscale fp16 gradients instead of raising torch's ValueError.
         warn_after_skips: warn once after this many skipped steps in a row; None never warns.
         process_group: the ranks that must agree on skipping; None means the default group.
@@ -80,6 +89,8 @@ class GradScaler(TorchAccessors):
 
     Raises:
         ValueError: for a bad argument, naming it and the accepted values.
+        TypeError: for a ``rule`` that is not a ScaleRule, or a flag (``enabled``, ``allow_fp16_grads``) that
+            is not a bool.
     """
 
     def __init__(
@@ -115,8 +126,8 @@ class GradScaler(TorchAccessors):
         )
         self.monitor = SkipMonitor(warn_after_skips)
         self.rank_sync = RankSync(sync, process_group)
-        self.allow_fp16_grads = bool(allow_fp16_grads)
-        self._enabled = bool(enabled) and self._backend_usable()
+        self.allow_fp16_grads = check_flag("allow_fp16_grads", allow_fp16_grads)
+        self._enabled = check_flag("enabled", enabled) and self._backend_usable()
         self._records: dict[int, OptimizerRecord] = {}
 
     def _backend_usable(self) -> bool:
@@ -164,6 +175,7 @@ class GradScaler(TorchAccessors):
         return self.rule.scale
 
     def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+        check_optimizer(optimizer)
         return self._records.setdefault(id(optimizer), OptimizerRecord())
 
     # -- unscale_ / step -------------------------------------------------------------------------------
@@ -178,6 +190,7 @@ class GradScaler(TorchAccessors):
         Raises:
             GradScalerError: when called twice in an iteration, after ``step``, or before any ``scale``.
             ValueError: for fp16 gradients unless ``allow_fp16_grads``.
+            TypeError: for an ``optimizer`` without ``param_groups``.
         """
         if not self._enabled:
             return
@@ -205,7 +218,9 @@ class GradScaler(TorchAccessors):
         # The reciprocal in float64 (where the device has it), as torch does: float32 division can be inexact.
         inv_scale = scale.to(wide_float(scale.device)).reciprocal().float()
         unscale = unscale and not self.rule.is_identity
-        record.found_inf, record.amax = kernels.check_and_unscale_(groups, inv_scale, unscale)
+        record.found_inf, record.amax = kernels.check_and_unscale_(
+            groups, inv_scale, unscale, want_amax=self.rule.needs_amax
+        )
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step(*args, **kwargs)`` unless a
@@ -217,6 +232,7 @@ class GradScaler(TorchAccessors):
         Raises:
             GradScalerError: for a closure (keyword or positional), a second ``step`` in the iteration, no
                 ``scale`` earlier, or an optimizer none of whose parameters has a gradient.
+            TypeError: for an ``optimizer`` without ``param_groups``.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -230,54 +246,16 @@ class GradScaler(TorchAccessors):
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
         if not record.found_inf:
+            self._records.pop(id(optimizer))  # nothing was unscaled: leave no trace of this call
             raise GradScalerError(
                 "No inf checks were recorded for this optimizer. (None of its parameters has a .grad: was "
                 "backward() called on the scaled loss, and does the optimizer hold the model's parameters?)"
             )
         found_inf = self._combine_found_inf(record, scale.device)
-        retval = optimizer.step(*args, **kwargs) if found_inf.item() == 0 else self._on_skip()
+        skip = self._skip_decision(optimizer, record, found_inf, scale)
+        retval = self._on_skip() if skip else optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
-
-    def _fused_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        record: OptimizerRecord,
-        scale: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Hand the scale and found_inf to an optimizer that unscales and skips in its own kernel."""
-        if record.stage is OptState.READY:
-            self._check_grads(optimizer, record, scale, unscale=False, allow_fp16=True)
-            # As torch: compose with a grad_scale the user may have set on the optimizer.
-            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
-        else:
-            grad_scale = getattr(optimizer, "grad_scale", None)  # already unscaled by unscale_()
-        found_inf = self._combine_found_inf(record, scale.device)
-        retval = run_fused_step(optimizer, grad_scale, found_inf, args, kwargs)
-        record.stage = OptState.STEPPED
-        return retval
-
-    def _on_skip(self) -> None:
-        """A step was just skipped and the host knows it: the cheap moment for checks that need a sync."""
-        self.monitor.check(pending=1, scale=self.rule.get_scale())
-        self.rule.after_skip()
-
-    def _combine_found_inf(self, record: OptimizerRecord, device: torch.device) -> torch.Tensor:
-        """One optimizer's found_inf (1.0 if any device's is non-zero) on ``device``, the same on every rank.
-
-        Every skip decision goes through here, and :meth:`update` only combines its results: this is where
-        found_inf (with amax, when the rule reads it) is all-reduced across ranks, one collective per
-        optimizer. The agreed values replace the record's, so ``update()`` needs no collective of its own.
-        """
-        found_inf = kernels.combine_max(record.found_inf.values(), device)
-        amax = kernels.combine_max(record.amax.values(), device) if self.rule.needs_amax else None
-        found_inf, amax = self.rank_sync.max_across_ranks(found_inf, amax)
-        record.found_inf = {device: found_inf}
-        if amax is not None:
-            record.amax = {device: amax}
-        return found_inf
 
     # -- update ----------------------------------------------------------------------------------------
 
@@ -285,36 +263,36 @@ class GradScaler(TorchAccessors):
         """Move the scale once per iteration, after every optimizer's ``step`` (no sync).
 
         Args:
-            new_scale: set the scale to this instead (a finite float or int > 0, or a 1-element tensor
-                whose value is copied).
+            new_scale: set the scale to this instead: a float or int in [smallest normal float32, float32
+                max], or a 1-element tensor whose value is copied (not checked: that would sync).
+
+        An iteration that only calls ``update(new_scale)`` (no step, no unscale_) skipped nothing:
+        ``last_step_skipped`` is False after it.
 
         Raises:
             GradScalerError: with no ``new_scale`` and no step/unscale_ in this iteration, or no scale() ever.
-            ValueError: for a bad ``new_scale``.
+            ValueError: for a bad ``new_scale``; the scaler is left as it was, and ``update()`` may follow.
         """
         if not self._enabled:
             return
         scale = self._require_scale("update")
+        checked = None if new_scale is None else check_new_scale(new_scale)
+        if checked is None and not any(record.found_inf for record in self._records.values()):
+            raise GradScalerError("No inf checks were recorded prior to update.")
         for record in self._records.values():
             if record.found_inf and record.stage is not OptState.STEPPED:
                 self._combine_found_inf(record, scale.device)  # unscale_() without step(): agree now
         found_infs = [tensor for record in self._records.values() for tensor in record.found_inf.values()]
-        if new_scale is None and not found_infs:
-            raise GradScalerError("No inf checks were recorded prior to update.")
         found_inf = kernels.combine_max(found_infs, scale.device)
-        if new_scale is not None:
-            self.rule.set_scale(check_new_scale(new_scale))
+        if checked is not None:
+            self.rule.set_scale(checked)
         else:
-            amax = self._combine_amax(scale.device) if self.rule.needs_amax else None
-            self.rule.update(found_inf, amax)
+            self.rule.update(found_inf, self._combine_amax(scale.device))
         if found_infs:
             self.monitor.record(found_inf)
+        else:
+            self.monitor.record_no_step()
         self._records = {}
-
-    def _combine_amax(self, device: torch.device) -> torch.Tensor:
-        return kernels.combine_max(
-            (a for record in self._records.values() for a in record.amax.values()), device
-        )
 
     # -- accessors -------------------------------------------------------------------------------------
 

@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
+from mixprec.scaling.rules import check_scale
 from mixprec.scaling.state import GradScalerError
 
-__all__ = ["check_new_scale", "refuse_closure"]
+__all__ = ["check_new_scale", "check_optimizer", "refuse_closure"]
 
 
 def refuse_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -37,4 +38,14 @@ def check_new_scale(new_scale: Any) -> float | torch.Tensor:
     if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
         kind = type(new_scale).__name__
         raise ValueError(f"new_scale should be a float, int or 1-element tensor, got {kind}: {new_scale!r}")
-    return new_scale
+    return check_scale("new_scale", new_scale)
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """TypeError naming ``optimizer`` unless it has ``param_groups``, a list of dicts with "params"."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer (an object whose param_groups is a list of dicts with "
+            f"'params'), got {type(optimizer).__name__}: {optimizer!r:.80}"
+        )

@@ -10,7 +10,7 @@ import torch
 from mixprec import formats
 from mixprec.scaling._devices import wide_float
 from mixprec.scaling.dynamic import DynamicScale
-from mixprec.scaling.rules import check_positive
+from mixprec.scaling.rules import check_positive, optional
 
 __all__ = ["HeadroomScale"]
 
@@ -56,6 +56,7 @@ class HeadroomScale(DynamicScale):
     """
 
     needs_amax: ClassVar[bool] = True
+    reads_amax: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -69,10 +70,8 @@ class HeadroomScale(DynamicScale):
         **dynamic: Any,
     ) -> None:
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, **dynamic)
-        self.format = formats.get(format)
-        if check_positive("margin", margin) < 1:
-            raise ValueError(f"margin must be >= 1, got {margin!r}")
-        self.margin = float(margin)
+        self.format = _check_format("format", format)
+        self.margin = _check_margin("margin", margin)
         self._overflow_scale: torch.Tensor | None = None
         self._init_overflow_scale = math.inf
 
@@ -88,7 +87,7 @@ class HeadroomScale(DynamicScale):
         found = found_inf > 0
         before = scale.clone()
         grow, back_off = self._advance_counters(found)
-        dynamic = self._next_scale(before, grow, back_off)
+        dynamic = self._next_scale(before, grow, back_off, found, amax)
         candidate = self._room(before, amax.to(before.device), ceiling)
         jump = ~found & (candidate > dynamic)
         scale.copy_(torch.where(jump, candidate, dynamic))
@@ -124,10 +123,37 @@ class HeadroomScale(DynamicScale):
             "_overflow_scale": float(overflow),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.format = formats.get(state_dict.get("headroom_format", self.format))
-        self.margin = float(state_dict.get("headroom_margin", self.margin))
-        self._init_overflow_scale = float(state_dict.get("_overflow_scale", math.inf))
+    def read_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        values = super().read_state(state_dict)
+        values.update(
+            format=optional(state_dict, "headroom_format", self.format, _check_format),
+            margin=optional(state_dict, "headroom_margin", self.margin, _check_margin),
+            overflow_scale=optional(state_dict, "_overflow_scale", math.inf, _check_overflow_scale),
+        )
+        return values
+
+    def _apply_state(self, values: dict[str, Any]) -> None:
+        super()._apply_state(values)
+        self.format, self.margin = values["format"], values["margin"]
+        self._init_overflow_scale = values["overflow_scale"]
         if self._overflow_scale is not None:
             self._overflow_scale.fill_(self._init_overflow_scale)
+
+
+def _check_format(name: str, value: Any) -> formats.Format:
+    try:
+        return formats.get(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from error
+
+
+def _check_margin(name: str, value: Any) -> float:
+    if check_positive(name, value) < 1:
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    return float(value)
+
+
+def _check_overflow_scale(name: str, value: Any) -> float:
+    if value == math.inf:
+        return math.inf
+    return check_positive(name, value)

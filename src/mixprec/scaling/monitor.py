@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mixprec.scaling.rules import check_count
+from mixprec.scaling.rules import check_count, optional
 
 __all__ = ["SkipMonitor"]
 
@@ -43,13 +43,20 @@ class SkipMonitor:
             self._skipped = torch.full((), self._init["skipped_steps"], dtype=torch.int64, device=device)
             self._run = torch.full((), self._init["_skip_run"], dtype=torch.int64, device=device)
 
+    def record_no_step(self) -> None:
+        """Count an iteration that stepped nothing (only ``update(new_scale)``): it skipped nothing."""
+        if self._run is not None:
+            self._run.zero_()
+        else:
+            self._init = {**self._init, "_skip_run": 0}
+
     def record(self, found_inf: torch.Tensor) -> None:
         """Count one iteration (no sync); ``found_inf`` > 0 means at least one step was skipped."""
         self.ensure_state(found_inf.device)
         assert self._skipped is not None and self._run is not None
         skipped = found_inf > 0
         self._skipped.add_(skipped)
-        self._run.copy_(torch.where(skipped, self._run + 1, torch.zeros_like(self._run)))
+        self._run.mul_(skipped).add_(skipped)  # run + 1 after a skip, else 0
 
     @property
     def skipped_steps(self) -> int:
@@ -90,8 +97,19 @@ class SkipMonitor:
         return {"skipped_steps": self.skipped_steps, "_skip_run": self.skip_run}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the counters; a dict without them (torch's) resets them to 0."""
-        self._init = {key: int(state_dict.get(key, 0)) for key in ("skipped_steps", "_skip_run")}
+        """Restore the counters; a dict without them (torch's) resets them to 0.
+
+        Raises:
+            ValueError: for a counter that is not an int >= 0, naming it (nothing is changed then).
+        """
+        self._apply_state(self.read_state(state_dict))
+
+    def read_state(self, state_dict: dict[str, Any]) -> dict[str, int]:
+        """The checked counters :meth:`load_state_dict` would restore; changes nothing."""
+        return {key: optional(state_dict, key, 0, check_count, 0) for key in ("skipped_steps", "_skip_run")}
+
+    def _apply_state(self, values: dict[str, int]) -> None:
+        self._init = dict(values)
         if self._skipped is not None and self._run is not None:
             self._skipped.fill_(self._init["skipped_steps"])
             self._run.fill_(self._init["_skip_run"])

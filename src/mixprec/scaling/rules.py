@@ -19,15 +19,50 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["NoScale", "ScaleRule", "StaticScale", "check_count", "check_positive"]
+__all__ = [
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "NoScale",
+    "ScaleRule",
+    "StaticScale",
+    "check_count",
+    "check_flag",
+    "check_positive",
+    "check_scale",
+    "required",
+]
+
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # smallest normal float32: 1 / it is still finite
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_positive(name: str, value: Any) -> float:
     """``float(value)`` if it is a finite number > 0; otherwise a ValueError naming it."""
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_number or not math.isfinite(value) or value <= 0:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def check_scale(name: str, value: Any) -> float:
+    """``float(value)`` if it is a loss scale float32 can hold both ways: in [FLOAT32_TINY, FLOAT32_MAX].
+
+    The scale lives in a float32 tensor and the gradients are multiplied by its reciprocal, so both the
+    scale and ``1 / scale`` must be finite float32 numbers.
+
+    Raises:
+        ValueError: naming ``name``, for anything else (1e39 would be inf in float32, 1e-50 would be 0).
+    """
+    number = check_positive(name, value)
+    if not FLOAT32_TINY <= number <= FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be in [{FLOAT32_TINY:.6g}, {FLOAT32_MAX:.6g}] (a float32 number whose "
+            f"reciprocal is also finite), got {value!r}"
+        )
+    return number
 
 
 def check_count(name: str, value: Any, minimum: int = 1) -> int:
@@ -37,6 +72,27 @@ def check_count(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """``bool(value)`` for a bool or the ints 0 and 1; otherwise a TypeError naming it ("no" is truthy)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")
+
+
+def required(state_dict: dict[str, Any], key: str, check: Any, *args: Any) -> Any:
+    """``check(f"state_dict[{key!r}]", state_dict[key], *args)``, naming ``key`` when it is missing."""
+    if key not in state_dict:
+        raise ValueError(f"state_dict lacks {key!r}; it has {sorted(map(str, state_dict))}")
+    return check(f"state_dict[{key!r}]", state_dict[key], *args)
+
+
+def optional(state_dict: dict[str, Any], key: str, default: Any, check: Any, *args: Any) -> Any:
+    """Like :func:`required`, but ``default`` (unchecked) when ``key`` is missing (torch's dicts lack it)."""
+    if key not in state_dict:
+        return default
+    return check(f"state_dict[{key!r}]", state_dict[key], *args)
+
+
 class ScaleRule:
     """Base rule: a scale that ``update()`` leaves alone.
 
@@ -44,15 +100,18 @@ class ScaleRule:
         init_scale: the scale before the first update; a finite number > 0.
 
     Attributes:
-        needs_amax: whether :meth:`update` reads ``amax`` (the scaler computes it in the same pass anyway).
+        needs_amax: whether :meth:`update` needs ``amax`` every step (the scaler then checks the gradients
+            with its own public-op kernel, which yields amax in the same pass).
+        reads_amax: whether :meth:`update` uses ``amax`` when it is given (it may be None).
         is_identity: whether the scale is always exactly 1, so unscaling can skip the multiply.
     """
 
     needs_amax: ClassVar[bool] = False
+    reads_amax: ClassVar[bool] = False
     is_identity: ClassVar[bool] = False
 
     def __init__(self, init_scale: float) -> None:
-        self.init_scale = check_positive("init_scale", init_scale)
+        self.init_scale = check_scale("init_scale", init_scale)
         self._scale: torch.Tensor | None = None
 
     @property
@@ -84,7 +143,7 @@ class ScaleRule:
         if isinstance(new_scale, torch.Tensor):
             self.ensure_state(new_scale.device).copy_(new_scale.reshape(()))
             return
-        value = check_positive("new_scale", new_scale)
+        value = check_scale("new_scale", new_scale)
         if self._scale is None:
             self.init_scale = value
         else:
@@ -96,7 +155,8 @@ class ScaleRule:
         Args:
             found_inf: float32 0-dim tensor on the scale's device, > 0 if any gradient was non-finite.
             amax: float32 0-dim tensor, the largest ``|gradient|`` after unscaling (non-finite when
-                ``found_inf``); only rules with ``needs_amax`` read it.
+                ``found_inf``), or None where the scaler did not measure it; only rules with ``reads_amax``
+                read it.
         """
 
     def after_skip(self) -> None:
@@ -109,13 +169,32 @@ class ScaleRule:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (or from torch's GradScaler keys, for DynamicScale).
 
+        Everything is checked before anything changes: a dict that raises leaves the rule as it was.
+
         Raises:
-            ValueError: when the dict was saved from a different kind of rule.
+            TypeError: when ``state_dict`` is not a dict.
+            ValueError: for a missing or bad key (named), or a dict saved from a different kind of rule.
         """
+        self._apply_state(self.read_state(state_dict))
+
+    def read_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The checked values :meth:`load_state_dict` would restore; changes nothing.
+
+        Raises:
+            TypeError, ValueError: as :meth:`load_state_dict`.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}: {state_dict!r:.80}")
         saved = state_dict.get("rule", self.name)  # torch's GradScaler saves no rule name
         if saved not in {cls.__name__ for cls in type(self).__mro__}:
-            raise ValueError(f"state_dict was saved from a {saved} rule; this scaler uses {self.name}")
-        self.set_scale(check_positive("state_dict['scale']", state_dict["scale"]))
+            raise ValueError(
+                f"state_dict['rule'] says it was saved from a {saved} rule; this scaler uses {self.name}"
+            )
+        return {"scale": required(state_dict, "scale", check_scale)}
+
+    def _apply_state(self, values: dict[str, Any]) -> None:
+        """Restore values from :meth:`read_state` (already checked: this cannot fail halfway)."""
+        self.set_scale(values["scale"])
 
 
 class StaticScale(ScaleRule):
@@ -140,3 +219,9 @@ class NoScale(StaticScale):
     def set_scale(self, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor) or new_scale != 1:
             raise ValueError(f"NoScale keeps the scale at 1, got new_scale={new_scale!r}; use StaticScale")
+
+    def read_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        values = super().read_state(state_dict)
+        if values["scale"] != 1:
+            raise ValueError(f"NoScale keeps the scale at 1, got state_dict['scale']={values['scale']!r}")
+        return values
