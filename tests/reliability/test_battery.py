@@ -25,14 +25,6 @@ MASTER = "master side: fixed on branch master"
 ENGINE = "engine side: autocast/custom_function/checkpoint belong to the lead"
 INSPECT_OTHER = "inspect/{}: outside this branch's files"
 EXPECTED_FAILURES: dict[str, str] = {
-    "autocast(cache_enabled='x')": ENGINE,
-    "custom_fwd(device_type='gpu')": ENGINE,
-    "custom_fwd(cast_inputs='fp17')": ENGINE,
-    "custom_bwd(device_type=3)": ENGINE,
-    "checkpoint(3)": ENGINE,
-    "underflow_report(loss_fn=None)": INSPECT_OTHER.format("underflow.py"),
-    "underflow_report(scale='2')": INSPECT_OTHER.format("underflow.py"),
-    "ScalerLog(optimizer='x')": INSPECT_OTHER.format("scaler_log.py"),
     "plot_scale_history('x')": INSPECT_OTHER.format("plots.py"),
     "plot_scale_history([{}])": INSPECT_OTHER.format("plots.py"),
     "plot_underflow('x')": INSPECT_OTHER.format("plots.py"),

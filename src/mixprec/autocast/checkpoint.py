@@ -36,8 +36,11 @@ def checkpoint(
         **kwargs: passed to ``torch.utils.checkpoint.checkpoint`` and on to ``function``.
 
     Raises:
+        TypeError: for a ``function`` that is not callable.
         ValueError: for ``use_reentrant=True``.
     """
+    if not callable(function):
+        raise TypeError(f"function must be a callable (a function or module), got {type(function).__name__}")
     if use_reentrant:
         raise ValueError(
             "mixprec.checkpoint supports use_reentrant=False only (torch's recommended mode); "

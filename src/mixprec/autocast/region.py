@@ -28,13 +28,17 @@ def _check_policy(policy: object) -> Policy | None:
 
 
 def _settings(
-    device_type: object, dtype: object, enabled: object, policy: object
+    device_type: object, dtype: object, enabled: object, policy: object, cache_enabled: object = None
 ) -> tuple[str, bool, Policy, ResolvedPolicy | None]:
     """Validate a region's arguments: (device family, enabled, policy, rules or None when disabled)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
+    if cache_enabled is not None and not isinstance(cache_enabled, bool):
+        raise TypeError(
+            f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}: {cache_enabled!r}"
+        )
     family = _family(device_type)
     policy = _check_policy(policy)
     if not enabled:
@@ -93,7 +97,7 @@ class autocast(torch.amp.autocast_mode.autocast):
             return super().__new__(cls)
         # Traced by torch.compile: a region that needs no engine is torch.autocast itself, which dynamo
         # traces natively (graph breaks inside included). One that needs the engine cannot be traced.
-        family, on, policy, rules = _settings(device_type, dtype, enabled, policy)
+        family, on, policy, rules = _settings(device_type, dtype, enabled, policy, cache_enabled)
         if _needs_engine(rules):
             raise RuntimeError(
                 f"torch.compile cannot trace a mixprec.autocast region whose policy changes torch's op "
@@ -114,7 +118,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         *,
         policy: Policy | str | None = None,
     ) -> None:
-        family, enabled, policy, rules = _settings(device_type, dtype, enabled, policy)
+        family, enabled, policy, rules = _settings(device_type, dtype, enabled, policy, cache_enabled)
         dtype = rules.compute_dtype if rules is not None else dtype
         native = enabled and dtype is not torch.float32  # an fp32 compute dtype is a pin: torch stays off
         super().__init__(family, dtype=dtype if native else None, enabled=native, cache_enabled=cache_enabled)

@@ -74,6 +74,10 @@ class ScalerLog:
     ) -> None:
         if not callable(getattr(scaler, "get_scale", None)):
             raise TypeError(f"scaler must have a get_scale() method, got {type(scaler).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            )
         if not isinstance(histogram_every, int) or histogram_every < 0:
             raise ValueError(f"histogram_every must be an int >= 0, got {histogram_every!r}")
         self.scaler = scaler

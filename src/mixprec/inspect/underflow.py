@@ -80,10 +80,16 @@ def underflow_report(
         An :class:`UnderflowReport`; ``print(report.table())`` for the per-module figures.
 
     Raises:
+        TypeError: for a ``loss_fn`` that is not callable, or a non-numeric scale, target or margin.
         ValueError: for a non-positive or non-finite scale, a target outside [0, 1), a margin below 1, or
             a loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable loss_fn(output) -> scalar tensor, got {loss_fn!r}")
+    for name, value in (("scale", scale), ("target", target), ("margin", margin)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
     fmt = formats.get(dtype)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
