@@ -4,6 +4,8 @@
 * :func:`underflow_report`: the fraction of gradients that would be zero or subnormal at a loss scale,
   per module, and the scale that avoids it;
 * :func:`trace_dtypes`: which ops ran in which dtype, per module;
+* :func:`fp8_report`: per ``nn.Linear``, what fp8 (e4m3 forward, e5m2 gradients) would lose: amax,
+  scale, underflow and saturation, and the layers to keep in bf16 as a ready ``module_filter_fn``;
 * :class:`ScalerLog`, :func:`nonfinite_params`, :func:`grad_amax`: an opt-in per-step scaler log and the
   parameters behind a skipped step;
 * :func:`plot_gradient_histogram`, :func:`plot_scale_history`, :func:`plot_underflow`, :func:`write_report`:
@@ -12,6 +14,7 @@
 Nothing here is hooked or active unless one of these runs; no other part of mixprec imports it.
 """
 
+from mixprec.inspect.fp8 import Fp8Report, fp8_report, plot_fp8_report
 from mixprec.inspect.grads import grad_amax, nonfinite_params
 from mixprec.inspect.nonfinite import find_nonfinite
 from mixprec.inspect.nonfinite_report import NonfiniteReport
@@ -25,15 +28,18 @@ from mixprec.inspect.underflow_report import UnderflowReport
 
 __all__ = [
     "DtypeTrace",
+    "Fp8Report",
     "GradStats",
     "Log2Histogram",
     "NonfiniteReport",
     "ScalerLog",
     "UnderflowReport",
     "find_nonfinite",
+    "fp8_report",
     "grad_amax",
     "load_log",
     "nonfinite_params",
+    "plot_fp8_report",
     "plot_gradient_histogram",
     "plot_scale_history",
     "plot_underflow",
