@@ -16,6 +16,7 @@ import time
 import torch
 
 from mixprec.bench import checks
+from mixprec.bench.machine import choose_threads
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
 from mixprec.bench.plan import Plan, make_plan, split_names
 from mixprec.bench.progress import Progress, estimate_s, format_duration, machine_factor
@@ -82,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="size preset: tiny (tests), quick, default (~3 min, 2 CPU cores), full (= --full), large (GPU)",
     )
     add("--steps", type=int, help="training steps per run (overrides the preset)")
+    add(
+        "--threads",
+        default="auto",
+        metavar="N|auto",
+        help="torch CPU threads per run (default auto: torch's default, fewer when other programs keep "
+        "cores busy)",
+    )
     add("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     add("--seed", type=int, default=0, help="seed for weights, data split and batch order")
     add("--data", metavar="FILE", help="UTF-8 text file for the lm workload (default: stdlib sources)")
@@ -101,14 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _header(plan: Plan) -> str:
+def _header(plan: Plan, threads: int) -> str:
     device = plan.device
     if device.startswith("cuda"):
         tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         name = torch.cuda.get_device_name(torch.device(device))
         where = f"{name}; fp32 TF32 matmul/cuDNN: {tf32[0]}/{tf32[1]}"
     else:
-        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        where = f"{platform.processor() or platform.machine()}, {threads} thread(s) per run"
     return f"mixprec bench: {device} ({where}), torch {torch.__version__}, size {plan.size}"
 
 
@@ -154,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the bench for parsed ``args``; returns the process exit code (1 if any run failed)."""
     started = time.perf_counter()
     _check_outputs(args)
+    threads, why = choose_threads(args.threads, args.device)
     plan = make_plan(
         workloads=split_names(args.workload),
         modes=split_names(args.modes),
@@ -163,7 +172,12 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         data=args.data,
         images=args.images,
+        threads=threads,
     )
+    if why != "torch's default":
+        plan.notes.append(f"{threads} thread(s) per run: {why}")
+    if not plan.device.startswith("cuda"):
+        torch.set_num_threads(threads)  # the machine probe measures what the runs will use
     factor = machine_factor(plan.device)
     _announce(plan, factor)
     for note in plan.notes:
@@ -179,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if results:
-        print(format_table(results, plan.notes, header=_header(plan)), flush=True)
+        print(format_table(results, plan.notes, header=_header(plan, threads)), flush=True)
         written = _save(results, args)
         if args.plot:
             from mixprec.bench.plots import write_plots

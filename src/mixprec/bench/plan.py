@@ -106,6 +106,7 @@ def make_plan(
     seed: int = 0,
     data: str | None = None,
     images: str | None = None,
+    threads: int | None = None,
 ) -> Plan:
     """Validate the choices and list the runs: each available mode, in the order given, for each workload.
 
@@ -141,7 +142,7 @@ def make_plan(
             if device_type == "cpu" and MODES[name].dtype == torch.float16 and not preset.cpu_fp16:
                 fp16_skipped.append(f"{workload}/{name}")
                 continue
-            plan.jobs.append(Job(workload, name, size, steps, seed, device, data, images))
+            plan.jobs.append(Job(workload, name, size, steps, seed, device, data, images, threads))
     if any(MODES[name].dtype == torch.float16 for name in runnable) and device_type == "cpu":
         plan.notes.append(
             CPU_FP16_NOTE + (f"; left out at size {size}: {', '.join(fp16_skipped)}" if fp16_skipped else "")

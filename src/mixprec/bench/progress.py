@@ -19,7 +19,7 @@ import torch
 
 from mixprec.bench.runner import Job
 
-REFERENCE_PROBE_S = 0.045  # _probe_seconds() on the reference machine (2-core x86_64, quiet)
+REFERENCE_PROBE_S = 0.021  # _probe_seconds() on the reference machine (2-core x86_64, quiet)
 START_S = 2.0  # one worker process: spawn, import torch, load data, probe step (reference machine)
 EVAL_S = {"lm": 1.5, "cnn": 0.5}
 LINE_EVERY_S = 10.0

@@ -37,7 +37,8 @@ class Job:
     """One (workload, mode) run and everything that decides its outcome.
 
     ``steps`` overrides the preset's step count; ``data`` is the lm workload's text file,
-    ``images`` the cnn workload's directory of IDX files (None: the built-in data).
+    ``images`` the cnn workload's directory of IDX files (None: the built-in data), ``threads`` torch's
+    CPU thread count for the run (None: leave it as it is).
     """
 
     workload: str
@@ -48,6 +49,7 @@ class Job:
     device: str = "cpu"
     data: str | None = None
     images: str | None = None
+    threads: int | None = None
 
     @property
     def preset(self) -> Any:
@@ -87,6 +89,7 @@ class RunResult:
     final_scale: float | None
     data_source: str
     wall_s: float
+    threads: int = 1
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -109,6 +112,8 @@ class Trainer:
     def __init__(self, job: Job, fresh_process: bool = False) -> None:
         self.started = time.perf_counter()
         self.job = job
+        if job.threads is not None:
+            torch.set_num_threads(job.threads)
         spec, self.mode_spec = WORKLOADS[job.workload], MODES[job.mode]
         preset = spec.presets[job.size]
         self.device = torch.device(job.device)
@@ -183,6 +188,7 @@ class Trainer:
             final_scale=self.history[-1]["scale"] if self.history else None,
             data_source=self.data.source,
             wall_s=time.perf_counter() - self.started,
+            threads=torch.get_num_threads(),
             history=self.history,
         )
 
