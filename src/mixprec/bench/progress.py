@@ -95,10 +95,12 @@ class Progress:
             dynamic_ncols=True,
         )
 
-    def where(self, job: Job, round_index: int | None = None, rounds: int | None = None) -> None:
-        """Say what runs now: ``lm O2-bf16 (run 4 of 18), round 3 of 16``."""
+    def where(
+        self, job: Job, round_index: int | None = None, rounds: int | None = None, phase: str = ""
+    ) -> None:
+        """Say what runs now: ``lm O2-bf16 (run 4 of 18), round 3 of 16`` or ``starting lm fp32 (...)``."""
         number = self.jobs.index(job) + 1 if job in self.jobs else 0
-        label = f"{job.workload} {job.mode} (run {number} of {len(self.jobs)})"
+        label = f"{phase + ' ' if phase else ''}{job.workload} {job.mode} (run {number} of {len(self.jobs)})"
         if round_index is not None:
             label += f", round {round_index + 1} of {rounds}"
         self.label = label

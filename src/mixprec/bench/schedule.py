@@ -53,7 +53,7 @@ def run_workload(
             worker.start()
         active = []
         for job, worker in workers.items():
-            progress.where(job)
+            progress.where(job, phase="starting")
             try:
                 worker.wait_ready(progress.heartbeat)
                 active.append(job)
@@ -73,7 +73,7 @@ def run_workload(
                 progress.advance(size * job.preset.cost_ms / 1e3)
         results = []
         for job in active:
-            progress.where(job)
+            progress.where(job, phase="evaluating")
             try:
                 results.append(workers[job].finish(progress.heartbeat))
             except Exception as exc:

@@ -25,7 +25,7 @@ NOISY_WIDTH = 0.15
 NOISY_IQR = 0.30
 CONFIDENCE = 0.90
 NOISY_ADVICE = (
-    "noisy: the step times of these runs spread widely (another program was using the CPU/GPU?), so their "
+    "the step times of these runs spread widely (another program was using the CPU/GPU?), so their "
     "speedups may not repeat; close other programs and rerun, or use --full for more rounds"
 )
 
