@@ -120,3 +120,20 @@ def test_plain_progress_lines_name_the_run_and_the_time_left(monkeypatch: pytest
     assert len(lines) == 2 and "\r" not in stream.getvalue()
     assert "lm bf16-true (run 2 of 2), round 3 of 3" in lines[0] and "left" in lines[0]
     assert progress_mod.format_duration(185) == "3 min 5 s" and progress_mod.format_duration(7.4) == "7 s"
+
+
+def test_threads_follow_the_idle_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec.bench import machine
+
+    assert 0.0 <= machine.busy_cores(0.05) <= (machine.os.cpu_count() or 1) + 0.5
+    assert machine.choose_threads("3", "cpu") == (3, "set by --threads")
+    with pytest.raises(ValueError, match="--threads must be 'auto' or a positive integer, got '0'"):
+        machine.choose_threads("0", "cpu")
+    monkeypatch.setattr(machine.torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(machine, "busy_cores", lambda: 0.2)
+    assert machine.choose_threads("auto", "cpu") == (4, "torch's default")
+    monkeypatch.setattr(machine, "busy_cores", lambda: 1.3)
+    threads, why = machine.choose_threads("auto", "cpu")
+    assert threads == 3 and "keep 1.3 of 4 cores busy, so 3 thread(s) instead of 4" in why
+    assert machine.choose_threads("auto", "cuda") == (4, "torch's default")
