@@ -145,7 +145,10 @@ def plot_step_times(
         Line2D([], [], color="black", label="whiskers: 5th-95th"),
     ]
     figure.legend(handles=legend, loc="lower center", ncol=3, fontsize=8)
-    figure.suptitle("step time per mode (right: speedup over fp32 [90% CI])", fontsize=10)
+    shown = any(notes.values())
+    figure.suptitle(
+        "step time per mode" + (" (right: speedup over fp32 [90% CI])" if shown else ""), fontsize=10
+    )
     return _save(figure, Path(path), rect=(0, 0.07, 0.93, 0.97))
 
 

@@ -231,7 +231,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
                 64, 4, 4, {**_LM, "batch": 16, "corpus_bytes": 2_000_000, "eval_windows": 64}, 170.0
             ),
             "full": Preset(
-                180, 10, 10, {**_LM, "batch": 32, "corpus_bytes": 4_000_000, "eval_windows": 128}, 340.0
+                180, 10, 10, {**_LM, "batch": 32, "corpus_bytes": 4_000_000, "eval_windows": 128}, 300.0
             ),
             "large": Preset(
                 300,
