@@ -27,6 +27,13 @@ def _cell(value: Any, spec: str) -> str:
     return "-" if value is None else f"{value:{spec}}"
 
 
+def _ms(value: float | None) -> str:
+    """Milliseconds to a sensible precision: 5408, 25.5, 1.57."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
 def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path]) -> str:
     """Markdown: one row per run of ``mixprec bench --json``, the NOISY ones named, the images."""
     lines = [
@@ -36,11 +43,11 @@ def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Seque
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        iqr = f"{_cell(r.get('step_time_q25_ms'), '.3g')}-{_cell(r.get('step_time_q75_ms'), '.3g')}"
+        iqr = f"{_ms(r.get('step_time_q25_ms'))}-{_ms(r.get('step_time_q75_ms'))}"
         cells = [
             r["workload"],
             r["mode"],
-            _cell(r["step_time_ms"], ".3g"),
+            _ms(r["step_time_ms"]),
             iqr,
             speedup_text(r) or "-",
             _cell(r.get("peak_memory_mb"), ".1f"),
