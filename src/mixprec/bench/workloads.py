@@ -2,9 +2,10 @@
 
 A workload is built in two phases so the runner can measure memory between them: ``load`` reads the data
 set (CPU tensors, shared by every mode), then ``build`` seeds torch and makes the model, optimizer, batch
-iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` and ``default`` (sized for a
-2-core CPU: the whole bench within about 3 and 15 minutes) and ``large`` (sized for a GPU; hours on a CPU).
-Everything a preset changes is in the registry table at the end of this file.
+iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a 1-minute smoke run on a
+quiet 2-core CPU), ``default`` (about 3 minutes there), ``full`` (the longer study behind ``--full``,
+about 7 minutes) and ``large`` (sized for a GPU; hours on a CPU). Everything a preset changes, including
+the rounds the modes take turns in, is in the registry table at the end of this file.
 """
 
 from __future__ import annotations
