@@ -31,7 +31,7 @@ Trains each workload in each precision mode from the same seed and data order, t
 few steps at a time (each run in a process of its own), then prints the median step time and its spread,
 the speedup over fp32 with a 90% interval, peak memory, held-out loss and metric, skipped steps and the
 final loss scale. A row marked NOISY had timings too spread out to trust (a busy machine); rerun then.
-Default: about 3 minutes on a quiet 2-core CPU; --full: the longer study (about 7 minutes).
+Default: about 3 minutes on a quiet 2-core CPU; --full: the longer study (about 10 minutes).
 
 workloads:
 {workloads}
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_const", const="full", dest="size", help="the longer study")
     size.add_argument(
-        "--quick", action="store_const", const="quick", dest="size", help="a smoke run (~1 min)"
+        "--quick", action="store_const", const="quick", dest="size", help="a short smoke run (1-2 min)"
     )
     size.add_argument(
         "--size",

@@ -1,8 +1,10 @@
 """How long the bench will take and how far it has got: the estimate printed first, then a bar or lines.
 
-The estimate adds, per run, its steps times the preset's ``cost_ms`` (a step's time on the reference
-2-core CPU) plus the start of its worker process and its evaluation, scaled by how fast this machine
-does a fixed fp32 matmul right now against the reference (so a busy machine gets a longer estimate).
+The estimate adds, per run, its steps times the preset's ``cost_ms`` (a step's time on the reference:
+this project's 2-core CPU, one thread per run) plus the start of its worker process and its evaluation,
+scaled by how fast this machine does a fixed fp32 matmul right now, with the threads the runs will use,
+against the reference (so a busy machine gets a longer estimate). It is rough (the probe is all matmul,
+the steps are not); the time left that the bar and the lines show adapts to the real pace.
 On a terminal a tqdm bar spans the whole plan (work measured in estimated seconds, so its "left" adapts
 to the real pace); elsewhere a plain line goes to stderr after a round when 10 s have passed, and at
 least every 15 s while a round is running.
@@ -19,9 +21,9 @@ import torch
 
 from mixprec.bench.runner import Job
 
-REFERENCE_PROBE_S = 0.021  # _probe_seconds() on the reference machine (2-core x86_64, quiet)
-START_S = 2.0  # one worker process: spawn, import torch, load data, probe step (reference machine)
-EVAL_S = {"lm": 1.5, "cnn": 0.5}
+REFERENCE_PROBE_S = 0.022  # _probe_seconds() on the reference (2-core x86_64, one thread)
+START_S = 3.5  # one worker process: spawn, import torch, load data, probe step (reference)
+EVAL_S = {"lm": 2.0, "cnn": 0.7}
 LINE_EVERY_S = 10.0
 HEARTBEAT_S = 14.0  # + up to 1 s of polling: a line at least every 15 s
 

@@ -2,9 +2,9 @@
 
 A workload is built in two phases so the runner can measure memory between them: ``load`` reads the data
 set (CPU tensors, shared by every mode), then ``build`` seeds torch and makes the model, optimizer, batch
-iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a 1-minute smoke run on a
-quiet 2-core CPU), ``default`` (about 3 minutes there), ``full`` (the longer study behind ``--full``,
-about 7 minutes) and ``large`` (sized for a GPU; hours on a CPU). Everything a preset changes, including
+iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a smoke run of 1-2 minutes on
+a 2-core CPU), ``default`` (about 3 minutes there), ``full`` (the longer study behind ``--full``,
+about 10 minutes) and ``large`` (sized for a GPU; hours on a CPU). Everything a preset changes, including
 the rounds the modes take turns in, is in the registry table at the end of this file.
 """
 
@@ -33,7 +33,7 @@ class Preset:
 
     ``round_steps``: steps each mode trains before the next mode takes a turn (see
     :mod:`mixprec.bench.schedule`). ``cost_ms``: the mean step time over the default CPU modes on the
-    reference machine (2-core x86_64 with AVX512-BF16, quiet), used only for the time estimate.
+    reference (this project's 2-core x86_64 with AVX512-BF16, one thread per run), for the time estimate.
     ``cpu_fp16`` says whether fp16 modes run on a CPU at this size (CPUs have no fast fp16 matmul).
     """
 
@@ -226,13 +226,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {
                 3, 1, 1, {**_LM_TINY, "batch": 4, "corpus_bytes": 200_000, "eval_windows": 4}, 5.0, True
             ),
             "quick": Preset(
-                24, 4, 4, {**_LM, "batch": 8, "corpus_bytes": 1_000_000, "eval_windows": 32}, 90.0
+                24, 4, 4, {**_LM, "batch": 8, "corpus_bytes": 1_000_000, "eval_windows": 32}, 200.0
             ),
             "default": Preset(
-                64, 4, 4, {**_LM, "batch": 16, "corpus_bytes": 2_000_000, "eval_windows": 64}, 170.0
+                64, 4, 4, {**_LM, "batch": 16, "corpus_bytes": 2_000_000, "eval_windows": 64}, 390.0
             ),
             "full": Preset(
-                180, 10, 10, {**_LM, "batch": 32, "corpus_bytes": 4_000_000, "eval_windows": 128}, 300.0
+                180, 10, 10, {**_LM, "batch": 32, "corpus_bytes": 4_000_000, "eval_windows": 128}, 780.0
             ),
             "large": Preset(
                 300,
@@ -251,10 +251,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         metric="accuracy",
         presets={
             "tiny": Preset(3, 1, 1, {"batch": 8, "lr": 1e-3, "eval_images": 64}, 2.0, True),
-            "quick": Preset(60, 10, 10, {"batch": 64, "lr": 1e-3, "eval_images": 2000}, 6.0),
-            "default": Preset(300, 20, 20, {"batch": 128, "lr": 1e-3, "eval_images": 10_000}, 11.0),
-            "full": Preset(600, 20, 20, {"batch": 128, "lr": 1e-3, "eval_images": 10_000}, 11.0),
-            "large": Preset(600, 20, 20, {"batch": 512, "lr": 2e-3, "eval_images": 10_000}, 40.0),
+            "quick": Preset(60, 10, 10, {"batch": 64, "lr": 1e-3, "eval_images": 2000}, 12.0),
+            "default": Preset(300, 20, 20, {"batch": 128, "lr": 1e-3, "eval_images": 10_000}, 20.0),
+            "full": Preset(600, 20, 20, {"batch": 128, "lr": 1e-3, "eval_images": 10_000}, 20.0),
+            "large": Preset(600, 20, 20, {"batch": 512, "lr": 2e-3, "eval_images": 10_000}, 80.0),
         },
         load=_load_cnn,
         build=_build_cnn,
@@ -265,10 +265,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         metric="R^2",
         presets={
             "tiny": Preset(3, 1, 1, {**_TAB, "hidden": 32}, 1.0, True),
-            "quick": Preset(8 * _TAB_EPOCH, _TAB_EPOCH, _TAB_EPOCH, _TAB, 1.0, True),
-            "default": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.0, True),
-            "full": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.0, True),
-            "large": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.0, True),
+            "quick": Preset(8 * _TAB_EPOCH, _TAB_EPOCH, _TAB_EPOCH, _TAB, 1.2, True),
+            "default": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.2, True),
+            "full": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.2, True),
+            "large": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.2, True),
         },
         load=_load_tabular,
         build=_build_tabular,
