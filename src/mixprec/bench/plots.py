@@ -131,7 +131,7 @@ def plot_step_times(
         _boxes(axes, data)
         axes.set_yticks(range(1, len(modes) + 1), modes, fontsize=8)
         axes.invert_yaxis()
-        right = max(max(times) for times in data) if data else 1.0
+        right = max(_percentile95(times) for times in data) if data else 1.0  # the whiskers' reach
         for row, mode in enumerate(modes, 1):
             text = notes.get((workload, mode))
             if text:
@@ -150,6 +150,11 @@ def plot_step_times(
         "step time per mode" + (" (right: speedup over fp32 [90% CI])" if shown else ""), fontsize=10
     )
     return _save(figure, Path(path), rect=(0, 0.07, 0.93, 0.97))
+
+
+def _percentile95(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)] if ordered else 1.0
 
 
 def _boxes(axes: Any, data: list[Sequence[float]]) -> None:
