@@ -21,23 +21,34 @@ def test_subcommands_register_from_the_table() -> None:
     assert "bench" in cli.SUBCOMMANDS
     args = parser.parse_args(["bench", "--quick"])
     assert args.command == "bench" and args.size == "quick"
+    assert parser.parse_args(["bench", "--full"]).size == "full"
+    assert parser.parse_args(["bench"]).size is None  # the default size
 
 
 def test_bench_in_process_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    argv = [*TINY, "--workload", "seed-loop", "--modes", "fp32,torch-amp", "--in-process", "--json", str(out)]
+    argv = [
+        *TINY,
+        "--workload",
+        "tabular-regression",
+        "--modes",
+        "fp32,torch-amp",
+        "--in-process",
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     records = json.loads(out.read_text())
     assert [r["mode"] for r in records] == ["fp32", "torch-amp-bf16"]
     assert all(tuple(r) == RECORD_KEYS for r in records)
     table = capsys.readouterr().out
-    assert "speedup" in table and "seed-loop" in table
+    assert "speedup" in table and "tabular-regression" in table
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--workload", "nope"], "unknown workload 'nope'; accepted: lm, cnn, seed-loop, all"),
+        (["--workload", "nope"], "unknown workload 'nope'; accepted: lm, cnn, tabular-regression, all"),
         (["--modes", "fp33"], "unknown mode 'fp33' (did you mean 'fp32'?); accepted: fp32,"),
         (["--steps", "1"], "steps must be at least 2"),
     ],
@@ -64,7 +75,7 @@ def test_no_subcommand_and_bad_option(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_python_dash_m_runs_isolated_with_log_and_plots(tmp_path: Path) -> None:
-    argv = [*TINY, "--workload", "seed-loop", "--modes", "fp32"]
+    argv = [*TINY, "--workload", "tabular-regression", "--modes", "fp32"]
     argv += [
         "--json",
         str(tmp_path / "b.json"),
@@ -82,3 +93,58 @@ def test_python_dash_m_runs_isolated_with_log_and_plots(tmp_path: Path) -> None:
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 3
     assert (tmp_path / "p" / "step_time.png").stat().st_size > 1024
     assert "\r" not in done.stderr  # no progress bar when stderr is not a terminal
+    assert done.stderr.startswith(
+        "mixprec bench: 1 runs (1 workloads x up to 1 modes, size tiny, cpu); about"
+    )
+    for name in ("b.json", "s.jsonl", "p/step_time.png", "p/loss_tabular-regression.png"):
+        assert f"wrote {tmp_path / name}" in done.stderr
+
+
+def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    incomplete = tmp_path / "images"
+    incomplete.mkdir()
+    return [
+        (["--json", str(tmp_path)], f"--json '{tmp_path}' is a directory; give a file path"),
+        (["--log", str(tmp_path)], f"--log '{tmp_path}' is a directory"),
+        (["--plot", str(a_file)], f"--plot '{a_file}' is a file; give a directory"),
+        (["--json", str(a_file / "x.json")], "is a file, not a directory"),
+        (
+            ["--json", str(tmp_path / "o"), "--log", str(tmp_path / "o")],
+            "--json and --log name the same file",
+        ),
+        (
+            ["--data", str(tmp_path / "missing.txt")],
+            "--data '{}' is not a file".format(tmp_path / "missing.txt"),
+        ),
+        (["--data", str(a_file)], "holds 1 bytes; the lm workload needs at least 10000"),
+        (["--images", str(incomplete)], "lacks train-images-idx3-ubyte"),
+        (["--modes", "fp32", "--modes", "nope"], "unknown mode 'nope'"),
+        (["--device", "tpu"], "unknown device 'tpu'; accepted: auto, cpu, cuda, cuda:N"),
+    ]
+
+
+def test_every_input_is_checked_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in _bad_inputs(tmp_path):
+        assert cli.main([*TINY, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+        assert err.count("error:") == 1 and "runs (" not in err  # one error, before the plan is announced
+
+
+def test_results_are_written_before_the_plots_can_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.bench import plots
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the plotting library broke")
+
+    monkeypatch.setattr(plots, "write_plots", broken)
+    out = tmp_path / "bench.json"
+    argv = [*TINY, "--workload", "tabular-regression", "--modes", "fp32", "--in-process"]
+    with pytest.raises(RuntimeError, match="plotting library broke"):
+        cli.main([*argv, "--json", str(out), "--plot", str(tmp_path / "p")])
+    assert json.loads(out.read_text())[0]["mode"] == "fp32"
+    assert "tabular-regression  fp32" in capsys.readouterr().out

@@ -1,13 +1,11 @@
-"""The bench harness at its ``tiny`` size: records, determinism, data, modes, planning and output files."""
+"""The bench harness at its ``tiny`` size: records, determinism, data, modes and planning."""
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import math
 import struct
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,38 +21,46 @@ TINY = {"size": "tiny", "steps": 3}
 
 
 @pytest.fixture(scope="module")
-def seed_loop_results() -> list[runner.RunResult]:
-    return [run_job(Job("seed-loop", mode, **TINY)) for mode in ("fp32", "torch-amp-bf16")]
+def tabular_results() -> list[runner.RunResult]:
+    return [run_job(Job("tabular-regression", mode, **TINY)) for mode in ("fp32", "torch-amp-bf16")]
 
 
 def test_registries_are_consistent() -> None:
-    assert list(WORKLOADS) == ["lm", "cnn", "seed-loop"]
+    assert list(WORKLOADS) == ["lm", "cnn", "tabular-regression"]
+    assert "seed-loop" not in WORKLOADS
     for device, names in modes.DEFAULT_MODES.items():
         assert set(names) <= set(MODES), device
     for alias, per_device in modes.ALIASES.items():
         assert alias not in MODES
         assert set(per_device.values()) <= set(MODES)
     for spec in WORKLOADS.values():
-        assert set(spec.presets) == {"tiny", "quick", "default", "large"}
+        assert set(spec.presets) == {"tiny", "quick", "default", "full", "large"}
+        for preset in spec.presets.values():
+            assert 1 <= preset.round_steps <= preset.steps and preset.warmup < preset.steps
 
 
-def test_records_have_exact_keys_and_sane_values(seed_loop_results: list[runner.RunResult]) -> None:
-    records = report.make_records(seed_loop_results)
+def test_records_have_exact_keys_and_sane_values(tabular_results: list[runner.RunResult]) -> None:
+    records = report.make_records(tabular_results)
     assert [r["mode"] for r in records] == ["fp32", "torch-amp-bf16"]
     for record in records:
         assert tuple(record) == report.RECORD_KEYS
-        assert record["workload"] == "seed-loop" and record["device"] == "cpu" and record["steps"] == 3
+        assert (
+            record["workload"] == "tabular-regression" and record["device"] == "cpu" and record["steps"] == 3
+        )
         assert record["step_time_ms"] > 0 and math.isfinite(record["final_loss"])
+        assert record["step_time_q25_ms"] <= record["step_time_ms"] <= record["step_time_q75_ms"]
+        assert record["rounds"] == 2 and len(record["round_medians_ms"]) == 2  # 3 steps, 1 warm-up
         assert record["skipped_steps"] == 0 and record["final_scale"] is None
     assert records[0]["dtype"] == "float32" and records[1]["dtype"] == "bfloat16"
     assert records[0]["speedup_vs_fp32"] == 1.0
-    assert len(seed_loop_results[0].history) == 3
+    history = tabular_results[0].history
+    assert [h["round"] for h in history] == [0, 1, 2] and [h["step"] for h in history] == [0, 1, 2]
 
 
-def test_same_seed_gives_the_same_run(seed_loop_results: list[runner.RunResult]) -> None:
-    again = run_job(Job("seed-loop", "fp32", **TINY))
-    assert [h["loss"] for h in again.history] == [h["loss"] for h in seed_loop_results[0].history]
-    assert again.final_loss == seed_loop_results[0].final_loss
+def test_same_seed_gives_the_same_run(tabular_results: list[runner.RunResult]) -> None:
+    again = run_job(Job("tabular-regression", "fp32", **TINY))
+    assert [h["loss"] for h in again.history] == [h["loss"] for h in tabular_results[0].history]
+    assert again.final_loss == tabular_results[0].final_loss
 
 
 @pytest.mark.parametrize("workload", ["lm", "cnn"])
@@ -64,25 +70,12 @@ def test_each_workload_trains_and_evaluates(workload: str) -> None:
     assert result.data_source
 
 
-def test_isolated_run_measures_peak_memory() -> None:
-    result = runner.run_isolated(Job("seed-loop", "fp32", **TINY))
-    assert result.steps == 3 and len(result.history) == 3
-    if sys.platform == "linux":
-        assert result.memory_method in ("cpu-hwm", "cpu-maxrss")
-        assert result.peak_memory_mb is None or result.peak_memory_mb >= 0
-
-
-def test_isolated_failure_is_reported() -> None:
-    with pytest.raises(runner.RunFailed, match="seed-loop/fp32 failed"):
-        runner.run_isolated(Job("seed-loop", "fp32", size="no-such-size"))
-
-
 @pytest.mark.parametrize("name", list(MODES))
 def test_every_available_mode_runs_on_cpu(name: str) -> None:
     reason = MODES[name].unavailable("cpu")
     if reason is not None:
         pytest.skip(f"{name}: {reason}")
-    result = run_job(Job("seed-loop", name, **TINY))
+    result = run_job(Job("tabular-regression", name, **TINY))
     assert math.isfinite(result.final_loss)
     assert result.dtype == str(MODES[name].dtype).removeprefix("torch.")
 
@@ -105,6 +98,8 @@ def test_missing_component_makes_a_mode_unavailable() -> None:
 
 
 def test_unknown_names_list_the_accepted_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown workload 'seed-loop' \(renamed 'tabular-regression'\)"):
+        plan.make_plan(workloads=["seed-loop"], device="cpu")
     with pytest.raises(
         ValueError, match=r"unknown workload 'lmm' \(did you mean 'lm'\?\); accepted: lm, cnn"
     ):
@@ -121,12 +116,15 @@ def test_plan_resolves_aliases_and_leaves_out_what_cannot_run(monkeypatch: pytes
     broken = ModeSpec("broken", torch.bfloat16, "test", requires=("no_such_part",))
     monkeypatch.setitem(MODES, "broken", broken)
     result = plan.make_plan(
-        workloads=["lm", "seed-loop"], modes=["fp32", "torch-amp-fp16", "broken"], size="quick", device="cpu"
+        workloads=["lm", "tabular-regression"],
+        modes=["fp32", "torch-amp-fp16", "broken"],
+        size="quick",
+        device="cpu",
     )
     assert [(j.workload, j.mode) for j in result.jobs] == [
         ("lm", "fp32"),
-        ("seed-loop", "fp32"),
-        ("seed-loop", "torch-amp-fp16"),
+        ("tabular-regression", "fp32"),
+        ("tabular-regression", "torch-amp-fp16"),
     ]
     assert any("broken left out" in note for note in result.notes)
     assert any("fp16 on a CPU" in note and "lm/torch-amp-fp16" in note for note in result.notes)
@@ -149,8 +147,12 @@ def _write_idx(path: Path, array: torch.Tensor) -> None:
         handle.write(header + array.to(torch.uint8).numpy().tobytes())
 
 
-def test_fashion_mnist_reader_and_fallback(tmp_path: Path) -> None:
-    assert data.fashion_mnist((tmp_path,)) is None  # absent: the cnn workload falls back to sklearn digits
+def test_idx_image_reader(tmp_path: Path) -> None:
+    assert data.fashion_mnist((tmp_path,)) is None
+    with pytest.raises(
+        FileNotFoundError, match="lacks train-images-idx3-ubyte.*apt-get install dataset-fashion"
+    ):
+        data.idx_images(tmp_path)
     images = torch.randint(0, 256, (6, 28, 28))
     labels = torch.arange(6) % 10
     for key, stem in data.FASHION_MNIST_FILES.items():
@@ -162,25 +164,22 @@ def test_fashion_mnist_reader_and_fallback(tmp_path: Path) -> None:
     assert digits.x_train.shape[1:] == (1, 8, 8) and len(digits.y_test) == 359
 
 
-def test_cnn_falls_back_to_sklearn_digits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data, "FASHION_MNIST_DIRS", (tmp_path,))
+def test_cnn_reads_digits_by_default_and_idx_images_on_request(tmp_path: Path) -> None:
     result = run_job(Job("cnn", "fp32", **TINY))
     assert "digits" in result.data_source and 0.0 <= result.final_metric <= 1.0
+    for key, stem in data.FASHION_MNIST_FILES.items():
+        shape = (40, 28, 28) if "images" in key else (40,)
+        _write_idx(tmp_path / f"{stem}.gz", torch.randint(0, 256 if "images" in key else 10, shape))
+    result = run_job(Job("cnn", "fp32", images=str(tmp_path), **TINY))
+    assert "IDX images" in result.data_source and "28x28" in result.data_source
 
 
-def test_outputs_json_log_plots_and_table(seed_loop_results: list[runner.RunResult], tmp_path: Path) -> None:
-    report.write_json(seed_loop_results, tmp_path / "bench.json")
-    records = json.loads((tmp_path / "bench.json").read_text())
-    assert len(records) == 2 and all(tuple(r) == report.RECORD_KEYS for r in records)
-
-    report.write_log(seed_loop_results, tmp_path / "steps.jsonl")
-    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert len(lines) == 6 and all(tuple(line) == report.LOG_KEYS for line in lines)
-
-    written = report.write_plots(seed_loop_results, tmp_path / "plots")
-    assert {p.name for p in written} == {"loss_seed-loop.png", "step_time.png"}
-    assert all(p.stat().st_size > 1024 for p in written)
-
-    table = report.format_table(seed_loop_results, notes=["a note"])
-    assert "torch-amp-bf16" in table and "R^2" in table and "note: a note" in table
-    assert "median wall time" in table and "peak MiB" in table
+def test_plan_checks_data_and_images_up_front(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="--data .* is not a file"):
+        plan.make_plan(data=str(tmp_path / "missing.txt"), device="cpu", size="tiny")
+    with pytest.raises(FileNotFoundError, match="--images .* lacks"):
+        plan.make_plan(images=str(tmp_path), device="cpu", size="tiny")
+    text = tmp_path / "corpus.txt"
+    text.write_text("x" * 20_000)
+    made = plan.make_plan(workloads=["cnn"], data=str(text), device="cpu", size="tiny")
+    assert any("--data is read by the lm workload only" in note for note in made.notes)

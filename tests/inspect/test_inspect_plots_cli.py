@@ -83,11 +83,39 @@ def test_missing_matplotlib_is_a_clear_error(reports, tmp_path, monkeypatch, cap
 def test_report_from_a_bench_log(tmp_path, capsys):
     log = _bench_log(tmp_path / "bench.jsonl")
     assert cli.report_main([str(log), "--out", str(tmp_path / "out")]) == 0
-    _png(tmp_path / "out" / "scale_history.png")
+    for name in ("loss_cnn", "step_time", "scale_history"):
+        _png(tmp_path / "out" / f"{name}.png")
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| cnn / fp16 | 6 | 2 → 1.5 | 1 (2) | 2^16 / 2^15 / 2^15 | - | 5.50 |" in summary
     assert "| cnn / bf16 | 6 |" in summary and "![scale_history](scale_history.png)" in summary
+    assert "![loss_cnn](loss_cnn.png)" in summary
     assert "wrote" in capsys.readouterr().out
+
+
+def _bench_record(mode, ms, speedup, low=None, high=None, noisy=False):
+    return {
+        "workload": "lm", "mode": mode, "step_time_ms": ms, "step_time_q25_ms": ms * 0.9,
+        "step_time_q75_ms": ms * 1.1, "speedup_vs_fp32": speedup, "speedup_low": low, "speedup_high": high,
+        "noisy": noisy, "peak_memory_mb": 100.0, "final_loss": 2.5, "final_metric": 12.2, "skipped_steps": 0,
+        "round_medians_ms": [ms * (1 + 0.01 * i) for i in range(8)],
+    }  # fmt: skip
+
+
+def test_report_reads_what_bench_json_writes(tmp_path, capsys):
+    records = [_bench_record("fp32", 250.0, 1.0), _bench_record("O2-bf16", 120.0, 2.08, 2.01, 2.15)]
+    records.append(_bench_record("bf16-true", 110.0, 2.3, 1.6, 2.9, noisy=True))
+    path = tmp_path / "out.json"
+    path.write_text(json.dumps(records, indent=1))
+    assert cli.report_main([str(path)]) == 0
+    _png(tmp_path / "out_report" / "step_time.png")
+    summary = (tmp_path / "out_report" / "summary.md").read_text()
+    assert "| lm | O2-bf16 | 120 | 108-132 | 2.08x [2.01-2.15] | 100.0 | 2.5000 | 12.2 | 0 |" in summary
+    assert "NOISY (timings spread too widely to trust; rerun on a quieter machine): lm/bf16-true." in summary
+    path.write_text(json.dumps([{"mode": "fp32"}]))
+    assert cli.report_main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "item 0 of the JSON list lacks workload, step_time_ms, so it is not `mixprec bench --json`" in err
+    assert "`mixprec bench --log FILE`" in err
 
 
 def test_report_from_a_scaler_log_with_histograms(tmp_path):
@@ -119,7 +147,7 @@ def test_report_errors_name_the_problem(tmp_path, capsys):
     assert cli.report_main([str(bad)]) == 2
     assert "bad.jsonl:2: expected a JSON object with an integer 'step'" in capsys.readouterr().err
     bad.write_text("not json\n")
-    with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not valid JSON.*`mixprec bench --json FILE` writes"):
         load_log(bad)
     bad.write_text("\n")
     with pytest.raises(ValueError, match="no records"):
@@ -133,6 +161,7 @@ def test_inspect_command_end_to_end(tmp_path, capsys):
     assert "module 'blocks.1.fc' (AddmmBackward0) produced inf" in out
     assert "At loss scale 2^0, 72.7% of activation gradients" in out
     assert "At loss scale 2^16, 1.4% of activation gradients" in out
+    assert "max |grad| x scale = 302, 217x below fp16's largest value 65504 (margin required: 2x)." in out
     assert "head                         linear                         -         1" in out
     for name in ("grad_histogram_scale1", "grad_histogram_scale65536", "underflow"):
         _png(tmp_path / f"{name}.png")

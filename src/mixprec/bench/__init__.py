@@ -1,9 +1,11 @@
 """The bench: side-by-side training runs of precision modes on real workloads (``mixprec bench``)."""
 
-from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES, ModeSpec, TrainMode
+from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES, ModeSpec, TrainMode, register
 from mixprec.bench.plan import Plan, make_plan
-from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log, write_plots
-from mixprec.bench.runner import Job, RunFailed, RunResult, run_isolated, run_job, run_jobs
+from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log
+from mixprec.bench.runner import Job, RunFailed, RunResult, Trainer, run_job
+from mixprec.bench.schedule import run_plan
+from mixprec.bench.stats import Timing, timings
 from mixprec.bench.workloads import WORKLOADS, Preset, WorkloadSpec
 
 __all__ = [
@@ -18,15 +20,17 @@ __all__ = [
     "Preset",
     "RunFailed",
     "RunResult",
+    "Timing",
     "TrainMode",
+    "Trainer",
     "WorkloadSpec",
     "format_table",
     "make_plan",
     "make_records",
-    "run_isolated",
+    "register",
     "run_job",
-    "run_jobs",
+    "run_plan",
+    "timings",
     "write_json",
     "write_log",
-    "write_plots",
 ]

@@ -1,4 +1,10 @@
-"""``mixprec bench``: the command-line front of the bench (arguments, then plan, run, report)."""
+"""``mixprec bench``: the command-line front of the bench (check everything, estimate, run, report).
+
+Order of work: every input and output is checked first (one clear error, before any training); the time
+estimate is printed; the workloads run with their modes interleaved (:mod:`mixprec.bench.schedule`);
+after each workload the JSON (and the step log) are rewritten with everything so far, so an interrupt
+or a failure later keeps what was measured; then the table; the plots come last.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +12,26 @@ import argparse
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from mixprec.bench import checks
+from mixprec.bench.machine import choose_threads
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
-from mixprec.bench.plan import make_plan, split_names
-from mixprec.bench.report import RECORD_KEYS, format_table, write_json, write_log, write_plots
-from mixprec.bench.runner import run_jobs
+from mixprec.bench.plan import Plan, make_plan, split_names
+from mixprec.bench.progress import Progress, estimate_s, format_duration, machine_factor
+from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log
+from mixprec.bench.runner import RunResult
+from mixprec.bench.schedule import run_plan
 from mixprec.bench.workloads import SIZES, WORKLOADS
 
 HELP = "train real workloads in each precision mode; compare step time, memory and accuracy"
 DESCRIPTION = """\
-Trains each workload in each precision mode from the same seed and data order, then prints step time,
-speedup over fp32, peak memory, final loss and metric, skipped steps and final loss scale.
+Trains each workload in each precision mode from the same seed and data order, the modes interleaved a
+few steps at a time (each run in a process of its own), then prints the median step time and its spread,
+the speedup over fp32 with a 90% interval, peak memory, held-out loss and metric, skipped steps and the
+final loss scale. A row marked NOISY had timings too spread out to trust (a busy machine); rerun then.
+Default: about 3 minutes on a quiet 2-core CPU; --full: the longer study (about 10 minutes).
 
 workloads:
 {workloads}
@@ -32,13 +44,13 @@ modes:
   fp16 modes run on a CPU only where the preset is small: CPUs have no fast fp16 matmul/conv kernel.
 
 --json writes a list of records with keys {keys};
-final_loss is the held-out loss, final_metric is {metrics}.
+final_loss is the held-out loss, final_metric is {metrics}. `mixprec report` reads --json and --log files.
 """
 
 
 def _describe() -> str:
-    workloads = "\n".join(f"  {name:<17} {spec.summary}" for name, spec in WORKLOADS.items())
-    modes = "\n".join(f"  {name:<17} {spec.summary}" for name, spec in MODES.items())
+    workloads = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in WORKLOADS.items())
+    modes = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in MODES.items())
     aliases = ", ".join(
         f"{alias} = {'/'.join(f'{v} ({k})' for k, v in per.items())}" for alias, per in ALIASES.items()
     )
@@ -57,68 +69,100 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``mixprec bench`` options on ``parser``."""
     parser.description = _describe()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--workload", action="append", metavar="NAME[,NAME]", help="workload(s) to run (default: all)"
-    )
-    parser.add_argument(
-        "--modes",
-        action="append",
-        metavar="MODE[,MODE]",
-        help="precision modes (default: by device, see below)",
-    )
+    add = parser.add_argument
+    add("--workload", action="append", metavar="NAME[,NAME]", help="workload(s) to run (default: all)")
+    add("--modes", action="append", metavar="MODE[,MODE]", help="precision modes (default: by device)")
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_const", const="quick", dest="size", help="small run (minutes)")
+    size.add_argument("--full", action="store_const", const="full", dest="size", help="the longer study")
+    size.add_argument(
+        "--quick", action="store_const", const="quick", dest="size", help="a short smoke run (1-2 min)"
+    )
     size.add_argument(
         "--size",
         choices=SIZES,
-        default="default",
-        help="size preset: tiny (smoke test), quick (= --quick), default, large (sized for a GPU)",
+        help="size preset: tiny (tests), quick, default (~3 min, 2 CPU cores), full (= --full), large (GPU)",
     )
-    parser.add_argument("--steps", type=int, help="training steps per run (overrides the preset)")
-    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights, data split and batch order")
-    parser.add_argument(
-        "--data", metavar="FILE", help="UTF-8 text file for the lm workload (default: stdlib sources)"
+    add("--steps", type=int, help="training steps per run (overrides the preset)")
+    add(
+        "--threads",
+        default="auto",
+        metavar="N|auto",
+        help="torch CPU threads per run (default auto: torch's default, fewer when other programs keep "
+        "cores busy)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write one JSON record per workload x mode")
-    parser.add_argument("--plot", metavar="DIR", help="write loss curves and a step-time chart (PNG)")
-    parser.add_argument(
-        "--log", metavar="PATH", help="write a JSONL line per training step (for mixprec report)"
+    add("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    add("--seed", type=int, default=0, help="seed for weights, data split and batch order")
+    add("--data", metavar="FILE", help="UTF-8 text file for the lm workload (default: stdlib sources)")
+    add(
+        "--images",
+        metavar="DIR",
+        help="IDX image files for the cnn workload (e.g. /usr/share/datasets/fashion-mnist; default: "
+        "scikit-learn's digits)",
     )
-    parser.add_argument(
+    add("--json", metavar="FILE", help="write one JSON record per workload x mode (rewritten as runs end)")
+    add("--log", metavar="FILE", help="write a JSONL line per training step (for mixprec report)")
+    add("--plot", metavar="DIR", help="write loss-vs-fp32 and step-time pictures (PNG) into DIR")
+    add(
         "--in-process",
         action="store_true",
         help="run everything in this process (faster start; CPU peak memory is then not reported)",
     )
 
 
-def _header(device: str, size: str) -> str:
+def _header(plan: Plan, threads: int) -> str:
+    device = plan.device
     if device.startswith("cuda"):
         tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        where = (
-            f"{torch.cuda.get_device_name(torch.device(device))}; fp32 TF32 matmul/cuDNN: {tf32[0]}/{tf32[1]}"
-        )
+        name = torch.cuda.get_device_name(torch.device(device))
+        where = f"{name}; fp32 TF32 matmul/cuDNN: {tf32[0]}/{tf32[1]}"
     else:
-        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    return f"mixprec bench: {device} ({where}), torch {torch.__version__}, size {size}"
+        where = f"{platform.processor() or platform.machine()}, {threads} thread(s) per run"
+    return f"mixprec bench: {device} ({where}), torch {torch.__version__}, size {plan.size}"
 
 
-def _prepare_outputs(args: argparse.Namespace) -> None:
+def _check_outputs(args: argparse.Namespace) -> None:
     """Fail before training, not after it, when an output cannot be written."""
-    for path in (args.json, args.log):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    checks.distinct({"--json": args.json, "--log": args.log})
+    if args.json:
+        checks.output_file(args.json, "--json")
+    if args.log:
+        checks.output_file(args.log, "--log")
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise ValueError("--plot needs matplotlib: pip install 'mixprec[plot]'") from exc
+        checks.output_dir(args.plot, "--plot")
+        checks.matplotlib_available()
+
+
+def _announce(plan: Plan, factor: float | None) -> None:
+    workloads = len({job.workload for job in plan.jobs})
+    modes = len({job.mode for job in plan.jobs})
+    if factor is None:
+        when = "the bar shows the time left once the first rounds have run"
+    else:
+        busy = f", this machine now {factor:.1f}x the reference's time" if factor > 1.3 else ""
+        when = f"about {format_duration(estimate_s(plan.jobs, factor))}{busy}"
+    print(
+        f"mixprec bench: {len(plan.jobs)} runs ({workloads} workloads x up to {modes} modes, "
+        f"size {plan.size}, {plan.device}); {when}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _save(results: list[RunResult], args: argparse.Namespace) -> list[str]:
+    """Write the JSON and the log from everything so far; returns the paths written."""
+    written = []
+    if args.json:
+        written.append(str(write_json(results, args.json)))
+    if args.log:
+        written.append(str(write_log(results, args.log)))
+    return written
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench for parsed ``args``; returns the process exit code (1 if any run failed)."""
     started = time.perf_counter()
-    _prepare_outputs(args)
+    _check_outputs(args)
+    threads, why = choose_threads(args.threads, args.device)
     plan = make_plan(
         workloads=split_names(args.workload),
         modes=split_names(args.modes),
@@ -127,20 +171,37 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         seed=args.seed,
         data=args.data,
-        progress=sys.stderr.isatty(),
+        images=args.images,
+        threads=threads,
     )
+    if why != "torch's default":
+        plan.notes.append(f"{threads} thread(s) per run: {why}")
+    if not plan.device.startswith("cuda"):
+        torch.set_num_threads(threads)  # the machine probe measures what the runs will use
+    factor = machine_factor(plan.device)
+    _announce(plan, factor)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
-    results, failures = run_jobs(plan.jobs, isolated=not args.in_process)
+    progress = Progress(plan.jobs, factor, bar=sys.stderr.isatty())
+    try:
+        results, failures = run_plan(
+            plan.jobs,
+            isolated=not args.in_process,
+            progress=progress,
+            on_workload_done=lambda r: _save(r, args),
+        )
+    finally:
+        progress.close()
     if results:
-        print(format_table(results, plan.notes, header=_header(plan.device, plan.size)))
-        if args.json:
-            write_json(results, args.json)
-        if args.log:
-            write_log(results, args.log)
+        print(format_table(results, plan.notes, header=_header(plan, threads)), flush=True)
+        written = _save(results, args)
         if args.plot:
-            write_plots(results, args.plot)
-    print(f"total wall time {time.perf_counter() - started:.1f} s", file=sys.stderr)
+            from mixprec.bench.plots import write_plots
+
+            written += [str(p) for p in write_plots(results, make_records(results), args.plot)]
+        for path in written:
+            print(f"wrote {path}", file=sys.stderr)
+    print(f"total wall time {format_duration(time.perf_counter() - started)}", file=sys.stderr)
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0

@@ -2,8 +2,8 @@
 
 * text: Python's own standard-library sources (``sysconfig.get_paths()["stdlib"]``), ``.py`` files read in
   sorted order and capped at a byte budget, or any UTF-8 text file the user names;
-* images: Fashion-MNIST from Debian's ``dataset-fashion-mnist`` package (IDX files, gzipped or not), else
-  scikit-learn's bundled 8x8 digits;
+* images: scikit-learn's bundled 8x8 digits, or any directory of MNIST-style IDX files (gzipped or not),
+  such as Fashion-MNIST (Debian package ``dataset-fashion-mnist``: ``/usr/share/datasets/fashion-mnist``);
 * tabular: scikit-learn's bundled diabetes regression set.
 
 Nothing here is synthetic and nothing depends on the precision mode: every mode sees the same tensors.
@@ -72,15 +72,35 @@ def stdlib_text(max_bytes: int) -> tuple[str, str]:
     return "".join(parts), f"Python stdlib sources ({len(parts)} files, {size / 1e6:.1f} MB)"
 
 
-def file_text(path: str | Path, max_bytes: int) -> tuple[str, str]:
-    """Read the first ``max_bytes`` of a UTF-8 text file (undecodable bytes are replaced)."""
+MIN_TEXT_BYTES = 10_000
+
+
+def check_text_file(path: str | Path) -> None:
+    """Raise unless ``path`` is a readable file of at least ``MIN_TEXT_BYTES`` bytes (the lm's --data).
+
+    Raises:
+        FileNotFoundError: not a file. ValueError: unreadable or too short.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--data {str(path)!r} is not a file; pass a UTF-8 text file")
+    try:
+        with path.open("rb") as handle:
+            size = len(handle.read(MIN_TEXT_BYTES))
+    except OSError as exc:
+        raise ValueError(f"--data {str(path)!r} cannot be read: {exc.strerror}") from exc
+    if size < MIN_TEXT_BYTES:
+        raise ValueError(
+            f"--data {str(path)!r} holds {size} bytes; the lm workload needs at least {MIN_TEXT_BYTES}"
+        )
+
+
+def file_text(path: str | Path, max_bytes: int) -> tuple[str, str]:
+    """Read the first ``max_bytes`` of a UTF-8 text file (undecodable bytes are replaced)."""
+    check_text_file(path)
+    path = Path(path)
     with path.open("rb") as handle:
         raw = handle.read(max_bytes)
-    if len(raw) < 10_000:
-        raise ValueError(f"--data {str(path)!r} holds {len(raw)} bytes; the lm workload needs at least 10000")
     return raw.decode("utf-8", errors="replace"), f"{path.name} ({len(raw) / 1e6:.1f} MB)"
 
 
@@ -114,22 +134,44 @@ def _find_idx(directory: Path, stem: str) -> Path | None:
     return None
 
 
+def missing_idx_files(directory: str | Path) -> list[str]:
+    """The IDX files (of ``FASHION_MNIST_FILES``, gzipped or not) that ``directory`` lacks."""
+    directory = Path(directory)
+    return [stem for stem in FASHION_MNIST_FILES.values() if _find_idx(directory, stem) is None]
+
+
+def idx_images(directory: str | Path) -> Split:
+    """MNIST-style IDX images (e.g. Fashion-MNIST: 60k train / 10k test, 28x28), standardised on train.
+
+    Raises:
+        FileNotFoundError: naming the files ``directory`` lacks.
+    """
+    directory = Path(directory)
+    missing = missing_idx_files(directory)
+    if missing:
+        raise FileNotFoundError(
+            f"--images {str(directory)!r} lacks {', '.join(missing)} (.gz or not); Fashion-MNIST: "
+            "apt-get install dataset-fashion-mnist, then --images /usr/share/datasets/fashion-mnist"
+        )
+    paths = {key: _find_idx(directory, stem) for key, stem in FASHION_MNIST_FILES.items()}
+    data = {key: _read_idx(path) for key, path in paths.items()}  # type: ignore[arg-type]
+    x_train = data["train_images"].float().div_(255.0).unsqueeze(1)
+    x_test = data["test_images"].float().div_(255.0).unsqueeze(1)
+    mean, std = x_train.mean(), x_train.std()
+    return Split(
+        x_train=x_train.sub_(mean).div_(std),
+        y_train=data["train_labels"].long(),
+        x_test=x_test.sub_(mean).div_(std),
+        y_test=data["test_labels"].long(),
+        source=f"IDX images from {directory} ({x_train.shape[-2]}x{x_train.shape[-1]})",
+    )
+
+
 def fashion_mnist(dirs: tuple[Path, ...] = FASHION_MNIST_DIRS) -> Split | None:
-    """Fashion-MNIST (60k train / 10k test, 28x28), standardised with train statistics; None if absent."""
+    """:func:`idx_images` from the first of ``dirs`` that holds all four files; None if none does."""
     for directory in dirs:
-        paths = {key: _find_idx(directory, stem) for key, stem in FASHION_MNIST_FILES.items()}
-        if all(paths.values()):
-            data = {key: _read_idx(path) for key, path in paths.items()}  # type: ignore[arg-type]
-            x_train = data["train_images"].float().div_(255.0).unsqueeze(1)
-            x_test = data["test_images"].float().div_(255.0).unsqueeze(1)
-            mean, std = x_train.mean(), x_train.std()
-            return Split(
-                x_train=x_train.sub_(mean).div_(std),
-                y_train=data["train_labels"].long(),
-                x_test=x_test.sub_(mean).div_(std),
-                y_test=data["test_labels"].long(),
-                source=f"Fashion-MNIST ({directory})",
-            )
+        if not missing_idx_files(directory):
+            return idx_images(directory)
     return None
 
 
@@ -151,18 +193,18 @@ def _sklearn_dataset(loader: str, workload: str) -> Any:
 
 def sklearn_digits(seed: int) -> Split:
     """scikit-learn's bundled 8x8 digits (1797 images), 80/20 split fixed by ``seed``."""
-    bunch = _sklearn_dataset("load_digits", "cnn (Fashion-MNIST is not installed)")
+    bunch = _sklearn_dataset("load_digits", "cnn")
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.long)
     train, test = _seeded_split(len(y), 0.2, seed)
     mean, std = x[train].mean(), x[train].std()
     x = (x - mean) / std
-    return Split(x[train], y[train], x[test], y[test], source="scikit-learn digits (8x8, fallback)")
+    return Split(x[train], y[train], x[test], y[test], source="scikit-learn digits (8x8)")
 
 
 def sklearn_diabetes(seed: int) -> Split:
     """scikit-learn's bundled diabetes regression set (442 x 10), 80/20 split, standardised on train."""
-    bunch = _sklearn_dataset("load_diabetes", "seed-loop")
+    bunch = _sklearn_dataset("load_diabetes", "tabular-regression")
     x = torch.tensor(bunch.data, dtype=torch.float32)
     y = torch.tensor(bunch.target, dtype=torch.float32)
     train, test = _seeded_split(len(y), 0.2, seed)

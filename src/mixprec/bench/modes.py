@@ -224,49 +224,67 @@ def _master(name: str, compute: torch.dtype, summary: str, **options: Any) -> Mo
     return ModeSpec(name, compute, summary, MasterWeightsMode, requires=("initialize",), options=options)
 
 
-MODES: dict[str, ModeSpec] = {
-    spec.name: spec
-    for spec in (
-        ModeSpec("fp32", _FP32, "plain fp32 training"),
-        _amp("torch-amp-bf16", _BF16, "torch", "torch.autocast(bf16), no loss scaling"),
-        _amp("torch-amp-fp16", _FP16, "torch", "torch.autocast(fp16) + torch.amp.GradScaler"),
-        _amp("mixprec-bf16", _BF16, "mixprec", "mixprec.autocast(bf16), no loss scaling"),
-        _amp("mixprec-fp16", _FP16, "mixprec", "mixprec.autocast(fp16) + mixprec.GradScaler"),
-        _master(
-            "O2-bf16",
-            _BF16,
-            "initialize('O2', dtype=bf16): bf16 model, fp32 master weights",
-            opt_level="O2",
-            dtype=_BF16,
-        ),
-        _master(
-            "O2-fp16",
-            _FP16,
-            "initialize('O2', dtype=fp16): fp16 model, fp32 masters, loss scaling",
-            opt_level="O2",
-            dtype=_FP16,
-        ),
-        _master(
-            "bf16-true",
-            _BF16,
-            "initialize('bf16-true'): bf16 weights and math, no master weights",
-            opt_level="bf16-true",
-        ),
-        _master(
-            "bf16-true-kahan",
-            _BF16,
-            "bf16-true + weight_update='kahan': Kahan-compensated bf16 updates",
-            opt_level="bf16-true",
-            weight_update="kahan",
-        ),
-    )
-}
+MODES: dict[str, ModeSpec] = {}
+
+
+def register(*specs: ModeSpec) -> None:
+    """Add modes to the registry (``mixprec bench --modes NAME``); a name may be registered once."""
+    for spec in specs:
+        if spec.name in MODES or spec.name in ALIASES:
+            raise ValueError(f"mode {spec.name!r} is already registered")
+        MODES[spec.name] = spec
+
 
 # Names that resolve per device to the recipe a user would reach for there.
 ALIASES: dict[str, dict[str, str]] = {
     "torch-amp": {"cpu": "torch-amp-bf16", "cuda": "torch-amp-fp16"},
     "O2": {"cpu": "O2-bf16", "cuda": "O2-fp16"},
 }
+
+# ---- the reference: plain fp32
+register(ModeSpec("fp32", _FP32, "plain fp32 training"))
+
+# ---- autocast + loss scaling: torch's and mixprec's
+register(
+    _amp("torch-amp-bf16", _BF16, "torch", "torch.autocast(bf16), no loss scaling"),
+    _amp("torch-amp-fp16", _FP16, "torch", "torch.autocast(fp16) + torch.amp.GradScaler"),
+    _amp("mixprec-bf16", _BF16, "mixprec", "mixprec.autocast(bf16), no loss scaling"),
+    _amp("mixprec-fp16", _FP16, "mixprec", "mixprec.autocast(fp16) + mixprec.GradScaler"),
+)
+
+# ---- 16-bit models: mixprec.initialize recipes (fp32 master weights, or pure bf16)
+register(
+    _master(
+        "O2-bf16",
+        _BF16,
+        "initialize('O2', dtype=bf16): bf16 model, fp32 master weights",
+        opt_level="O2",
+        dtype=_BF16,
+    ),
+    _master(
+        "O2-fp16",
+        _FP16,
+        "initialize('O2', dtype=fp16): fp16 model, fp32 masters, loss scaling",
+        opt_level="O2",
+        dtype=_FP16,
+    ),
+    _master(
+        "bf16-true",
+        _BF16,
+        "initialize('bf16-true'): bf16 weights and math, no master weights",
+        opt_level="bf16-true",
+    ),
+    _master(
+        "bf16-true-kahan",
+        _BF16,
+        "bf16-true + weight_update='kahan': Kahan-compensated bf16 updates",
+        opt_level="bf16-true",
+        weight_update="kahan",
+    ),
+)
+
+# ---- more families (e.g. fp8) register here: a TrainMode subclass if the step differs, a ModeSpec per
+# recipe, and their names in DEFAULT_MODES where a device should run them by default.
 
 DEFAULT_MODES: dict[str, tuple[str, ...]] = {
     "cpu": ("fp32", "torch-amp-bf16", "mixprec-bf16", "O2-bf16", "bf16-true", "bf16-true-kahan"),

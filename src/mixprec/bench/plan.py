@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixprec.bench import data as datasets
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
 from mixprec.bench.runner import Job
-from mixprec.bench.workloads import SIZES, WORKLOADS
+from mixprec.bench.workloads import RENAMED, SIZES, WORKLOADS
 
 CPU_FP16_NOTE = (
     "fp16 on a CPU: there is no fast fp16 matmul/conv kernel (about 100x slower than fp32), so fp16 modes "
@@ -39,8 +40,9 @@ def split_names(values: Iterable[str] | None) -> list[str]:
 
 
 def _unknown(kind: str, name: str, accepted: Sequence[str]) -> ValueError:
-    close = difflib.get_close_matches(name, accepted, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = [RENAMED[name]] if name in RENAMED else difflib.get_close_matches(name, accepted, n=1)
+    renamed = f" (renamed {close[0]!r})" if name in RENAMED else ""
+    hint = renamed or (f" (did you mean {close[0]!r}?)" if close else "")
     return ValueError(f"unknown {kind} {name!r}{hint}; accepted: {', '.join(accepted)}")
 
 
@@ -82,6 +84,19 @@ def resolve_modes(names: Sequence[str], device_type: str) -> list[str]:
     return list(dict.fromkeys(resolved))
 
 
+def _check_inputs(plan: Plan, workloads: Sequence[str], data: str | None, images: str | None) -> None:
+    """Check ``--data`` and ``--images`` once, up front; note when the workload that reads one is not run."""
+    for value, option, reader in ((data, "--data", "lm"), (images, "--images", "cnn")):
+        if value is None:
+            continue
+        if option == "--data":
+            datasets.check_text_file(value)
+        elif datasets.missing_idx_files(value):
+            datasets.idx_images(value)  # raises, naming the missing files
+        if reader not in workloads:
+            plan.notes.append(f"{option} is read by the {reader} workload only, which is not in this run")
+
+
 def make_plan(
     workloads: Sequence[str] = (),
     modes: Sequence[str] = (),
@@ -90,9 +105,15 @@ def make_plan(
     device: str = "auto",
     seed: int = 0,
     data: str | None = None,
-    progress: bool = False,
+    images: str | None = None,
+    threads: int | None = None,
 ) -> Plan:
-    """Validate the choices and list the runs: each available mode, in the order given, for each workload."""
+    """Validate the choices and list the runs: each available mode, in the order given, for each workload.
+
+    Raises:
+        ValueError: an unknown size, workload, mode or device, too few steps, nothing runnable, or a
+            ``data``/``images`` input that cannot be used (FileNotFoundError when it does not exist).
+    """
     if size not in SIZES:
         raise _unknown("size", size, SIZES)
     if steps is not None and steps < 2:
@@ -102,6 +123,7 @@ def make_plan(
     workload_names = resolve_workloads(workloads)
     mode_names = resolve_modes(modes, device_type)
     plan = Plan(jobs=[], device=device, size=size)
+    _check_inputs(plan, workload_names, data, images)
 
     runnable = []
     for name in mode_names:
@@ -120,7 +142,7 @@ def make_plan(
             if device_type == "cpu" and MODES[name].dtype == torch.float16 and not preset.cpu_fp16:
                 fp16_skipped.append(f"{workload}/{name}")
                 continue
-            plan.jobs.append(Job(workload, name, size, steps, seed, device, data, progress))
+            plan.jobs.append(Job(workload, name, size, steps, seed, device, data, images, threads))
     if any(MODES[name].dtype == torch.float16 for name in runnable) and device_type == "cpu":
         plan.notes.append(
             CPU_FP16_NOTE + (f"; left out at size {size}: {', '.join(fp16_skipped)}" if fp16_skipped else "")

@@ -1,42 +1,45 @@
-"""Run one (workload, mode) pair: build from the seed, train with per-step timing, measure memory, evaluate.
+"""One (workload, mode) training run, driven a round of steps at a time so that modes can be interleaved.
 
 Every run starts from the same seed, so all modes of a workload see the same initial weights and the
 same batches in the same order. A step's time is the wall time (``time.perf_counter``; CUDA synchronized
 on both ends) of everything a user pays for per step: fetching the batch and moving it to the device,
-zero_grad, forward, loss, backward, loss scaling, optimizer and scheduler step. The reported step time is
-the median after the preset's warm-up steps. Reading the loss and scale for the log happens after the
-clock stops.
+zero_grad, forward, loss, backward, loss scaling, optimizer and scheduler step. Reading the loss and scale
+for the log happens after the clock stops.
 
-By default each run executes in a fresh ``spawn``-ed process, so peak memory (see
-:mod:`mixprec.bench.memory`) belongs to that run alone and no run inherits another's caches.
+A :class:`Trainer` is built once (data, probe step, model, optimizer), then :meth:`Trainer.steps` runs a
+round of steps when the scheduler (:mod:`mixprec.bench.schedule`) asks, and :meth:`Trainer.finish`
+measures peak memory and evaluates. Where the trainer lives (this process or a worker process of its
+own, which keeps CPU peak memory honest) is :mod:`mixprec.bench.workers`' business.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import statistics
-import sys
 import time
-import traceback
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mixprec.bench.memory import PeakMemory
-from mixprec.bench.modes import MODES, TrainMode
-from mixprec.bench.workloads import WORKLOADS, Workload
+from mixprec.bench.modes import MODES
+from mixprec.bench.workloads import WORKLOADS
 
 
 class RunFailed(RuntimeError):
-    """A run raised or its process died; the message holds the child's traceback or exit code."""
+    """A run raised or its process died; the message holds the traceback or exit code."""
 
 
 @dataclass(frozen=True)
 class Job:
-    """One (workload, mode) run and everything that decides its outcome."""
+    """One (workload, mode) run and everything that decides its outcome.
+
+    ``steps`` overrides the preset's step count; ``data`` is the lm workload's text file,
+    ``images`` the cnn workload's directory of IDX files (None: the built-in data), ``threads`` torch's
+    CPU thread count for the run (None: leave it as it is).
+    """
 
     workload: str
     mode: str
@@ -45,12 +48,31 @@ class Job:
     seed: int = 0
     device: str = "cpu"
     data: str | None = None
-    progress: bool = False
+    images: str | None = None
+    threads: int | None = None
+
+    @property
+    def preset(self) -> Any:
+        return WORKLOADS[self.workload].presets[self.size]
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps or self.preset.steps
+
+    @property
+    def warmup(self) -> int:
+        """Steps left out of the timing: the preset's warm-up, at most all but one step."""
+        return min(self.preset.warmup, self.total_steps - 1)
 
 
 @dataclass
 class RunResult:
-    """What one run measured; ``history`` has one entry per step (loss, scale, skipped, step_time_ms)."""
+    """What one run measured.
+
+    ``history`` has one entry per step: ``step``, ``round``, ``loss``, ``scale`` (None: the mode does not
+    scale), ``skipped`` and ``step_time_ms``. Summary statistics are computed from it by
+    :mod:`mixprec.bench.stats`; ``step_time_ms`` here is the median after ``warmup`` steps.
+    """
 
     workload: str
     mode: str
@@ -67,6 +89,7 @@ class RunResult:
     final_scale: float | None
     data_source: str
     wall_s: float
+    threads: int = 1
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -75,157 +98,107 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _progress(job: Job, steps: int) -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(
-        total=steps,
-        desc=f"{job.workload:<9} {job.mode:<16}",
-        unit="step",
-        leave=False,
-        disable=not job.progress,
-    )
+class Trainer:
+    """A run in progress: built by the constructor, advanced by :meth:`steps`, closed by :meth:`finish`.
+
+    Args:
+        job: what to run.
+        fresh_process: whether this process does nothing else, so that CPU peak memory can be trusted.
+
+    Raises:
+        KeyError: an unknown workload, mode or size (the plan validates names before this).
+    """
+
+    def __init__(self, job: Job, fresh_process: bool = False) -> None:
+        self.started = time.perf_counter()
+        self.job = job
+        if job.threads is not None:
+            torch.set_num_threads(job.threads)
+        spec, self.mode_spec = WORKLOADS[job.workload], MODES[job.mode]
+        preset = spec.presets[job.size]
+        self.device = torch.device(job.device)
+        self.data = spec.load(preset, job)
+        # First use of autograd, the kernels' libraries and the thread pool costs tens of MiB once per
+        # process: pay it on a tiny model so that the measured peak is this run's own.
+        self.mode_spec.probe(job.device)
+        self.memory = PeakMemory(self.device, fresh_process)
+        self.memory.start()
+        self.workload = spec.build(self.data, preset, job.seed, job.total_steps, self.device)
+        self.mode = self.mode_spec.create(self.device.type)
+        self.mode.prepare(self.workload.model, self.workload.optimizer)
+        make = self.workload.make_scheduler
+        self.scheduler = make(self.mode.torch_optimizer) if make else None
+        self.history: list[dict[str, Any]] = []
+
+    def steps(self, count: int, round_index: int) -> list[float]:
+        """Train ``count`` more steps (never past the job's total); returns their step times in ms."""
+        count = min(count, self.job.total_steps - len(self.history))
+        times = []
+        with warnings.catch_warnings():
+            # A skipped first step (fp16 overflow) makes torch warn that the scheduler stepped first.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            for _ in range(count):
+                times.append(self._one_step(round_index))
+        return times
+
+    def _one_step(self, round_index: int) -> float:
+        device, workload, mode = self.device, self.workload, self.mode
+        _sync(device)
+        begin = time.perf_counter()
+        x, y = next(workload.batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = mode.train_step(x, y, workload.loss_fn)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        _sync(device)
+        elapsed_ms = (time.perf_counter() - begin) * 1e3
+        scale, skipped = mode.observe()  # reading the scale syncs: after the clock stops
+        self.history.append(
+            {
+                "step": len(self.history),
+                "round": round_index,
+                "loss": float(loss),
+                "scale": scale,
+                "skipped": skipped,
+                "step_time_ms": elapsed_ms,
+            }
+        )
+        return elapsed_ms
+
+    def finish(self) -> RunResult:
+        """Read the peak memory, evaluate on held-out data and return the result."""
+        peak_mb = self.memory.peak_mb()
+        self.workload.model.eval()
+        with torch.no_grad():
+            final_loss, final_metric = self.workload.evaluate(self.mode.forward)
+        timed = [h["step_time_ms"] for h in self.history[self.job.warmup :]] or [math.nan]
+        return RunResult(
+            workload=self.job.workload,
+            mode=self.job.mode,
+            device=str(self.device),
+            dtype=str(self.mode_spec.dtype).removeprefix("torch."),
+            steps=len(self.history),
+            warmup=self.job.warmup,
+            step_time_ms=statistics.median(timed),
+            peak_memory_mb=peak_mb,
+            memory_method=self.memory.method,
+            final_loss=final_loss,
+            final_metric=final_metric,
+            skipped_steps=self.mode.skipped_steps,
+            final_scale=self.history[-1]["scale"] if self.history else None,
+            data_source=self.data.source,
+            wall_s=time.perf_counter() - self.started,
+            threads=torch.get_num_threads(),
+            history=self.history,
+        )
 
 
-def _train(
-    job: Job, workload: Workload, mode: TrainMode, scheduler: Any, device: torch.device, steps: int
-) -> list[dict[str, Any]]:
-    """The timed loop; returns one entry per step (loss, scale, skipped, step_time_ms)."""
-    history: list[dict[str, Any]] = []
-    bar = _progress(job, steps)
-    with warnings.catch_warnings():
-        # A skipped first step (fp16 overflow) makes torch warn that the scheduler stepped first; expected.
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
-        for step in range(steps):
-            _sync(device)
-            begin = time.perf_counter()
-            x, y = next(workload.batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = mode.train_step(x, y, workload.loss_fn)
-            if scheduler is not None:
-                scheduler.step()
-            _sync(device)
-            elapsed_ms = (time.perf_counter() - begin) * 1e3
-            scale, skipped = mode.observe()  # reading the scale syncs: after the clock stops
-            history.append(
-                {
-                    "step": step,
-                    "loss": float(loss),
-                    "scale": scale,
-                    "skipped": skipped,
-                    "step_time_ms": elapsed_ms,
-                }
-            )
-            if bar is not None:
-                bar.update()
-    if bar is not None:
-        bar.close()
-    return history
-
-
-def run_job(job: Job, fresh_process: bool = False) -> RunResult:
-    """Run ``job`` in this process. ``fresh_process`` says whether CPU peak memory can be trusted."""
-    started = time.perf_counter()
-    spec, mode_spec = WORKLOADS[job.workload], MODES[job.mode]
-    preset = spec.presets[job.size]
-    steps = job.steps or preset.steps
-    warmup = min(preset.warmup, steps - 1)
-    device = torch.device(job.device)
-    data = spec.load(preset, job.seed, job.data)
-
-    # First use of autograd, the kernels' libraries and the thread pool costs tens of MiB once per process:
-    # pay it on a tiny model so that the measured peak is this run's own.
-    mode_spec.probe(job.device)
-    memory = PeakMemory(device, fresh_process)
-    memory.start()
-    workload = spec.build(data, preset, job.seed, steps, device)
-    mode = mode_spec.create(device.type)
-    mode.prepare(workload.model, workload.optimizer)
-    scheduler = workload.make_scheduler(mode.torch_optimizer) if workload.make_scheduler else None
-
-    history = _train(job, workload, mode, scheduler, device, steps)
-    peak_mb = memory.peak_mb()
-
-    workload.model.eval()
-    with torch.no_grad():
-        final_loss, final_metric = workload.evaluate(mode.forward)
-    last_scale = history[-1]["scale"] if history else None
-    return RunResult(
-        workload=job.workload,
-        mode=job.mode,
-        device=str(device),
-        dtype=str(mode_spec.dtype).removeprefix("torch."),
-        steps=steps,
-        warmup=warmup,
-        step_time_ms=statistics.median(h["step_time_ms"] for h in history[warmup:]),
-        peak_memory_mb=peak_mb,
-        memory_method=memory.method,
-        final_loss=final_loss,
-        final_metric=final_metric,
-        skipped_steps=mode.skipped_steps,
-        final_scale=last_scale,
-        data_source=data.source,
-        wall_s=time.perf_counter() - started,
-        history=history,
-    )
-
-
-def _child_main(job: Job, conn: Any) -> None:
-    try:
-        result = run_job(job, fresh_process=True)
-        conn.send(("ok", asdict(result)))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def run_isolated(job: Job) -> RunResult:
-    """Run ``job`` in a fresh spawned process and return its result; raises :class:`RunFailed`."""
-    context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child_main, args=(job, sender), daemon=True)
-    process.start()
-    sender.close()
-    try:
-        status, payload = receiver.recv()
-    except EOFError:
-        process.join()
-        code = process.exitcode
-        why = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        hint = " (out of memory?)" if code == -9 else " (its error is printed above)"
-        raise RunFailed(
-            f"{job.workload}/{job.mode}: the run's process {why} without a result{hint}"
-        ) from None
-    finally:
-        receiver.close()
-    process.join()
-    if status != "ok":
-        raise RunFailed(f"{job.workload}/{job.mode} failed:\n{payload}")
-    return RunResult(**payload)
-
-
-def run_jobs(jobs: list[Job], isolated: bool = True) -> tuple[list[RunResult], list[str]]:
-    """Run every job in order; returns the results and one message per failed run."""
-    results: list[RunResult] = []
-    failures: list[str] = []
-    for index, job in enumerate(jobs, 1):
-        try:
-            result = run_isolated(job) if isolated else run_job(job)
-        except RunFailed as exc:
-            failures.append(str(exc))
-        except Exception:
-            failures.append(f"{job.workload}/{job.mode} failed:\n{traceback.format_exc()}")
-        else:
-            results.append(result)
-            loss = "nan" if math.isnan(result.final_loss) else f"{result.final_loss:.4f}"
-            print(
-                f"[{index}/{len(jobs)}] {job.workload} {job.mode}: {result.step_time_ms:.1f} ms/step, "
-                f"loss {loss} ({result.wall_s:.1f} s)",
-                file=sys.stderr,
-            )
-            continue
-        print(f"[{index}/{len(jobs)}] {job.workload} {job.mode}: FAILED", file=sys.stderr)
-    return results, failures
+def run_job(job: Job, fresh_process: bool = False, round_steps: int | None = None) -> RunResult:
+    """Run ``job`` start to end in this process (rounds of ``round_steps``, default the preset's)."""
+    trainer = Trainer(job, fresh_process)
+    size = round_steps or job.preset.round_steps
+    round_index = 0
+    while len(trainer.history) < job.total_steps:
+        trainer.steps(size, round_index)
+        round_index += 1
+    return trainer.finish()

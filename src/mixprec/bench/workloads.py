@@ -2,9 +2,10 @@
 
 A workload is built in two phases so the runner can measure memory between them: ``load`` reads the data
 set (CPU tensors, shared by every mode), then ``build`` seeds torch and makes the model, optimizer, batch
-iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` and ``default`` (sized for a
-2-core CPU: the whole bench within about 3 and 15 minutes) and ``large`` (sized for a GPU; hours on a CPU).
-Everything a preset changes is in the registry table at the end of this file.
+iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a smoke run of 1-2 minutes on
+a 2-core CPU), ``default`` (about 3 minutes there), ``full`` (the longer study behind ``--full``,
+about 10 minutes) and ``large`` (sized for a GPU; hours on a CPU). Everything a preset changes, including
+the rounds the modes take turns in, is in the registry table at the end of this file.
 """
 
 from __future__ import annotations
@@ -23,19 +24,24 @@ from mixprec.bench.models import CharGPT, RegressionMLP, SmallCNN
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Forward = Callable[[torch.Tensor], torch.Tensor]
-SIZES = ("tiny", "quick", "default", "large")
+SIZES = ("tiny", "quick", "default", "full", "large")
 
 
 @dataclass(frozen=True)
 class Preset:
     """One size of one workload: step counts and the workload-specific knobs in ``params``.
 
+    ``round_steps``: steps each mode trains before the next mode takes a turn (see
+    :mod:`mixprec.bench.schedule`). ``cost_ms``: the mean step time over the default CPU modes on the
+    reference (this project's 2-core x86_64 with AVX512-BF16, one thread per run), for the time estimate.
     ``cpu_fp16`` says whether fp16 modes run on a CPU at this size (CPUs have no fast fp16 matmul).
     """
 
     steps: int
     warmup: int
+    round_steps: int
     params: Mapping[str, Any]
+    cost_ms: float = 1.0
     cpu_fp16: bool = False
 
 
@@ -59,7 +65,7 @@ class WorkloadSpec:
     summary: str
     metric: str
     presets: Mapping[str, Preset]
-    load: Callable[[Preset, int, str | None], Any]
+    load: Callable[[Preset, Any], Any]  # (preset, job): the job's seed, data and images
     build: Callable[[Any, Preset, int, int, torch.device], Workload]
     metric_higher_is_better: bool = True
 
@@ -74,8 +80,8 @@ def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- lm
-def _load_lm(preset: Preset, seed: int, path: str | None) -> datasets.TextCorpus:
-    return datasets.text_corpus(preset.params["corpus_bytes"], path)
+def _load_lm(preset: Preset, job: Any) -> datasets.TextCorpus:
+    return datasets.text_corpus(preset.params["corpus_bytes"], job.data)
 
 
 def _lm_batches(ids: torch.Tensor, context: int, batch: int, seed: int) -> Iterator[Batch]:
@@ -126,8 +132,10 @@ def _warmup_cosine(steps: int) -> Callable[[torch.optim.Optimizer], Any]:
 
 
 # ---------------------------------------------------------------- cnn
-def _load_cnn(preset: Preset, seed: int, path: str | None) -> datasets.Split:
-    return datasets.fashion_mnist(datasets.FASHION_MNIST_DIRS) or datasets.sklearn_digits(seed)
+def _load_cnn(preset: Preset, job: Any) -> datasets.Split:
+    if job.images is None:
+        return datasets.sklearn_digits(job.seed)
+    return datasets.idx_images(job.images)
 
 
 def _shuffled_batches(x: torch.Tensor, y: torch.Tensor, batch: int, seed: int) -> Iterator[Batch]:
@@ -162,20 +170,20 @@ def _build_cnn(
     return Workload(model, optimizer, batches, _cross_entropy, evaluate)
 
 
-# ---------------------------------------------------------------- seed-loop
-def _load_tabular(preset: Preset, seed: int, path: str | None) -> datasets.Split:
-    return datasets.sklearn_diabetes(seed)
+# ---------------------------------------------------------------- tabular-regression
+def _load_tabular(preset: Preset, job: Any) -> datasets.Split:
+    return datasets.sklearn_diabetes(job.seed)
 
 
 def _loader_batches(loader: torch.utils.data.DataLoader) -> Iterator[Batch]:
-    while True:  # one pass of the loader per epoch, as in the seeds' ``for epoch ...: for X, y in batches``
+    while True:  # one pass of the loader per epoch: ``for epoch ...: for x, y in loader``
         yield from loader
 
 
-def _build_seed_loop(
+def _build_tabular(
     split: datasets.Split, preset: Preset, seed: int, steps: int, device: torch.device
 ) -> Workload:
-    """The loop of the seeds: Adam + OneCycleLR(cycle_momentum=False) + a shuffled DataLoader, MSE loss."""
+    """A small tabular regression loop: Adam + OneCycleLR(cycle_momentum=False) + a shuffled DataLoader."""
     p = preset.params
     torch.manual_seed(seed)
     model = RegressionMLP(split.x_train.shape[1], p["hidden"]).to(device)
@@ -204,8 +212,8 @@ def _build_seed_loop(
 _LM = {"context": 128, "width": 256, "layers": 4, "heads": 4, "lr": 1e-3}
 _LM_TINY = {"context": 32, "width": 64, "layers": 2, "heads": 2, "lr": 1e-3}
 _LM_LARGE = {"context": 256, "width": 512, "layers": 6, "heads": 8, "lr": 6e-4}
-_SEED = {"batch": 32, "hidden": 256, "max_lr": 3e-3}
-_SEED_STEPS_PER_EPOCH = 12  # ceil(354 training rows / batch 32), as the seeds' steps_per_epoch
+_TAB = {"batch": 32, "hidden": 256, "max_lr": 3e-3}
+_TAB_EPOCH = 12  # steps per epoch: ceil(354 training rows / batch 32)
 
 WORKLOADS: dict[str, WorkloadSpec] = {
     "lm": WorkloadSpec(
@@ -214,11 +222,24 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         metric="perplexity",
         metric_higher_is_better=False,
         presets={
-            "tiny": Preset(3, 1, {**_LM_TINY, "batch": 4, "corpus_bytes": 200_000, "eval_windows": 4}, True),
-            "quick": Preset(24, 4, {**_LM, "batch": 16, "corpus_bytes": 1_000_000, "eval_windows": 32}),
-            "default": Preset(180, 10, {**_LM, "batch": 32, "corpus_bytes": 4_000_000, "eval_windows": 128}),
+            "tiny": Preset(
+                3, 1, 1, {**_LM_TINY, "batch": 4, "corpus_bytes": 200_000, "eval_windows": 4}, 5.0, True
+            ),
+            "quick": Preset(
+                24, 4, 4, {**_LM, "batch": 8, "corpus_bytes": 1_000_000, "eval_windows": 32}, 200.0
+            ),
+            "default": Preset(
+                64, 4, 4, {**_LM, "batch": 16, "corpus_bytes": 2_000_000, "eval_windows": 64}, 390.0
+            ),
+            "full": Preset(
+                180, 10, 10, {**_LM, "batch": 32, "corpus_bytes": 4_000_000, "eval_windows": 128}, 780.0
+            ),
             "large": Preset(
-                300, 20, {**_LM_LARGE, "batch": 64, "corpus_bytes": 8_000_000, "eval_windows": 256}
+                300,
+                20,
+                20,
+                {**_LM_LARGE, "batch": 64, "corpus_bytes": 8_000_000, "eval_windows": 256},
+                4000.0,
             ),
         },
         load=_load_lm,
@@ -226,28 +247,33 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     ),
     "cnn": WorkloadSpec(
         name="cnn",
-        summary="3-conv CNN on Fashion-MNIST (Debian dataset-fashion-mnist), else sklearn digits",
+        summary="3-conv CNN on scikit-learn's 8x8 digits, or on IDX images (--images DIR: Fashion-MNIST)",
         metric="accuracy",
         presets={
-            "tiny": Preset(3, 1, {"batch": 8, "lr": 1e-3, "eval_images": 64}, True),
-            "quick": Preset(30, 4, {"batch": 64, "lr": 1e-3, "eval_images": 2000}),
-            "default": Preset(250, 10, {"batch": 128, "lr": 1e-3, "eval_images": 10_000}),
-            "large": Preset(300, 20, {"batch": 512, "lr": 2e-3, "eval_images": 10_000}),
+            "tiny": Preset(3, 1, 1, {"batch": 8, "lr": 1e-3, "eval_images": 64}, 2.0, True),
+            "quick": Preset(60, 10, 10, {"batch": 64, "lr": 1e-3, "eval_images": 2000}, 12.0),
+            "default": Preset(300, 20, 20, {"batch": 128, "lr": 1e-3, "eval_images": 10_000}, 20.0),
+            "full": Preset(600, 20, 20, {"batch": 128, "lr": 1e-3, "eval_images": 10_000}, 20.0),
+            "large": Preset(600, 20, 20, {"batch": 512, "lr": 2e-3, "eval_images": 10_000}, 80.0),
         },
         load=_load_cnn,
         build=_build_cnn,
     ),
-    "seed-loop": WorkloadSpec(
-        name="seed-loop",
-        summary="the seeds' loop: MLP regression, Adam + OneCycleLR + DataLoader, sklearn diabetes",
+    "tabular-regression": WorkloadSpec(
+        name="tabular-regression",
+        summary="MLP regression on scikit-learn's diabetes table: Adam + OneCycleLR + a shuffled DataLoader",
         metric="R^2",
         presets={
-            "tiny": Preset(3, 1, {**_SEED, "hidden": 32}, True),
-            "quick": Preset(8 * _SEED_STEPS_PER_EPOCH, 10, _SEED, True),
-            "default": Preset(50 * _SEED_STEPS_PER_EPOCH, 20, _SEED, True),
-            "large": Preset(50 * _SEED_STEPS_PER_EPOCH, 20, _SEED, True),
+            "tiny": Preset(3, 1, 1, {**_TAB, "hidden": 32}, 1.0, True),
+            "quick": Preset(8 * _TAB_EPOCH, _TAB_EPOCH, _TAB_EPOCH, _TAB, 1.2, True),
+            "default": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.2, True),
+            "full": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.2, True),
+            "large": Preset(50 * _TAB_EPOCH, 2 * _TAB_EPOCH, 3 * _TAB_EPOCH, _TAB, 1.2, True),
         },
         load=_load_tabular,
-        build=_build_seed_loop,
+        build=_build_tabular,
     ),
 }
+
+# Former names, so that an old command line gets a pointer instead of a bare "unknown workload".
+RENAMED = {"seed-loop": "tabular-regression"}

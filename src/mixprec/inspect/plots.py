@@ -130,7 +130,11 @@ def _draw_ruler(axes: Any, shown: Sequence[formats.Format], shift: float) -> Non
 
 
 def plot_scale_history(
-    records: Sequence[Mapping[str, Any]], path: str | Path, *, title: str | None = None
+    records: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    panels: Sequence[str] = ("scale", "loss", "grad_amax"),
 ) -> Path:
     """The loss scale over steps (log2 axis) with skipped steps marked; loss and grad amax when logged.
 
@@ -139,12 +143,13 @@ def plot_scale_history(
             with ``workload``/``mode`` keys are drawn as one line per run.
         path: the PNG to write.
         title: the figure title.
+        panels: which of ``scale``, ``loss``, ``grad_amax`` to draw (the latter two when logged).
 
     Returns:
         The path written.
     """
     runs = group_runs(records)
-    panels = ["scale"] + [key for key in ("loss", "grad_amax") if _any_value(runs, key)]
+    panels = ["scale"] + [key for key in ("loss", "grad_amax") if key in panels and _any_value(runs, key)]
     figure = _figure(figsize=(9, 2.4 * len(panels) + 0.6))
     first = None
     for index, key in enumerate(panels, 1):
@@ -158,6 +163,7 @@ def plot_scale_history(
             axes.set_ylabel(key)
             if key == "grad_amax":
                 axes.set_yscale("log", base=2)
+            axes.legend(fontsize=8, ncol=1 + len(runs) // 6)
         axes.grid(alpha=0.3)
     first.set_title(title or "loss scale over training steps")
     figure.axes[-1].set_xlabel("step")
@@ -202,7 +208,7 @@ def _draw_scale(axes: Any, runs: Mapping[str, list[Mapping[str, Any]]]) -> None:
             marked = True
     axes.set_yscale("log", base=2)
     axes.set_ylabel("loss scale")
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, ncol=1 + len(runs) // 6)
 
 
 def plot_underflow(reports: UnderflowReport | Sequence[UnderflowReport], path: str | Path) -> Path:

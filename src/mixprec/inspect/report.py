@@ -1,8 +1,14 @@
-"""`write_report`: turn a run log (JSON Lines) into PNGs and a short Markdown summary.
+"""`write_report`: turn a run log or a bench result into PNGs and a short Markdown summary.
 
-Reads the records :class:`ScalerLog` writes (``step, scale, skipped, grad_amax, loss`` ...) and those of
-``mixprec bench --log`` (``step, workload, mode, loss, scale, skipped, step_time_ms``); one run per
-``(workload, mode)`` pair, or a single run when those keys are absent.
+Reads three kinds of file:
+
+* the JSON Lines :class:`ScalerLog` writes (``step, scale, skipped, grad_amax, loss`` ...): the loss scale
+  over steps (and loss, grad amax), the gradient histogram when logged;
+* the JSON Lines of ``mixprec bench --log`` (``step, round, workload, mode, loss, scale, skipped,
+  step_time_ms``): one run per ``(workload, mode)``; the loss of each workload's modes against fp32, the
+  step times, and the loss scale of the runs that scale;
+* the JSON list of ``mixprec bench --json`` (one record per run): the step-time picture (per-round
+  medians) and a table of speedups with their intervals.
 """
 
 from __future__ import annotations
@@ -19,6 +25,39 @@ from mixprec.inspect.summaries import Log2Histogram
 from mixprec.inspect.underflow_report import format_scale
 
 __all__ = ["load_log", "summarize", "write_report"]
+
+
+ACCEPTED = (
+    "`mixprec report` reads a JSON Lines step log (ScalerLog, `mixprec bench --log FILE`) or the JSON "
+    "list `mixprec bench --json FILE` writes"
+)
+BENCH_KEYS = ("workload", "mode", "step_time_ms")
+
+
+def load_bench_json(path: str | Path) -> list[dict[str, Any]] | None:
+    """The records of a ``mixprec bench --json`` file, or None when ``path`` holds something else.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ValueError: a JSON list whose items are not bench records (naming the keys they lack).
+    """
+    text = Path(path).read_text()
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno}); {ACCEPTED}") from exc
+    for index, record in enumerate(records):
+        missing = [k for k in BENCH_KEYS if not isinstance(record, dict) or k not in record]
+        if missing:
+            raise ValueError(
+                f"{path}: item {index} of the JSON list lacks {', '.join(missing)}, so it is not "
+                f"`mixprec bench --json` output; {ACCEPTED}"
+            )
+    if not records:
+        raise ValueError(f"{path}: the JSON list is empty; {ACCEPTED}")
+    return records
 
 
 def load_log(path: str | Path) -> list[dict[str, Any]]:
@@ -38,7 +77,7 @@ def load_log(path: str | Path) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(
-                    f"{path}:{number}: not valid JSON ({exc.msg}): {line.strip()[:80]!r}"
+                    f"{path}:{number}: not valid JSON ({exc.msg}): {line.strip()[:80]!r}; {ACCEPTED}"
                 ) from exc
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError(
@@ -99,21 +138,39 @@ def summarize(records: Sequence[Mapping[str, Any]], images: Sequence[Path] = ())
 
 
 def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write ``scale_history.png``, ``grad_histogram.png`` (when the log holds histograms) and ``summary.md``.
+    """Write the pictures and ``summary.md`` for a run log or a ``mixprec bench --json`` file.
 
     Args:
-        log: the JSON Lines run log.
+        log: a JSON Lines run log, or the JSON list of ``mixprec bench --json``.
         out_dir: the directory to write into (created if missing).
 
     Returns:
         The files written, the Markdown summary last.
+
+    Raises:
+        FileNotFoundError: ``log`` does not exist. ValueError: it is none of the accepted kinds (the
+        message says which file is wanted). ImportError: matplotlib is missing.
     """
-    records = load_log(log)
+    bench = load_bench_json(log)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    images = [
-        plot_scale_history(records, out_dir / "scale_history.png", title=f"{Path(log).name}: loss scale")
-    ]
+    if bench is not None:
+        from mixprec.inspect.bench_report import bench_summary, plot_bench_records
+
+        images = [plot_bench_records(bench, out_dir / "step_time.png")]
+        summary = out_dir / "summary.md"
+        summary.write_text(bench_summary(bench, Path(log).name, images))
+        return [*images, summary]
+    records = load_log(log)
+    is_bench_log = any(r.get("workload") is not None and r.get("mode") is not None for r in records)
+    if is_bench_log:
+        from mixprec.inspect.bench_report import plot_bench_log
+
+        images = plot_bench_log(records, out_dir, Path(log).name)
+    else:
+        images = [
+            plot_scale_history(records, out_dir / "scale_history.png", title=f"{Path(log).name}: loss scale")
+        ]
     with_histogram = [r for r in records if r.get("grad_log2_hist")]
     if with_histogram:
         last = with_histogram[-1]

@@ -111,11 +111,13 @@ class UnderflowReport:
         )
         recommended = self.recommended_scale
         if recommended is not None:
+            peak = self.overall.amax * recommended
+            gap = f"{self.format.max / peak:.3g}x below" if peak > 0 else "far below"
             return (
                 f"{head}; scale {format_scale(recommended)} keeps underflow at "
                 f"{self.underflow_at(recommended):.2%} (target {self.target:.2%}) with max |grad| x scale = "
-                f"{self.overall.amax * recommended:.4g}, clear of {fmt}'s {self.format.max:g} by "
-                f"{self.margin:g}x."
+                f"{peak:.4g}, {gap} {fmt}'s largest value {self.format.max:g} (margin required: "
+                f"{self.margin:g}x)."
             )
         limit = self.max_safe_scale
         return (

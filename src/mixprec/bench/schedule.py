@@ -1,0 +1,100 @@
+"""Interleave the modes of each workload round by round, so that a busy machine hits every mode alike.
+
+For one workload, every mode's run is started at once (each in a worker process of its own, see
+:mod:`mixprec.bench.workers`), then the scheduler hands out rounds: round ``r`` gives each mode
+``round_steps`` steps, one mode after another, the order rotated by one each round so that no mode is
+always first or last; then round ``r + 1``. A load that comes and goes during the bench thus lands on
+all modes of the workload, in time slices of a few steps, and :mod:`mixprec.bench.stats` pairs each
+mode's rounds with fp32's. Workloads run one after another; the results of each are handed to
+``on_workload_done`` as soon as it ends, so that they are saved before the next one starts.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable, Sequence
+
+from mixprec.bench.progress import EVAL_S, START_S, Progress
+from mixprec.bench.runner import Job, RunFailed, RunResult
+from mixprec.bench.workers import make_worker
+
+Done = Callable[[list[RunResult]], None]
+
+
+def group_by_workload(jobs: Sequence[Job]) -> list[list[Job]]:
+    """Jobs grouped by workload, in the order the workloads first appear."""
+    groups: dict[str, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.workload, []).append(job)
+    return list(groups.values())
+
+
+def rotation(items: Sequence[object], round_index: int) -> list[object]:
+    """``items`` starting at position ``round_index % len(items)``: each round another goes first."""
+    shift = round_index % len(items) if items else 0
+    return [*items[shift:], *items[:shift]]
+
+
+def _failure(job: Job, exc: BaseException) -> str:
+    if isinstance(exc, RunFailed):
+        return str(exc)
+    return f"{job.workload}/{job.mode} failed:\n{''.join(traceback.format_exception(exc))}"
+
+
+def run_workload(
+    jobs: Sequence[Job], isolated: bool, progress: Progress
+) -> tuple[list[RunResult], list[str]]:
+    """Run one workload's jobs in interleaved rounds; returns results (in ``jobs`` order) and failures."""
+    failures: list[str] = []
+    workers = {job: make_worker(job, isolated) for job in jobs}
+    try:
+        for worker in workers.values():
+            worker.start()
+        active = []
+        for job, worker in workers.items():
+            progress.where(job, phase="starting")
+            try:
+                worker.wait_ready(progress.heartbeat)
+                active.append(job)
+            except Exception as exc:
+                failures.append(_failure(job, exc))
+            progress.advance(START_S)
+        size = jobs[0].preset.round_steps
+        rounds = math.ceil(jobs[0].total_steps / size)
+        for round_index in range(rounds):
+            for job in rotation(list(active), round_index):
+                progress.where(job, round_index, rounds)
+                try:
+                    workers[job].steps(size, round_index, progress.heartbeat)
+                except Exception as exc:
+                    failures.append(_failure(job, exc))
+                    active.remove(job)
+                progress.advance(size * job.preset.cost_ms / 1e3)
+        results = []
+        for job in active:
+            progress.where(job, phase="evaluating")
+            try:
+                results.append(workers[job].finish(progress.heartbeat))
+            except Exception as exc:
+                failures.append(_failure(job, exc))
+            progress.advance(EVAL_S.get(job.workload, 0.2))
+        return results, failures
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+
+def run_plan(
+    jobs: Sequence[Job], isolated: bool, progress: Progress, on_workload_done: Done | None = None
+) -> tuple[list[RunResult], list[str]]:
+    """Every workload in turn (see :func:`run_workload`); returns all results and failure messages."""
+    results: list[RunResult] = []
+    failures: list[str] = []
+    for group in group_by_workload(jobs):
+        done, failed = run_workload(group, isolated, progress)
+        results += done
+        failures += failed
+        if on_workload_done is not None and done:
+            on_workload_done(results)
+    return results, failures
