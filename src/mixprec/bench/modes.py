@@ -283,8 +283,8 @@ register(
     ),
 )
 
-# ---- more families (e.g. fp8) register here: a TrainMode subclass if the step differs, a ModeSpec per
-# recipe, and their names in DEFAULT_MODES where a device should run them by default.
+# ---- more families register from their own files (fp8: bench/fp8_modes.py, imported at the end):
+# a TrainMode subclass if the step differs, a ModeSpec per recipe, DEFAULT_MODES where it runs by default.
 
 DEFAULT_MODES: dict[str, tuple[str, ...]] = {
     "cpu": ("fp32", "torch-amp-bf16", "mixprec-bf16", "O2-bf16", "bf16-true", "bf16-true-kahan"),
@@ -297,5 +297,9 @@ DEFAULT_MODES: dict[str, tuple[str, ...]] = {
         "O2-fp16",
         "bf16-true",
         "bf16-true-kahan",
+        "fp8-dynamic",
+        "fp8-delayed",
     ),
 }
+
+from mixprec.bench import fp8_modes as _fp8_modes  # noqa: E402, F401  (registers fp8-dynamic, fp8-delayed)
