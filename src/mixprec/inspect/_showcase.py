@@ -8,6 +8,7 @@ import torch
 
 from mixprec.autocast import autocast
 from mixprec.inspect import demo
+from mixprec.inspect.fp8 import fp8_report, plot_fp8_report
 from mixprec.inspect.nonfinite import find_nonfinite
 from mixprec.inspect.plots import plot_gradient_histogram, plot_underflow
 from mixprec.inspect.report import write_report
@@ -51,6 +52,16 @@ def print_diagnostics() -> None:
         model(inputs)
     print(trace.table())
 
+    _section("fp8_report: e4m3 forward, e5m2 gradients; one input feature is an outlier of 30000")
+    print(_fp8_demo().table())
+
+
+def _fp8_demo():
+    """Outlier features (as in LLM activations) make one per-tensor scale flush the ordinary values."""
+    inputs = demo.demo_inputs()
+    inputs[:, 0] *= 3e4
+    return fp8_report(demo.healthy_model(), inputs, loss_fn=demo.tiny_loss)
+
 
 def write_pictures(out: Path, steps: int = 40) -> list[Path]:
     """Histograms and underflow bars of the underflow demo, and a scaler-log run with its report."""
@@ -63,6 +74,7 @@ def write_pictures(out: Path, steps: int = 40) -> list[Path]:
         plot_gradient_histogram(reports[0], out / "grad_histogram_scale1.png"),
         plot_gradient_histogram(reports[1], out / "grad_histogram_scale65536.png"),
         plot_underflow(reports, out / "underflow.png"),
+        plot_fp8_report(_fp8_demo(), out / "fp8_report.png"),
     ]
     log_path = out / "scaler_log.jsonl"
     _train_with_log(log_path, steps)
