@@ -39,6 +39,11 @@ OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),  # no fast path: the generic wrapper
 }
+# Not recorded from the original (it had no bf16 state): beta2 = 0.99 keeps Adam's state in bf16 now.
+BF16_STATE = {
+    "adam-0.99": lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.9, 0.99)),
+    "adamw-0.99": lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1),
+}
 
 
 def train(
@@ -46,7 +51,8 @@ def train(
 ) -> dict[str, torch.Tensor]:
     """``STEPS`` steps; ``fp32_state`` (current code only) keeps a CompensatedOptimizer's state in fp32."""
     net = model(batchnorm=level == "O2")
-    net, opt = initialize(net, OPTIMIZERS[optimizer](net.parameters()), level, **overrides)
+    make = {**OPTIMIZERS, **BF16_STATE}[optimizer]
+    net, opt = initialize(net, make(net.parameters()), level, **overrides)
     if fp32_state:
         opt.optimizer.state_dtype = torch.float32
     g = torch.Generator().manual_seed(1)

@@ -36,6 +36,7 @@ import torch
 from torch.optim import Optimizer
 
 from mixprec.master import updates
+from mixprec.master.lowp import Workspace
 from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
 
 __all__ = ["METHODS", "CompensatedOptimizer"]
@@ -87,6 +88,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.model_params: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
+        self.workspace = Workspace()
         for group in optimizer.param_groups:
             self._adopt(group["params"])
 
@@ -133,7 +135,9 @@ class CompensatedOptimizer(OptimizerWrapper):
                     comps = [self.compensation[slots[id(p)]] for p in params]
                 states = [self.optimizer.state[p] for p in params]
                 generator = self._generator(device) if low and self.method == "stochastic" else None
-                updates.step_group(self.kind, group, states, params, comps, self.method, sdt, generator)
+                updates.step_group(
+                    self.kind, group, states, params, comps, self.method, sdt, generator, self.workspace
+                )
 
     def _state_dtype(self, dtype: torch.dtype, group: dict[str, Any]) -> torch.dtype:
         if self.state_dtype is not None:

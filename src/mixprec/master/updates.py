@@ -13,7 +13,8 @@ dtype its optimizer state is kept in (:func:`state_dtype`)::
         kahan:       t += c; w = round(t); c = round(t - w)        # c: bf16/fp16 buffer per weight
         stochastic:  w = round_stochastic(t)                         # 16 random bits per value
         nearest:     w = round(t)
-    bf16 state ("low"):     the moments, the update and the Kahan fold in bf16 (torch-optimi's sequence):
+    bf16 state ("low"):     the moments, the update and the Kahan fold in bf16 (torch-optimi's sequence;
+                            Adam's second bias correction folded into the scalars):
         kahan:       c = round(c + u); old = w; w = round(w + c); c = round(c + (old - w))
         stochastic:  t = fp32(w) + u; w = round_stochastic(t)
         nearest:     w = round(w + u)
@@ -32,6 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from mixprec.master.lowp import Workspace, adam_low, adam_states, contiguous, kahan_fold_chunked
 
 __all__ = ["FAST_OPTIMIZERS", "fast_kind", "round_stochastic_into", "state_dtype", "step_group"]
 
@@ -92,6 +95,7 @@ def step_group(
     method: str,
     sdt: torch.dtype,
     generator: torch.Generator | None,
+    workspace: Workspace,
 ) -> None:
     """One optimizer step for ``params`` (one group, device and dtype; each has a ``.grad``).
 
@@ -104,8 +108,19 @@ def step_group(
         method: "kahan", "stochastic" or "nearest".
         sdt: dtype of the optimizer state (fp32, or bf16 for bf16 weights).
         generator: draws the stochastic-rounding bits (method "stochastic").
+        workspace: reused scratch for the bf16-state paths (:mod:`mixprec.master.lowp`).
     """
     low = params[0].dtype in _LOW
+    grads = [p.grad for p in params]
+    if (
+        low
+        and sdt == params[0].dtype
+        and method != "nearest"
+        and kind == "adam"
+        and contiguous(params, grads)
+    ):
+        adam_low(group, states, params, comps if method == "kahan" else None, generator, workspace)
+        return
     exact = low and sdt == torch.float32
     if not low or (not exact and method == "nearest"):
         mode, target = "direct", params  # fp32 weights, or bf16 weights rounded once per step
@@ -116,8 +131,10 @@ def step_group(
     decay_base = target if mode in ("direct", "exact") else params
     grads = [p.grad if p.grad.dtype == sdt else p.grad.to(sdt) for p in params]
     step = _adam if kind == "adam" else _sgd
-    temp = step(group, states, grads, target, decay_base, additive=mode == "kahan")
-    if mode == "kahan":
+    temp = step(group, states, grads, target, decay_base, additive=mode == "kahan", fold=sdt in _LOW)
+    if mode == "kahan" and contiguous(params, comps):  # type: ignore[arg-type]
+        kahan_fold_chunked(params, comps, workspace)  # type: ignore[arg-type]
+    elif mode == "kahan":
         _kahan_fold_low(params, comps, temp)  # type: ignore[arg-type]
     elif mode != "direct":
         _finish(method, params, target, comps, generator)
@@ -139,33 +156,36 @@ def _decay_and_grads(group, grads, target, decay_base, additive):
     return grads
 
 
-def _adam(group, states, grads, target, decay_base, additive):
-    """torch's single-tensor Adam/AdamW (no amsgrad) on lists; the step lands in ``target``."""
+def _adam(group, states, grads, target, decay_base, additive, fold):
+    """torch's single-tensor Adam/AdamW (no amsgrad) on lists; the step lands in ``target``.
+
+    ``fold`` (bf16 state): ``m / (sqrt(v) / s + eps)`` as ``s * m / (sqrt(v) + eps * s)``, ``s`` the square
+    root of the second bias correction: equal in exact arithmetic, one pass over the state fewer.
+    """
     grads = _decay_and_grads(group, grads, target, decay_base, additive)
     beta1, beta2 = group["betas"]
-    for state, grad in zip(states, grads, strict=True):
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state[key].dtype != grad.dtype:  # state loaded from elsewhere: continue in this state dtype
-                state[key] = state[key].to(grad.dtype)
-        state["step"] += 1
+    steps = adam_states(states, grads)
     exp_avgs = [s["exp_avg"] for s in states]
     exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-    steps = [s["step"].item() for s in states]
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    roots = [(1 - beta2**step) ** 0.5 for step in steps]
+    step_sizes = [group["lr"] / (1 - beta1**step) for step in steps]
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, [(1 - beta2**step) ** 0.5 for step in steps])
-    torch._foreach_add_(denom, group["eps"])
-    torch._foreach_addcdiv_(target, exp_avgs, denom, [-group["lr"] / (1 - beta1**step) for step in steps])
+    if fold:
+        torch._foreach_add_(denom, [group["eps"] * root for root in roots])
+        torch._foreach_addcdiv_(
+            target, exp_avgs, denom, [-a * r for a, r in zip(step_sizes, roots, strict=True)]
+        )
+    else:
+        torch._foreach_div_(denom, roots)
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_addcdiv_(target, exp_avgs, denom, [-a for a in step_sizes])
     return denom
 
 
-def _sgd(group, states, grads, target, decay_base, additive):
+def _sgd(group, states, grads, target, decay_base, additive, fold):
     """torch's single-tensor SGD (momentum, dampening, nesterov) on lists; the step lands in ``target``."""
     grads = _decay_and_grads(group, grads, target, decay_base, additive)
     momentum = group["momentum"]
@@ -181,6 +201,7 @@ def _sgd(group, states, grads, target, decay_base, additive):
                 buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
             buffers.append(buf)
         grads = torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"] else buffers
+    del fold  # no bias correction to fold
     torch._foreach_add_(target, grads, alpha=-group["lr"])
     return None
 
