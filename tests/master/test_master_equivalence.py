@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from original_scenarios import OPTIMIZERS, PARTS, digest, model, train
 
 EXPECTED = json.loads((Path(__file__).parent / "original_digests.json").read_text())
