@@ -20,24 +20,24 @@ import torch
 
 __all__ = ["CHUNK", "Workspace", "adam_low", "adam_states", "contiguous", "kahan_fold", "kahan_fold_chunked"]
 
-CHUNK = 2**20  # elements per workspace buffer: 2 MiB in bf16, 4 MiB in fp32
+CHUNK = 2**22  # most elements per workspace buffer (8 MiB in bf16); never more than the tensors stepped
 _KEEP_HIGH_16_BITS = -65536
 
 
 class Workspace:
-    """Scratch buffers reused across steps, one per (device, dtype, role), each ``numel`` elements."""
+    """Scratch buffers reused across steps, one per (device, dtype, role), at most ``numel`` elements each."""
 
     def __init__(self, numel: int = CHUNK) -> None:
         self.numel = numel
         self.buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
 
-    def get(
-        self, device: torch.device, dtype: torch.dtype, role: int = 0, numel: int | None = None
-    ) -> torch.Tensor:
+    def get(self, device: torch.device, dtype: torch.dtype, role: int, numel: int) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements (grown, never shrunk, while the optimizer lives)."""
         key = (str(device), dtype, role)
-        if key not in self.buffers:
-            self.buffers[key] = torch.empty(numel or self.numel, dtype=dtype, device=device)
-        return self.buffers[key]
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
 
     def __getstate__(self) -> dict[str, Any]:
         return {"numel": self.numel, "buffers": {}}  # scratch, not state: recreated on demand
@@ -105,18 +105,19 @@ def kahan_fold(params: list[torch.Tensor], comps: list[torch.Tensor], temp: list
 
 def kahan_fold_chunked(params: list[torch.Tensor], comps: list[torch.Tensor], workspace: Workspace) -> None:
     """:func:`kahan_fold` over whole tensors, through the workspace."""
-    buffer = workspace.get(params[0].device, params[0].dtype)
-    for (p, c), _ in chunks([params, comps], workspace.numel):
+    size = min(workspace.numel, sum(p.numel() for p in params))
+    buffer = workspace.get(params[0].device, params[0].dtype, 0, size)
+    for (p, c), _ in chunks([params, comps], size):
         kahan_fold(p, c, _slices(buffer, p))
 
 
-def _grads(group: dict[str, Any], g: list[torch.Tensor], p: list[torch.Tensor], buffer: torch.Tensor):
-    """The gradients Adam uses: negated under ``maximize``, plus ``wd * w`` for L2 decay (into ``buffer``)."""
+def _grads(group: dict[str, Any], g: list[torch.Tensor], p: list[torch.Tensor], buffer: Any):
+    """Adam's gradients: negated under ``maximize``, plus ``wd * w`` for L2 decay (into ``buffer()``)."""
     maximize, wd = group.get("maximize", False), group["weight_decay"]
     l2 = wd != 0 and not group.get("decoupled_weight_decay", False)
     if not (maximize or l2):
         return g
-    out = _slices(buffer, g)
+    out = _slices(buffer(), g)
     torch._foreach_copy_(out, g)
     if maximize:
         torch._foreach_neg_(out)
@@ -143,10 +144,11 @@ def adam_low(
     eps = [group["eps"] * root for root in roots]
     lists = [params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
     device, dtype = params[0].device, params[0].dtype
-    temp_buffer, grad_buffer = workspace.get(device, dtype, 0), workspace.get(device, dtype, 1)
-    for views, owners in chunks([*lists, comps] if comps is not None else lists, workspace.numel):
+    size = min(workspace.numel, sum(p.numel() for p in params))
+    temp_buffer = workspace.get(device, dtype, 0, size)
+    for views, owners in chunks([*lists, comps] if comps is not None else lists, size):
         p, g, m, v = views[:4]
-        g = _grads(group, g, p, grad_buffer)
+        g = _grads(group, g, p, lambda: workspace.get(device, dtype, 1, size))
         torch._foreach_lerp_(m, g, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, value=1 - beta2)
@@ -161,20 +163,20 @@ def adam_low(
             torch._foreach_addcdiv_(c, m, denom, [scales[i] for i in owners])
             kahan_fold(p, c, denom)
         else:
-            _stochastic(group, p, m, denom, [scales[i] for i in owners], generator, workspace)
+            _stochastic(group, p, m, denom, [scales[i] for i in owners], generator, workspace, size)
 
 
-def _stochastic(group, p, m, denom, scales, generator, workspace) -> None:
+def _stochastic(group, p, m, denom, scales, generator, workspace, size) -> None:
     """``w = round_stochastic(w * (1 - lr * wd) + scale * m / denom)`` with the update in fp32."""
     total = sum(t.numel() for t in p)
-    flat = workspace.get(p[0].device, torch.float32, 2)[:total]
+    flat = workspace.get(p[0].device, torch.float32, 2, size)[:total]
     values = _slices(flat, p)
     torch._foreach_copy_(values, p)
     wd = group["weight_decay"]
     if wd != 0 and group.get("decoupled_weight_decay", False):
         torch._foreach_mul_(values, 1 - group["lr"] * wd)
     torch._foreach_addcdiv_(values, m, denom, scales)
-    draws = workspace.get(p[0].device, torch.int64, 3, numel=workspace.numel // 4 + 1)[: (total + 3) // 4]
+    draws = workspace.get(p[0].device, torch.int64, 3, size // 4 + 1)[: (total + 3) // 4]
     draws.random_(-(2**63), 2**63 - 1, generator=generator)
     noise = draws.view(torch.int16)[:total]  # uniform in [-2**15, 2**15)
     bits = flat.view(torch.int32)
