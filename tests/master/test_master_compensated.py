@@ -204,3 +204,34 @@ def test_lr_scheduler_drives_the_inner_optimizer():
     train(model, opt, 1)
     schedule.step()
     assert inner.param_groups[0]["lr"] == 0.05
+
+
+def test_state_dtype_follows_whether_a_bf16_average_can_move():
+    from mixprec.master.updates import state_dtype
+
+    one = torch.ones(1, dtype=torch.bfloat16)
+    assert torch.equal(one * 0.999, one) and not torch.equal(one * 0.99, one)  # why beta2 0.999 stays fp32
+    assert state_dtype(torch.bfloat16, "adam", {"betas": (0.9, 0.999)}) == torch.float32
+    assert state_dtype(torch.bfloat16, "adam", {"betas": (0.9, 0.99)}) == torch.bfloat16
+    assert state_dtype(torch.bfloat16, "sgd", {"momentum": 0.999}) == torch.float32
+    assert state_dtype(torch.float16, "adam", {"betas": (0.9, 0.99)}) == torch.float32  # fp16 range
+
+
+def test_stochastic_rounding_with_bf16_adam_state_is_unbiased():
+    weight = nn.Parameter(torch.ones(100_000, dtype=torch.bfloat16))
+    inner = torch.optim.Adam([weight], lr=2.0**-9, betas=(0.9, 0.99), eps=1e-12)
+    opt = CompensatedOptimizer(inner, "stochastic", seed=1)
+    weight.grad = torch.full_like(weight, -1.0)  # Adam's first step: +lr, a quarter of the gap above 1.0
+    opt.step()
+    assert opt.state[weight]["exp_avg"].dtype == torch.bfloat16
+    assert set(weight.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert (weight > 1).float().mean().item() == pytest.approx(0.25, abs=0.01)
+
+
+def test_the_workspace_holds_no_more_than_the_tensors_stepped_and_is_not_pickled():
+    model = mlp()
+    opt = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99)))
+    train(model, opt, 2)
+    numel = sum(p.numel() for p in model.parameters())
+    assert all(0 < b.numel() <= numel for b in opt.workspace.buffers.values())
+    assert copy.deepcopy(opt).workspace.buffers == {}
