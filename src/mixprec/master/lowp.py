@@ -153,8 +153,8 @@ def adam_low(
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, value=1 - beta2)
         denom = _slices(temp_buffer, p)
-        torch._foreach_copy_(denom, v)
-        torch._foreach_sqrt_(denom)
+        for out, second in zip(denom, v, strict=True):
+            torch.sqrt(second, out=out)  # one pass instead of copy + sqrt_ (foreach has no out=)
         torch._foreach_add_(denom, [eps[i] for i in owners])
         if comps is not None:
             c = views[4]
