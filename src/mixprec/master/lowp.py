@@ -53,8 +53,9 @@ def adam_states(states: list[dict[str, Any]], like: list[torch.Tensor]) -> list[
         for key in ("exp_avg", "exp_avg_sq"):
             if state[key].dtype != grad.dtype:  # state loaded from elsewhere: continue in this state dtype
                 state[key] = state[key].to(grad.dtype)
-        state["step"] += 1
-    return [s["step"].item() for s in states]
+    counters = [s["step"] for s in states]
+    torch._foreach_add_(counters, 1.0)  # torch: step_t += 1 per parameter; one call here
+    return torch.stack(counters).tolist() if counters else []
 
 
 def contiguous(*lists: list[torch.Tensor]) -> bool:
