@@ -20,6 +20,9 @@ Two paths, chosen per optimizer:
 * any other optimizer: it steps fp32 scratch copies of at most ``scratch_numel`` weights at a time (exact for
   per-parameter optimizers; one that couples parameters needs ``scratch_numel=None``), its state stays fp32.
 
+Either path works through at most ``scratch_numel`` weights at a time, so no fp32 temporary ever spans
+the whole model.
+
 Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Measured in
 ``benchmarks/precision_paths.py``: the same speed and memory, but optimi's Adam has other hyperparameter
 semantics than the torch optimizer a user hands to ``initialize`` (debiased betas, eps 1e-6, decay outside
@@ -58,7 +61,9 @@ class CompensatedOptimizer(OptimizerWrapper):
             Its ``param_groups`` keep holding those parameters.
         method: ``"kahan"``, ``"stochastic"`` or ``"nearest"``.
         seed: seed of the stochastic-rounding generators (default: ``torch.initial_seed()``).
-        scratch_numel: generic path only: most fp32 scratch elements alive at once; None: one chunk.
+        scratch_numel: most weights stepped at once (consecutive whole tensors), which bounds the fp32
+            temporaries: the scratch copies of the generic path, the fp32 values of fp32-state updates;
+            None: all at once.
         state_dtype: None (bf16 where the method allows it, see :func:`mixprec.master.updates.state_dtype`)
             or ``torch.float32`` (always fp32 state: bit for bit the original scratch-copy algorithm).
 
@@ -127,17 +132,18 @@ class CompensatedOptimizer(OptimizerWrapper):
             for param in group["params"]:
                 if param.grad is not None:
                     buckets.setdefault((param.device, param.dtype), []).append(param)
-            for (device, dtype), params in buckets.items():
+            for (device, dtype), bucket in buckets.items():
                 low = dtype in LOW_PRECISION_DTYPES
                 sdt = self._state_dtype(dtype, group) if low else dtype
-                comps = None
-                if low and self.method == "kahan":
-                    comps = [self.compensation[slots[id(p)]] for p in params]
-                states = [self.optimizer.state[p] for p in params]
                 generator = self._generator(device) if low and self.method == "stochastic" else None
-                updates.step_group(
-                    self.kind, group, states, params, comps, self.method, sdt, generator, self.workspace
-                )
+                for params in self._chunks(bucket):  # bounds the fp32 temporaries of fp32-state updates
+                    comps = None
+                    if low and self.method == "kahan":
+                        comps = [self.compensation[slots[id(p)]] for p in params]
+                    states = [self.optimizer.state[p] for p in params]
+                    updates.step_group(
+                        self.kind, group, states, params, comps, self.method, sdt, generator, self.workspace
+                    )
 
     def _state_dtype(self, dtype: torch.dtype, group: dict[str, Any]) -> torch.dtype:
         if self.state_dtype is not None:
