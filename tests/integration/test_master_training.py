@@ -28,7 +28,12 @@ CONFIGS = {
     "bf16-true": ("bf16-true", {}),
     "kahan": ("bf16-true", {"weight_update": "kahan"}),
     "stochastic rounding": ("bf16-true", {"weight_update": "stochastic"}),
+    "fp32, beta2 0.99": None,
+    "kahan, bf16 state": ("bf16-true", {"weight_update": "kahan"}),
+    "stochastic, bf16 state": ("bf16-true", {"weight_update": "stochastic"}),
 }
+# beta2 = 0.99 lets the compensated paths keep Adam's state in bf16 (at 0.999 it stays fp32)
+BETAS = {name: (0.9, 0.99) for name in ("fp32, beta2 0.99", "kahan, bf16 state", "stochastic, bf16 state")}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +71,7 @@ def batches(x, y, epochs, seed):
 def prepared(config, seed):
     """(model, optimizer with backward/step/zero_grad); fp32 is plain torch, the reference."""
     model = classifier(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, betas=BETAS.get(config, (0.9, 0.999)))
     if CONFIGS[config] is None:
         return model, optimizer
     level, overrides = CONFIGS[config]
@@ -120,6 +125,11 @@ def test_plain_bf16_weights_lose_accuracy_and_compensation_recovers_it(results):
     assert results["bf16-true"] < results["fp32"] - 2.0
     assert abs(results["kahan"] - results["fp32"]) <= 1.0
     assert abs(results["stochastic rounding"] - results["fp32"]) <= 1.0
+
+
+def test_compensation_with_bf16_optimizer_state_keeps_fp32_accuracy(results):
+    assert abs(results["kahan, bf16 state"] - results["fp32, beta2 0.99"]) <= 1.0
+    assert abs(results["stochastic, bf16 state"] - results["fp32, beta2 0.99"]) <= 1.0
 
 
 def test_o2_keeps_batchnorm_fp32_and_returns_fp32(digits):

@@ -88,12 +88,22 @@ def test_fp32_params_step_once_per_step_whatever_the_chunking():
     assert model[2].weight.grad is not None  # the caller's gradients are handed back
 
 
-def test_scratch_holds_no_memory_between_steps():
+@pytest.mark.parametrize(
+    ("make", "state_dtype"),
+    [
+        (lambda ps: torch.optim.Adam(ps, lr=1e-3), torch.float32),  # beta2 0.999: 1e-3 < half a bf16 ulp
+        (lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.9, 0.99)), torch.bfloat16),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), torch.bfloat16),
+        (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), torch.float32),  # generic path: fp32 scratch state
+    ],
+)
+def test_groups_hold_the_model_weights_and_state_is_bf16_where_the_method_allows(make, state_dtype):
     model = mlp()
-    opt = CompensatedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    opt = CompensatedOptimizer(make(model.parameters()))
     train(model, opt, 2)
-    assert all(s.untyped_storage().nbytes() == 0 and s.grad is None for s in opt.scratch_params)
-    assert all(state["exp_avg"].dtype == torch.float32 for state in opt.state.values())
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    assert state and all(v.dtype == state_dtype for v in state)
 
 
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])
@@ -138,7 +148,8 @@ def test_state_dict_fields():
 def test_errors_name_the_bad_value():
     model = mlp()
     with pytest.raises(
-        ValueError, match=r"unknown compensation method 'kahn'; accepted: \['kahan', 'stochastic'\]"
+        ValueError,
+        match=r"unknown compensation method 'kahn'; accepted: \['kahan', 'nearest', 'stochastic'\]",
     ):
         CompensatedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "kahn")
     with pytest.raises(ValueError, match="cannot round to torch.float16"):
@@ -175,14 +186,14 @@ def test_under_loss_scaling_the_model_grads_are_unscaled_and_clipped():
     assert torch.all((weight.float() - 0.99).abs() <= 2.0**-10)  # fp16 alone would stay at 1.0
 
 
-def test_add_param_group_gets_scratch_and_compensation():
+def test_add_param_group_gets_compensation():
     model = mlp()
     opt = CompensatedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), "kahan")
     opt.add_param_group({"params": model[2].parameters(), "lr": 0.01})
-    assert len(opt.scratch_params) == len(opt.compensation) == 4
-    assert all(p.dtype == torch.float32 for p in opt.param_groups[1]["params"])
+    assert len(opt.model_params) == len(opt.compensation) == 4
+    assert opt.param_groups[1]["params"] == list(model[2].parameters())
     train(model, opt, 1)
-    assert opt.compensation[3].abs().sum() > 0  # the new group's bias was stepped through scratch
+    assert opt.compensation[3].abs().sum() > 0  # the new group's bias was stepped with compensation
 
 
 def test_lr_scheduler_drives_the_inner_optimizer():
@@ -193,3 +204,34 @@ def test_lr_scheduler_drives_the_inner_optimizer():
     train(model, opt, 1)
     schedule.step()
     assert inner.param_groups[0]["lr"] == 0.05
+
+
+def test_state_dtype_follows_whether_a_bf16_average_can_move():
+    from mixprec.master.updates import state_dtype
+
+    one = torch.ones(1, dtype=torch.bfloat16)
+    assert torch.equal(one * 0.999, one) and not torch.equal(one * 0.99, one)  # why beta2 0.999 stays fp32
+    assert state_dtype(torch.bfloat16, "adam", {"betas": (0.9, 0.999)}) == torch.float32
+    assert state_dtype(torch.bfloat16, "adam", {"betas": (0.9, 0.99)}) == torch.bfloat16
+    assert state_dtype(torch.bfloat16, "sgd", {"momentum": 0.999}) == torch.float32
+    assert state_dtype(torch.float16, "adam", {"betas": (0.9, 0.99)}) == torch.float32  # fp16 range
+
+
+def test_stochastic_rounding_with_bf16_adam_state_is_unbiased():
+    weight = nn.Parameter(torch.ones(100_000, dtype=torch.bfloat16))
+    inner = torch.optim.Adam([weight], lr=2.0**-9, betas=(0.9, 0.99), eps=1e-12)
+    opt = CompensatedOptimizer(inner, "stochastic", seed=1)
+    weight.grad = torch.full_like(weight, -1.0)  # Adam's first step: +lr, a quarter of the gap above 1.0
+    opt.step()
+    assert opt.state[weight]["exp_avg"].dtype == torch.bfloat16
+    assert set(weight.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert (weight > 1).float().mean().item() == pytest.approx(0.25, abs=0.01)
+
+
+def test_the_workspace_holds_no_more_than_the_tensors_stepped_and_is_not_pickled():
+    model = mlp()
+    opt = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99)))
+    train(model, opt, 2)
+    numel = sum(p.numel() for p in model.parameters())
+    assert all(0 < b.numel() <= numel for b in opt.workspace.buffers.values())
+    assert copy.deepcopy(opt).workspace.buffers == {}

@@ -85,13 +85,13 @@ def test_o0_changes_nothing_and_still_has_the_optimizer_api():
 
 def test_presets():
     assert resolve_level("bf16-mixed", None, "cuda") == (
-        dataclasses.replace(OPT_LEVELS["O1"], loss_scale=None),
+        dataclasses.replace(OPT_LEVELS["O1"], loss_scale=1.0),  # no scaling, but inf/nan steps skip
         torch.bfloat16,
     )
     level, dtype = resolve_level("16-mixed", None, "cpu")
     assert dtype == torch.float16 and level.loss_scale == "dynamic" and level.autocast
     level, dtype = resolve_level("bf16-true", None, "cpu")
-    assert level.cast_model and not level.master_weights and level.loss_scale is None
+    assert level.cast_model and not level.master_weights and level.loss_scale == 1.0
     assert resolve_level("32-true", None, "cpu")[0] == OPT_LEVELS["O0"]
     model, opt = prepare("bf16-true")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and opt.master_params == []

@@ -1,0 +1,275 @@
+"""Pure low-precision weights that keep small updates: :class:`CompensatedOptimizer`.
+
+A bf16 weight of 1.0 ignores any update below 2**-9. The wrapper keeps the weights in bf16 (or fp16), with
+no fp32 master copy, and still lets small updates add up (Zamirai et al. 2020, "Revisiting BFloat16
+Training"), in one of three ways::
+
+    kahan:       v = w + update + c;  w = round(v);  c = v - w        # c: a bf16 buffer per weight
+    stochastic:  w = round_stochastic(w + update)    # up with probability (w + update - down) / ulp
+    nearest:     w = round(w + update)               # plain rounding (the update still computed in fp32)
+
+Kahan carries what rounding dropped into the next step (2 bytes per weight); stochastic rounding is unbiased
+in expectation and needs no buffer (bf16 only).
+
+Two paths, chosen per optimizer:
+
+* ``torch.optim.Adam``, ``AdamW`` and ``SGD``: mixprec steps the torch optimizer's own groups and state with
+  foreach updates on the low-precision weights (:mod:`mixprec.master.updates`). The state is kept in bf16
+  where the method's moving averages can move in bf16, else fp32 (``state_dtype``); no fp32 copy of the
+  model exists at any time.
+* any other optimizer: it steps fp32 scratch copies of at most ``scratch_numel`` weights at a time (exact for
+  per-parameter optimizers; one that couples parameters needs ``scratch_numel=None``), its state stays fp32.
+
+Either path works through at most ``scratch_numel`` weights at a time, so no fp32 temporary ever spans
+the whole model.
+
+Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Measured in
+``benchmarks/precision_paths.py``: the same memory and 1.00-1.08x its step time (without the inf/nan check
+that presets add), but optimi's Adam has other hyperparameter semantics than the torch optimizer a user
+hands to ``initialize`` (debiased betas, eps 1e-6, decay outside the compensation), always keeps bf16
+state (which freezes at beta2 = 0.999), overwrites ``.grad`` as workspace, and has no stochastic rounding;
+it stays a benchmark peer, not a dependency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from mixprec.master import updates
+from mixprec.master.lowp import Workspace
+from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
+
+__all__ = ["METHODS", "CompensatedOptimizer"]
+
+METHODS: dict[str, frozenset[torch.dtype]] = {
+    "kahan": frozenset(LOW_PRECISION_DTYPES),
+    "stochastic": frozenset({torch.bfloat16}),
+    "nearest": frozenset(LOW_PRECISION_DTYPES),
+}
+_STATE_KEYS = ("method", "optimizer", "compensation", "generators")
+_STATE_DTYPES = (None, torch.float32)
+
+
+class CompensatedOptimizer(OptimizerWrapper):
+    """Steps low-precision weights in place, compensating (or stochastically rounding) each update.
+
+    Args:
+        optimizer: a torch optimizer built on the (bf16/fp16) model parameters, before its first step.
+            Its ``param_groups`` keep holding those parameters.
+        method: ``"kahan"``, ``"stochastic"`` or ``"nearest"``.
+        seed: seed of the stochastic-rounding generators (default: ``torch.initial_seed()``).
+        scratch_numel: most weights stepped at once (consecutive whole tensors), which bounds the fp32
+            temporaries: the scratch copies of the generic path, the fp32 values of fp32-state updates;
+            None: all at once.
+        state_dtype: None (bf16 where the method allows it, see :func:`mixprec.master.updates.state_dtype`)
+            or ``torch.float32`` (always fp32 state: bit for bit the original scratch-copy algorithm).
+
+    Raises:
+        TypeError: ``optimizer`` is not an Optimizer, or ``scratch_numel`` not an int.
+        ValueError: unknown method, a parameter dtype the method cannot round, a non-positive
+            ``scratch_numel``, another ``state_dtype``, or an optimizer that already holds state.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        method: str = "kahan",
+        *,
+        seed: int | None = None,
+        scratch_numel: int | None = 2**24,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
+        _check_args(optimizer, method, seed, scratch_numel, state_dtype)
+        _check_params(optimizer, method, [p for g in optimizer.param_groups for p in g["params"]])
+        super().__init__(optimizer)
+        self.method = method
+        self.scratch_numel = scratch_numel
+        self.state_dtype = state_dtype
+        self.seed = torch.initial_seed() if seed is None else seed  # reads, never draws from, torch's RNG
+        self.kind = updates.fast_kind(optimizer)
+        self.model_params: list[torch.Tensor] = []
+        self.compensation: list[torch.Tensor] = []
+        self.generators: dict[str, torch.Generator] = {}
+        self.workspace = Workspace()
+        for group in optimizer.param_groups:
+            self._adopt(group["params"])
+
+    def _adopt(self, params: list[torch.Tensor]) -> None:
+        for param in params:
+            if param.dtype in LOW_PRECISION_DTYPES:
+                self.model_params.append(param)
+                if self.method == "kahan":
+                    self.compensation.append(torch.zeros_like(param, memory_format=torch.preserve_format))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer; its low-precision params get compensation buffers."""
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(f"param_group must be a dict with 'params', got {param_group!r}")
+        params = param_group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        _check_params(self.optimizer, self.method, params)
+        self.optimizer.add_param_group({**param_group, "params": params})
+        self._adopt(self.optimizer.param_groups[-1]["params"])
+        self.kind = updates.fast_kind(self.optimizer)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """One step of the inner optimizer's algorithm, applied with this wrapper's rounding method."""
+        if closure is not None:
+            raise ValueError("CompensatedOptimizer.step does not take a closure")
+        with torch.no_grad():
+            if self.kind is not None:
+                self._step_fast()
+            else:
+                self._step_generic()
+
+    def _step_fast(self) -> None:
+        slots = {id(p): i for i, p in enumerate(self.model_params)}
+        for group in self.param_groups:
+            buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for param in group["params"]:
+                if param.grad is not None:
+                    buckets.setdefault((param.device, param.dtype), []).append(param)
+            for (device, dtype), bucket in buckets.items():
+                low = dtype in LOW_PRECISION_DTYPES
+                sdt = self._state_dtype(dtype, group) if low else dtype
+                generator = self._generator(device) if low and self.method == "stochastic" else None
+                for params in self._chunks(bucket):  # bounds the fp32 temporaries of fp32-state updates
+                    comps = None
+                    if low and self.method == "kahan":
+                        comps = [self.compensation[slots[id(p)]] for p in params]
+                    states = [self.optimizer.state[p] for p in params]
+                    updates.step_group(
+                        self.kind, group, states, params, comps, self.method, sdt, generator, self.workspace
+                    )
+
+    def _state_dtype(self, dtype: torch.dtype, group: dict[str, Any]) -> torch.dtype:
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return updates.state_dtype(dtype, self.kind, group)  # type: ignore[arg-type]
+
+    def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Consecutive runs of params whose scratch fits ``scratch_numel`` (a bigger param is alone)."""
+        if self.scratch_numel is None:
+            return [params]
+        chunks: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for param in params:
+            if chunks[-1] and size + param.numel() > self.scratch_numel:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(param)
+            size += param.numel()
+        return chunks
+
+    def _step_generic(self) -> None:
+        """Step the inner optimizer chunk by chunk on fp32 scratch copies, then round into the weights.
+
+        During a chunk's ``inner.step()`` its groups hold only that chunk's scratch params (and, in the
+        first chunk, the fp32 params, which step once), keyed to the same state; both are put back after.
+        """
+        slots = {id(p): i for i, p in enumerate(self.model_params)}
+        low = [p for p in self.model_params if p.grad is not None]
+        own = {id(p) for g in self.param_groups for p in g["params"] if id(p) not in slots}
+        originals = [group["params"] for group in self.param_groups]
+        for n, chunk in enumerate(self._chunks(low) if low else [[]]):
+            scratch = {id(p): _scratch(p) for p in chunk}
+            state = self.optimizer.state
+            try:
+                for p in chunk:
+                    if p in state:
+                        state[scratch[id(p)]] = state.pop(p)
+                for group, params in zip(self.param_groups, originals, strict=True):
+                    group["params"] = [scratch.get(id(p), p) for p in params if id(p) in scratch] + (
+                        [p for p in params if id(p) in own] if n == 0 else []
+                    )
+                self.optimizer.step()
+            finally:
+                for group, params in zip(self.param_groups, originals, strict=True):
+                    group["params"] = params
+                for p in chunk:
+                    if scratch[id(p)] in state:
+                        state[p] = state.pop(scratch[id(p)])
+            comps = [self.compensation[slots[id(p)]] for p in chunk] if self.method == "kahan" else None
+            if chunk:
+                device = chunk[0].device
+                generator = self._generator(device) if self.method == "stochastic" else None
+                updates._finish(self.method, chunk, [scratch[id(p)] for p in chunk], comps, generator)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self.generators:
+            self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[key]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every parameter in the groups."""
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, Kahan compensation buffers and stochastic-rounding generator states."""
+        return {
+            "method": self.method,
+            "optimizer": self.optimizer.state_dict(),
+            "compensation": [c.detach() for c in self.compensation],
+            "generators": {key: g.get_state() for key, g in self.generators.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; validated in full before anything changes.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict.
+            ValueError: missing keys, another method, compensation buffers of other shapes or dtypes,
+                generator states or an optimizer state that do not fit.
+        """
+        from mixprec.master.state import check_compensated_state, load_inner_state
+
+        generators = check_compensated_state(self, state_dict)
+        load_inner_state(self.optimizer, state_dict["optimizer"])
+        for buffer, value in zip(self.compensation, state_dict["compensation"], strict=True):
+            buffer.copy_(value)
+        for key, generator in generators.items():
+            self.generators[key] = generator
+
+
+def _scratch(param: torch.Tensor) -> torch.nn.Parameter:
+    """An fp32 copy of a low-precision param with an fp32 copy of its gradient (exists during a step)."""
+    scratch = torch.nn.Parameter(param.detach().float(), param.requires_grad)
+    scratch.grad = param.grad.float()
+    return scratch
+
+
+def _check_args(optimizer: Any, method: Any, seed: Any, scratch_numel: Any, state_dtype: Any) -> None:
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, OptimizerWrapper):
+        raise TypeError(
+            f"optimizer is already wrapped ({type(optimizer).__name__}); pass the torch optimizer"
+        )
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"unknown compensation method {method!r}; accepted: {sorted(METHODS)}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if scratch_numel is not None and (not isinstance(scratch_numel, int) or isinstance(scratch_numel, bool)):
+        raise TypeError(f"scratch_numel must be a positive int or None, got {scratch_numel!r}")
+    if scratch_numel is not None and scratch_numel < 1:
+        raise ValueError(f"scratch_numel must be a positive int or None, got {scratch_numel!r}")
+    if state_dtype not in _STATE_DTYPES:
+        raise ValueError(f"state_dtype must be None (automatic) or torch.float32, got {state_dtype!r}")
+
+
+def _check_params(optimizer: Optimizer, method: str, params: list[Any]) -> None:
+    for param in params:
+        if not torch.is_tensor(param):
+            raise TypeError(f"optimizer params must be tensors, got {type(param).__name__}")
+        if param.dtype in LOW_PRECISION_DTYPES and param.dtype not in METHODS[method]:
+            raise ValueError(
+                f"method {method!r} cannot round to {param.dtype}; "
+                f"dtypes it supports: {sorted(str(d) for d in METHODS[method])}"
+            )
+        if optimizer.state.get(param):
+            raise ValueError("wrap the optimizer before its first step: it already holds state for a param")

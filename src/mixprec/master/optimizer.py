@@ -1,0 +1,232 @@
+"""fp32 master weights behind a half-precision model: :class:`MixedPrecisionOptimizer`.
+
+In fp16 ``1 + 1e-4 == 1`` (in bf16 even ``1 + 1e-3 == 1``): an update smaller than half the gap to a weight's
+neighbour is rounded away, so a half-precision model that steps its own weights stalls. The cure (Micikevicius
+et al. 2018; apex's ``FP16_Optimizer``) keeps an fp32 master copy of every half-precision parameter and lets
+the optimizer step the masters. One iteration::
+
+    backward(loss):  (loss * scale).backward()          # scaled grads land on the half-precision params
+    step():
+        masters <- model weights where those changed outside the optimizer (load_state_dict, edits)
+        master.grad <- fp32(param.grad)                  # exists during step() only
+        scaler.unscale_(inner)                           # master.grad /= scale, found_inf recorded
+        scaler.step(inner)                               # inner.step() on the masters unless found_inf
+        scaler.update()                                  # back off after inf/nan, grow after a clean run
+        param <- half(master)                            # one foreach copy (a no-op after a skipped step)
+
+The fp32 gradients live only inside ``step()`` (and between ``clip_master_grads`` and ``step``): with Adam
+an O2 model holds 16 bytes per parameter (2 weight, 2 gradient, 4 master, 8 state), as much as fp32 training.
+Parameters that already are fp32 (BatchNorm kept fp32, or every parameter under O1) are their own masters.
+The skip decision is the only host sync, inside ``scaler.step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from mixprec.master.wrapper import (
+    LOW_PRECISION_DTYPES,
+    OptimizerWrapper,
+    ScalerView,
+    first_device,
+    resolve_scaler,
+)
+
+__all__ = ["MixedPrecisionOptimizer"]
+
+_STATE_KEYS = ("optimizer", "master_params", "scaler")
+
+
+class MixedPrecisionOptimizer(OptimizerWrapper):
+    """Loss scaling and fp32 master weights around a torch optimizer whose params may be half precision.
+
+    The wrapped optimizer is taken over: in its ``param_groups`` every fp16/bf16 parameter is replaced by an
+    fp32 master copy (existing optimizer state moves to the master, cast to fp32). ``param_groups`` of the
+    wrapper are those groups, so LR schedulers and per-group options work on the wrapper unchanged.
+
+    The masters follow the model: when a model weight changes outside this optimizer (``load_state_dict``,
+    an in-place edit under ``no_grad``, ``param.data = ...``), the elements that no longer equal their
+    master's rounding are copied to the master before the next step or ``state_dict``. An in-place edit of
+    ``param.data`` bypasses the tensor's version counter; call :meth:`sync_masters` after one.
+
+    Args:
+        optimizer: a torch optimizer built on the model's parameters.
+        scaler: None (no scaling), ``"dynamic"`` (default, mixprec's GradScaler), a number (static scale) or
+            a GradScaler-like object.
+        master_weights: keep fp32 copies of half-precision params (True), or step them in place (False, apex
+            O3 / "bf16-true").
+
+    Raises:
+        TypeError: ``optimizer`` is not an Optimizer or is already a MixedPrecisionOptimizer;
+            ``master_weights`` is not a bool.
+        ValueError: for an unknown scaler spec.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, scaler: Any = "dynamic", master_weights: bool = True) -> None:
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            raise TypeError("optimizer is already a MixedPrecisionOptimizer; wrap the inner optimizer once")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}: {optimizer!r}"
+            )
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be True or False, got {master_weights!r}")
+        resolved = resolve_scaler(scaler, first_device(optimizer).type)
+        super().__init__(optimizer)
+        self.master_weights = master_weights
+        self.model_params: list[torch.Tensor] = []
+        self.master_params: list[torch.Tensor] = []
+        self.scaler = resolved
+        self._scaler_view = ScalerView(optimizer)
+        self._grads_ready = False
+        self._seen: list[tuple[int, int]] = []
+        for group in optimizer.param_groups:
+            self._adopt(group)
+
+    def _adopt(self, group: dict[str, Any]) -> None:
+        group["params"] = [self._master_for(p) for p in group["params"]]
+        self._record()
+
+    def _master_for(self, param: torch.Tensor) -> torch.Tensor:
+        if not (self.master_weights and param.dtype in LOW_PRECISION_DTYPES):
+            return param
+        master = torch.nn.Parameter(param.detach().to(torch.float32, copy=True), param.requires_grad)
+        state = self.optimizer.state.pop(param, None)
+        if state:
+            self.optimizer.state[master] = {
+                k: v.float() if torch.is_tensor(v) and v.dtype == param.dtype else v for k, v in state.items()
+            }
+        self.model_params.append(param)
+        self.master_params.append(master)
+        return master
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer, with fp32 masters for its half-precision params."""
+        self.optimizer.add_param_group(param_group)
+        self._adopt(self.optimizer.param_groups[-1])
+
+    def _record(self) -> None:
+        self._seen = [(p._version, p.data_ptr()) for p in self.model_params]
+
+    def sync_masters(self) -> None:
+        """Copy model weights that changed outside the optimizer into their masters (elementwise).
+
+        Where a model weight still equals its master rounded to the weight's dtype, the master keeps its
+        fp32 value; elsewhere it becomes the weight. Runs by itself before each step and ``state_dict``
+        for every weight whose version counter or storage changed; call it after ``param.data`` edits.
+
+        Raises:
+            RuntimeError: a model weight changed shape or dtype (the optimizer cannot follow that).
+        """
+        with torch.no_grad():
+            for param, master in zip(self.model_params, self.master_params, strict=True):
+                if param.shape != master.shape or param.dtype not in LOW_PRECISION_DTYPES:
+                    raise RuntimeError(
+                        f"a model parameter changed to {param.dtype} {tuple(param.shape)} after initialize; "
+                        f"its master is {tuple(master.shape)}: build the optimizer again"
+                    )
+                changed = param.ne(master.to(param.dtype))
+                master.copy_(torch.where(changed, param.float(), master))
+        self._record()
+
+    def _follow_model(self) -> None:
+        if any(
+            (p._version, p.data_ptr()) != seen for p, seen in zip(self.model_params, self._seen, strict=True)
+        ):
+            self.sync_masters()
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without scaling). Reading it syncs with the device."""
+        return float(self.scaler.get_scale())
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far because a gradient was inf/nan (0 for a scaler that does not count)."""
+        return int(getattr(self.scaler, "skipped_steps", 0))
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step()`` was skipped: step LR schedulers only when it was not."""
+        return bool(getattr(self.scaler, "last_step_skipped", False))
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Scale ``loss`` and run backward; ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``)."""
+        self.scaler.scale(loss).backward(**kwargs)
+
+    def _prepare_grads(self) -> None:
+        """Give the masters fp32 copies of the model's gradients and unscale them, once per step."""
+        if self._grads_ready:
+            return
+        for param, master in zip(self.model_params, self.master_params, strict=True):
+            master.grad = None if param.grad is None else param.grad.to(torch.float32)
+        self._scaler_view.refresh()
+        self.scaler.unscale_(self._scaler_view)
+        self._grads_ready = True
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale and clip the gradients the optimizer will use.
+
+        Returns:
+            The total norm of the unscaled gradients before clipping, as a tensor (no host sync); inf or nan
+            when the step is going to be skipped.
+        """
+        self._prepare_grads()
+        params = [p for p in self._scaler_view.param_groups[0]["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """Unscale, skip on inf/nan (the scale backs off), step the masters and copy them to the model."""
+        if closure is not None:
+            raise ValueError(
+                "MixedPrecisionOptimizer.step does not take a closure; call backward(loss) first"
+            )
+        self._follow_model()
+        try:
+            self._prepare_grads()
+            self.scaler.step(self._scaler_view)
+            self.scaler.update()
+            if self.model_params:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.model_params, self.master_params)
+        finally:
+            for master in self.master_params:
+                master.grad = None  # the fp32 gradients exist during the step only
+            self._grads_ready = False
+            self._record()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (the masters hold none between steps)."""
+        for master in self.master_params:
+            master.grad = None
+        self._zero_grads(self.model_params, set_to_none)
+        self._grads_ready = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, fp32 masters (references, as torch does) and scaler state."""
+        self._follow_model()
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "master_params": [m.detach() for m in self.master_params],
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the model's half-precision weights are set from the masters.
+
+        Everything is validated first (keys, master shapes, the inner optimizer's and the scaler's parts);
+        a call that raises leaves the optimizer, the scaler and the model as they were.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict.
+            ValueError: when keys are missing or a part does not fit this optimizer.
+        """
+        from mixprec.master.state import load_mixed_precision_state
+
+        load_mixed_precision_state(self, state_dict)
+        self._grads_ready = False
+        self._record()

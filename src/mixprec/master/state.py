@@ -1,0 +1,142 @@
+"""Checks that let the wrappers' ``load_state_dict`` validate everything before changing anything.
+
+Each ``check_*`` raises ``TypeError``/``ValueError`` naming the key that is missing or wrong, and mutates
+nothing; the loaders then apply a state that is known to fit.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["check_compensated_state", "check_inner_state", "check_scaler_state", "load_inner_state"]
+
+_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg")
+
+
+def _require(state_dict: Any, keys: tuple[str, ...], what: str) -> None:
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{what} state_dict must be a dict, got {type(state_dict).__name__}")
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise ValueError(f"{what} state_dict lacks {missing}; it has {sorted(map(str, state_dict))}")
+
+
+def check_inner_state(optimizer: Optimizer, state_dict: Any) -> None:
+    """Validate a torch optimizer's state dict against ``optimizer`` (groups, sizes, state shapes)."""
+    _require(state_dict, ("state", "param_groups"), "optimizer")
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise ValueError("optimizer state_dict['param_groups'] must be a list of dicts with 'params'")
+    if not isinstance(state, dict):
+        raise ValueError(f"optimizer state_dict['state'] must be a dict, got {type(state).__name__}")
+    ours = optimizer.param_groups
+    if len(groups) != len(ours):
+        raise ValueError(f"optimizer state_dict has {len(groups)} param groups, this optimizer {len(ours)}")
+    for i, (saved, group) in enumerate(zip(groups, ours, strict=True)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"param group {i} of the optimizer state_dict has {len(saved['params'])} params, "
+                f"this optimizer's {len(group['params'])}"
+            )
+        for index, param in zip(saved["params"], group["params"], strict=True):
+            for key, value in state.get(index, {}).items():
+                if key in _SHAPED_STATE and torch.is_tensor(value) and value.shape != param.shape:
+                    raise ValueError(
+                        f"optimizer state {index}[{key!r}] has shape {tuple(value.shape)}, "
+                        f"its param {tuple(param.shape)}"
+                    )
+
+
+def load_inner_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict``, keeping each state tensor in the dtype it was saved in.
+
+    torch casts loaded state to its parameter's dtype, which would turn the fp32 state of a bf16 weight
+    into bf16; the saved dtype is the one the wrapper chose, so it is restored.
+    """
+    optimizer.load_state_dict(state_dict)
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, param in zip(saved_ids, params, strict=True):
+        for key, value in state_dict["state"].get(index, {}).items():
+            loaded = optimizer.state[param].get(key)
+            if torch.is_tensor(value) and torch.is_tensor(loaded) and loaded.dtype != value.dtype:
+                optimizer.state[param][key] = value.to(device=loaded.device)
+
+
+def check_scaler_state(scaler: Any, state_dict: Any) -> None:
+    """Load ``state_dict`` into a copy of ``scaler``: raises what the real load would, changes nothing."""
+    copy.deepcopy(scaler).load_state_dict(state_dict)
+
+
+def check_compensated_state(optimizer: Any, state_dict: Any) -> dict[str, torch.Generator]:
+    """Validate a :class:`CompensatedOptimizer` state dict; returns the generators it restores."""
+    _require(state_dict, ("method", "optimizer", "compensation", "generators"), "CompensatedOptimizer")
+    if state_dict["method"] != optimizer.method:
+        raise ValueError(
+            f"state_dict was saved with method {state_dict['method']!r}, this is {optimizer.method!r}"
+        )
+    saved = state_dict["compensation"]
+    if not isinstance(saved, (list, tuple)) or not all(torch.is_tensor(t) for t in saved):
+        raise ValueError("state_dict['compensation'] must be a list of tensors")
+    if [(t.shape, t.dtype) for t in saved] != [(c.shape, c.dtype) for c in optimizer.compensation]:
+        raise ValueError(
+            "saved compensation buffers do not match this optimizer's parameters: "
+            f"{[(tuple(t.shape), t.dtype) for t in saved]} vs "
+            f"{[(tuple(c.shape), c.dtype) for c in optimizer.compensation]}"
+        )
+    generators = {}
+    if not isinstance(state_dict["generators"], dict):
+        raise ValueError("state_dict['generators'] must be a dict of device -> generator state")
+    for key, rng_state in state_dict["generators"].items():
+        try:
+            generator = torch.Generator(device=torch.device(key))
+            generator.set_state(rng_state)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise ValueError(f"state_dict['generators'][{key!r}] is not a generator state: {error}") from None
+        generators[key] = generator
+    check_inner_state(optimizer.optimizer, state_dict["optimizer"])
+    return generators
+
+
+def load_mixed_precision_state(optimizer: Any, state_dict: Any) -> None:
+    """:meth:`MixedPrecisionOptimizer.load_state_dict`: validate every part, then apply them all.
+
+    Should applying fail after all (a device error, say), the inner optimizer's previous state is put back.
+    """
+    _require(state_dict, ("optimizer", "master_params", "scaler"), "MixedPrecisionOptimizer")
+    saved = state_dict["master_params"]
+    if not isinstance(saved, (list, tuple)) or not all(torch.is_tensor(t) for t in saved):
+        raise ValueError("state_dict['master_params'] must be a list of tensors")
+    shapes = [tuple(t.shape) for t in saved]
+    if shapes != [tuple(m.shape) for m in optimizer.master_params]:
+        raise ValueError(
+            f"saved master params {shapes} do not match this optimizer's "
+            f"{[tuple(m.shape) for m in optimizer.master_params]}"
+        )
+    if not all(t.is_floating_point() for t in saved):
+        raise ValueError("saved master params must be floating-point tensors")
+    inner = optimizer.optimizer
+    if hasattr(inner, "compensation"):  # a CompensatedOptimizer inside
+        check_compensated_state(inner, state_dict["optimizer"])
+    else:
+        check_inner_state(inner, state_dict["optimizer"])
+    check_scaler_state(optimizer.scaler, state_dict["scaler"])
+    targets = optimizer.master_params
+    masters = [t.to(device=m.device, dtype=torch.float32) for t, m in zip(saved, targets, strict=True)]
+    previous = inner.state_dict()
+    try:
+        inner.load_state_dict(state_dict["optimizer"]) if hasattr(
+            inner, "compensation"
+        ) else load_inner_state(inner, state_dict["optimizer"])
+    except Exception:
+        inner.load_state_dict(previous)
+        raise
+    with torch.no_grad():
+        if masters:
+            torch._foreach_copy_(optimizer.master_params, masters)
+            torch._foreach_copy_(optimizer.model_params, optimizer.master_params)
+    optimizer.scaler.load_state_dict(state_dict["scaler"])

@@ -1,0 +1,149 @@
+"""The pieces both optimizer wrappers share: the wrapper base class and the loss-scale spec.
+
+:class:`OptimizerWrapper` makes a wrapper an :class:`~torch.optim.Optimizer` whose ``param_groups``, ``state``
+and ``defaults`` are the inner optimizer's; :func:`resolve_scaler` turns ``loss_scale=`` specs into a scaler.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["LOW_PRECISION_DTYPES", "OptimizerWrapper", "ScalerView", "first_device", "resolve_scaler"]
+
+LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+_SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
+_ACCEPTED_SCALERS = (
+    "None (no loss scaling), 'dynamic', a positive finite number (static scale) or a GradScaler"
+)
+
+
+def resolve_scaler(
+    spec: Any, device_type: str, *, min_scale: float | None = None, max_scale: float | None = None
+) -> Any:
+    """Turn a loss-scale spec into a scaler object with ``torch.amp.GradScaler``'s API.
+
+    Args:
+        spec: None (no scaling, no skipping: a disabled scaler), ``"dynamic"`` (mixprec's GradScaler, starting
+            at 2**16 clamped into the bounds), a positive number (a static scale: it never changes, but a step
+            with inf/nan gradients is still skipped; at 1.0 fp16 gradients are accepted, as unscaling is a
+            no-op) or a ready scaler, returned as is.
+        device_type: where the scale tensor lives ("cuda", "cpu", ...).
+        min_scale: lower bound of a dynamic scale.
+        max_scale: upper bound of a dynamic scale.
+
+    Raises:
+        ValueError: for any other spec, or bounds given with a spec they do not apply to.
+    """
+    if all(callable(getattr(spec, name, None)) for name in _SCALER_METHODS):
+        _no_bounds(min_scale, max_scale, "a ready GradScaler (configure it directly)")
+        return spec
+    from mixprec.scaling import GradScaler, NoScale, StaticScale
+
+    if spec is None:
+        _no_bounds(min_scale, max_scale, "loss_scale=None")
+        return GradScaler(device_type, enabled=False)
+    if spec == "dynamic":
+        init_scale = min(max(2.0**16, min_scale or 0.0), max_scale or math.inf)
+        return GradScaler(device_type, init_scale, min_scale=min_scale, max_scale=max_scale)
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and math.isfinite(spec) and spec > 0:
+        _no_bounds(min_scale, max_scale, f"a static loss_scale ({spec})")
+        if spec == 1:
+            return GradScaler(device_type, rule=NoScale(), allow_fp16_grads=True)
+        return GradScaler(device_type, rule=StaticScale(float(spec)))
+    raise ValueError(f"unknown loss scale {spec!r}; accepted: {_ACCEPTED_SCALERS}")
+
+
+def _no_bounds(min_scale: float | None, max_scale: float | None, what: str) -> None:
+    if min_scale is not None or max_scale is not None:
+        raise ValueError(
+            f"min/max loss scale ({min_scale}, {max_scale}) apply to 'dynamic' scaling only, not to {what}"
+        )
+
+
+class OptimizerWrapper(Optimizer):
+    """Base for an optimizer that wraps another: ``param_groups``, ``state`` and ``defaults`` are the inner's.
+
+    Being an :class:`~torch.optim.Optimizer` lets LR schedulers, step hooks and ``isinstance`` checks accept
+    the wrapper; forwarding the three attributes means a scheduler that sets ``group["lr"]`` on the wrapper
+    steers the inner optimizer, and there is no second copy of state to drift.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}: {optimizer!r}"
+            )
+        self.optimizer = optimizer
+        # Optimizer.__setstate__ creates the hook tables and patches step for profiling/hooks without
+        # creating param_groups or state of our own (Optimizer.__init__ would).
+        Optimizer.__setstate__(self, {})
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def gradient_params(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` :meth:`step` consumes: what a loss scaler must unscale first."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _zero_grads(self, model_params: list[torch.Tensor], set_to_none: bool) -> None:
+        """Clear the model's gradients (not in the inner optimizer's groups) and then the inner's."""
+        for param in model_params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_().zero_()
+        self.optimizer.zero_grad(set_to_none)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Hooks are not state (torch drops them too); everything else is the wrapper's own fields.
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        Optimizer.__setstate__(self, {})
+
+
+def first_device(optimizer: Optimizer) -> torch.device:
+    """Device of the optimizer's first parameter (where the loss scale should live)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            return param.device
+    return torch.device("cpu")
+
+
+class ScalerView:
+    """What the loss scaler unscales and steps: the gradients the inner step consumes, and that step.
+
+    For a plain optimizer these are its params (the fp32 masters among them). A wrapper such as
+    CompensatedOptimizer reads the model's gradients while its groups hold gradient-less scratch params.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups: list[dict[str, Any]] = []
+
+    def refresh(self) -> list[torch.Tensor]:
+        inner = self.optimizer
+        if isinstance(inner, OptimizerWrapper):
+            params = inner.gradient_params()
+        else:
+            params = [p for group in inner.param_groups for p in group["params"]]
+        self.param_groups = [{"params": params}]
+        return params
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.optimizer.step(*args, **kwargs)
