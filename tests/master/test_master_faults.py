@@ -249,7 +249,8 @@ def test_presets_without_a_loss_scale_skip_nonfinite_steps(level, overrides):
     assert same(before, {k: v for k, v in snapshot(model, opt)["opt"].items() if k != "scaler"})
     assert same(weights, model.state_dict())
     assert opt.last_step_skipped and opt.skipped_steps == 1 and opt.loss_scale == 1.0
-    model, opt = initialize(net(), torch.optim.SGD(net().parameters(), lr=0.1), level, loss_scale=None)
+    fresh = net()
+    model, opt = initialize(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), level, loss_scale=None)
     assert not opt.scaler.is_enabled()  # loss_scale=None opts out: no check, no skip, as torch
 
 

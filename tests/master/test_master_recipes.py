@@ -60,7 +60,8 @@ def test_inputs_cast_recursively_and_integers_untouched():
         def forward(self, pair, *, extra):
             return {"x": pair[0], "ids": pair[1], "extra": extra}
 
-    model, _ = initialize(Probe(), torch.optim.SGD(Probe().parameters(), lr=0.1), "O3")
+    probe = Probe()
+    model, _ = initialize(probe, torch.optim.SGD(probe.parameters(), lr=0.1), "O3")
     out = model((torch.randn(2), torch.arange(3)), extra=[torch.randn(2)])
     assert out["x"].dtype == torch.bfloat16 and out["extra"][0].dtype == torch.bfloat16
     assert out["ids"].dtype == torch.int64

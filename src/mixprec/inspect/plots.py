@@ -55,7 +55,7 @@ def _histograms(source: Any) -> dict[str, Log2Histogram]:
     if isinstance(source, Mapping) and all(isinstance(h, Log2Histogram) for h in source.values()):
         return dict(source)
     raise TypeError(
-        f"expected an UnderflowReport, a Log2Histogram or a dict of them, got {type(source).__name__}"
+        f"source must be an UnderflowReport, a Log2Histogram or a dict of them, got {type(source).__name__}"
     )
 
 
@@ -148,6 +148,11 @@ def plot_scale_history(
     Returns:
         The path written.
     """
+    if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Sequence):
+        raise TypeError(f"records must be a sequence of per-step dicts, got {type(records).__name__}")
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping) or "step" not in record or "scale" not in record:
+            raise ValueError(f"records[{i}] must be a dict with 'step' and 'scale' keys, got {record!r}")
     runs = group_runs(records)
     panels = ["scale"] + [key for key in ("loss", "grad_amax") if key in panels and _any_value(runs, key)]
     figure = _figure(figsize=(9, 2.4 * len(panels) + 0.6))
@@ -223,7 +228,10 @@ def plot_underflow(reports: UnderflowReport | Sequence[UnderflowReport], path: s
     """
     reports = [reports] if isinstance(reports, UnderflowReport) else list(reports)
     if not reports or not all(isinstance(r, UnderflowReport) for r in reports):
-        raise TypeError("plot_underflow needs one UnderflowReport or a non-empty sequence of them")
+        raise TypeError(
+            "reports must be one UnderflowReport or a non-empty sequence of them, "
+            f"got {type(reports).__name__}"
+        )
     rows = max(len(r.activations) + len(r.parameters) for r in reports) + 4
     figure = _figure(figsize=(5.5 * len(reports), 0.22 * rows + 2.5))
     for column, report in enumerate(reports):

@@ -137,6 +137,11 @@ def resolve_level(
 
 
 def _check(level: OptLevel, name: str, overrides: dict[str, Any]) -> None:
+    for flag in ("keep_batchnorm_fp32", "master_weights"):
+        if flag in overrides and not isinstance(overrides[flag], bool):
+            raise TypeError(
+                f"{flag} must be a bool, got {type(overrides[flag]).__name__}: {overrides[flag]!r}"
+            )
     if "keep_batchnorm_fp32" in overrides and not level.cast_model:
         raise ValueError(f"keep_batchnorm_fp32 applies to levels that cast the model (O2, O3), not {name}")
     if level.weight_update not in _WEIGHT_UPDATES:
@@ -145,6 +150,19 @@ def _check(level: OptLevel, name: str, overrides: dict[str, Any]) -> None:
         raise ValueError(
             f"weight_update={level.weight_update!r} compensates low-precision weights without masters; "
             f"{name} with master_weights={level.master_weights} has none to compensate (use 'bf16-true')"
+        )
+
+
+def _check_optimizer_owns(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must step the model's parameters: a foreign one would train nothing of it."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return  # the type is refused with its own message further on
+    own = {id(p) for p in model.parameters()}
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    if stepped and not any(id(p) in own for p in stepped):
+        raise ValueError(
+            "optimizer holds none of the model's parameters: build it on model.parameters() "
+            f"({len(stepped)} foreign tensors given)"
         )
 
 
@@ -265,6 +283,7 @@ def initialize(
     device_type = param.device.type if param is not None else "cpu"
     level, half = resolve_level(opt_level, dtype, device_type, **overrides)
     _refuse_prepared(model, optimizer, level)
+    _check_optimizer_owns(model, optimizer)
     scaler = resolve_scaler(level.loss_scale, device_type, min_scale=level.min_loss_scale,
                             max_scale=level.max_loss_scale)  # fmt: skip
     method = _weight_update(level, half)

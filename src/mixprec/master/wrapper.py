@@ -55,7 +55,7 @@ def resolve_scaler(
         if spec == 1:
             return GradScaler(device_type, rule=NoScale(), allow_fp16_grads=True)
         return GradScaler(device_type, rule=StaticScale(float(spec)))
-    raise ValueError(f"unknown loss scale {spec!r}; accepted: {_ACCEPTED_SCALERS}")
+    raise ValueError(f"loss_scale: unknown loss scale {spec!r}; accepted: {_ACCEPTED_SCALERS}")
 
 
 def _no_bounds(min_scale: float | None, max_scale: float | None, what: str) -> None:
