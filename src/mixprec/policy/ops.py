@@ -1,8 +1,10 @@
 """The autocast op catalogue: which ops run in which precision, as plain data.
 
-mixprec implements autocast with a ``torch.overrides.TorchFunctionMode``: it sees Python-level torch
-functions and Tensor methods (``torch.nn.functional.linear``, ``torch.matmul``, ``Tensor.__matmul__``,
-``torch._VF.lstm``, ``F.cross_entropy`` ...) by their ``__name__``, and looks that name up here.
+A mixprec region is torch's autocast state, so torch's own kernels apply these lists to the default
+policy; the catalogue is what a policy is edited against and reported from. Where a policy moves an op,
+mixprec's deviation mode (a ``torch.overrides.TorchFunctionMode``) sees Python-level torch functions and
+Tensor methods (``torch.nn.functional.linear``, ``torch.matmul``, ``Tensor.__matmul__``, ``torch._VF.lstm``,
+``F.cross_entropy`` ...) by their ``__name__``, and looks that name up here.
 
 Where the lists come from
 -------------------------
