@@ -5,6 +5,7 @@ python dist_worker.py RANK WORLD_SIZE OUT_DIR
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -50,6 +51,12 @@ def main(rank: int, world: int, out: Path) -> None:
         record["synced"].append(torch.stack([m.amax_history.clone() for m in layers]))
         optimizer.step()
     torch.save(record, out / f"rank{rank}.pt")
+    # DDP sits in reference cycles that keep gloo's process group alive into interpreter shutdown, where
+    # torch (2.13) can abort ("terminate called without an active exception"): free it first, as
+    # tests/distributed/dist_scenarios.py does.
+    del ddp, optimizer, model, layers
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
