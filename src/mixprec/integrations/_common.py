@@ -72,6 +72,28 @@ def framework_dtype(
     return dtype if dtype is not None else flag
 
 
+def settings(
+    policy: Policy | str | None,
+    scaler: GradScaler | None,
+    dtype: torch.dtype | None,
+    flag: torch.dtype | None,
+    flag_name: str,
+) -> tuple[Policy | None, torch.dtype | None, GradScaler | None]:
+    """An integration's (policy, region dtype, scaler), all checked: the dtype reconciled with the
+    framework's own flag and the policy, and a default mixprec.GradScaler for float16.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_policy`, :func:`check_scaler`, :func:`framework_dtype`
+            and :func:`region_dtype`.
+    """
+    policy = check_policy(policy)
+    scaler = check_scaler(scaler)
+    dtype = region_dtype(policy, framework_dtype(dtype, flag, flag_name), "dtype")
+    if scaler is None and dtype == torch.float16:
+        scaler = GradScaler()
+    return policy, dtype, scaler
+
+
 def scaler_metrics(scaler: GradScaler) -> dict[str, float]:
     """``{"loss_scale": ..., "skipped_steps": ...}`` as floats, for a logger (one host sync)."""
     return {"loss_scale": float(scaler.get_scale()), "skipped_steps": float(scaler.skipped_steps)}

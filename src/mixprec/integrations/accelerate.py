@@ -47,7 +47,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from mixprec import autocast, is_autocast_enabled
-from mixprec.integrations._common import Diagnoser, check_policy, check_scaler, framework_dtype, region_dtype
+from mixprec.integrations._common import Diagnoser, check_policy, check_scaler, settings
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -115,17 +115,15 @@ class MixprecAccelerator(Accelerator):
         max_diagnoses: int = 1,
         **kwargs: Any,
     ) -> None:
-        policy = check_policy(policy)
-        scaler = check_scaler(scaler)
+        check_policy(policy)
+        check_scaler(scaler)  # both before Accelerate is set up; the dtype needs its mixed_precision
         diagnoser = Diagnoser(max_diagnoses)
         super().__init__(*args, **kwargs)
         flag = _DTYPES.get(str(self.mixed_precision))
-        dtype = region_dtype(
-            policy, framework_dtype(dtype, flag, f"mixed_precision={self.mixed_precision!r}"), "dtype"
+        policy, dtype, scaler = settings(
+            policy, scaler, dtype, flag, f"mixed_precision={self.mixed_precision!r}"
         )
         autocast(self.device.type, dtype=dtype, policy=policy)  # validates device and dtype
-        if scaler is None and dtype == torch.float16:
-            scaler = GradScaler()
         self.mixprec_policy, self.mixprec_dtype, self.mixprec_scaler = policy, dtype, scaler
         self._diagnoser = diagnoser
         self._step_scale: torch.Tensor | None = None

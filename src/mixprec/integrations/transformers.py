@@ -46,14 +46,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from mixprec import autocast
-from mixprec.integrations._common import (
-    Diagnoser,
-    check_policy,
-    check_scaler,
-    framework_dtype,
-    region_dtype,
-    scaler_metrics,
-)
+from mixprec.integrations._common import Diagnoser, scaler_metrics, settings
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -105,14 +98,9 @@ class MixprecTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        policy = check_policy(policy)
-        flag = _dtype_of(training_args)
-        dtype = region_dtype(
-            policy, framework_dtype(dtype, flag, "the TrainingArguments' bf16/fp16"), "dtype"
+        policy, dtype, self.mixprec_scaler = settings(
+            policy, scaler, dtype, _dtype_of(training_args), "the TrainingArguments' bf16/fp16"
         )
-        self.mixprec_scaler = check_scaler(scaler)
-        if self.mixprec_scaler is None and dtype == torch.float16:
-            self.mixprec_scaler = GradScaler()
         self._mixprec_policy, self._mixprec_dtype = policy, dtype
         self._diagnoser = Diagnoser(max_diagnoses)
         self._pending: tuple[nn.Module, Any, str, torch.Tensor | None] | None = None
