@@ -53,6 +53,14 @@ def _settings(
     return family, True, policy, policy.resolve(family, dtype)  # resolving validates the dtype
 
 
+def _native_dtype(rules: ResolvedPolicy | None) -> torch.dtype | None:
+    """The dtype torch's own autocast runs in for these rules, or None when it stays off (a disabled
+    region, or an fp32 compute dtype: a pin, which torch would refuse with a warning)."""
+    if rules is None or rules.compute_dtype is torch.float32:
+        return None
+    return rules.compute_dtype
+
+
 def _needs_engine(rules: ResolvedPolicy | None) -> bool:
     """Whether a region needs more than torch's own autocast state (deviations or module pins)."""
     return rules is not None and bool(rules.deviations or rules.policy.module_overrides)
@@ -97,17 +105,16 @@ class autocast(torch.amp.autocast_mode.autocast):
             return super().__new__(cls)
         # Traced by torch.compile: a region that needs no engine is torch.autocast itself, which dynamo
         # traces natively (graph breaks inside included). One that needs the engine cannot be traced.
-        family, on, policy, rules = _settings(device_type, dtype, enabled, policy, cache_enabled)
+        family, _, policy, rules = _settings(device_type, dtype, enabled, policy, cache_enabled)
         if _needs_engine(rules):
             raise RuntimeError(
                 f"torch.compile cannot trace a mixprec.autocast region whose policy changes torch's op "
                 f"lists or pins modules ({policy}); enter the region outside the compiled function "
                 "(with mixprec.autocast(...): compiled_model(x)): the compiled code then follows it"
             )
-        native = on and rules is not None and rules.compute_dtype is not torch.float32
-        return torch.amp.autocast(
-            family, dtype=rules.compute_dtype if native else None, enabled=native, cache_enabled=cache_enabled
-        )
+        native = _native_dtype(rules)
+        on = native is not None
+        return torch.amp.autocast(family, dtype=native, enabled=on, cache_enabled=cache_enabled)
 
     def __init__(
         self,
@@ -120,10 +127,10 @@ class autocast(torch.amp.autocast_mode.autocast):
     ) -> None:
         family, enabled, policy, rules = _settings(device_type, dtype, enabled, policy, cache_enabled)
         dtype = rules.compute_dtype if rules is not None else dtype
-        native = enabled and dtype is not torch.float32  # an fp32 compute dtype is a pin: torch stays off
-        super().__init__(family, dtype=dtype if native else None, enabled=native, cache_enabled=cache_enabled)
+        native = _native_dtype(rules)
+        super().__init__(family, dtype=native, enabled=native is not None, cache_enabled=cache_enabled)
         # torch disables a "cuda" region without CUDA (with its warning): so does mixprec.
-        self.enabled = enabled and (self._enabled or not native)
+        self.enabled = enabled and (self._enabled or native is None)
         self.device_type = family
         self.policy: Policy = policy
         self._rules = rules if self.enabled else None
