@@ -1,0 +1,48 @@
+"""`mixprec.lowbit`: block-scaled low-bit training, with one scale per block of a tensor.
+
+* formats as data (:mod:`~mixprec.lowbit.formats`): fp8 tensorwise / rowwise / 1x128 / 128x128, MXFP8,
+  MXFP4, NVFP4 (:data:`FORMATS`), and user formats built from an element format, a scale format, a block
+  shape and a scale rule;
+* :func:`quantize` returns a :class:`Quantized` (data, scales, ``.dequantize(dtype)``), bit for bit
+  torchao 0.18's pure-PyTorch references, with nearest or stochastic rounding;
+* recipes per GEMM operand (:class:`Recipe`, :data:`RECIPES`): which format quantizes which operand of the
+  forward, input-gradient and weight-gradient GEMMs, as Transformer Engine's and torchao's recipes;
+* :func:`convert_to_lowbit_training` swaps ``nn.Linear`` for :class:`LowbitLinear` (torchao's
+  ``module_filter_fn(module, fqn) -> bool`` contract). GEMMs are emulated on a CPU (dequantize, float32
+  matmul); on CUDA fp8 tensorwise/rowwise GEMMs run in ``torch._scaled_mm``.
+
+Example::
+
+    from mixprec import lowbit
+    lowbit.convert_to_lowbit_training(model, "nvfp4", module_filter_fn=lambda m, fqn: fqn != "head")
+    q = lowbit.quantize(x, "mxfp8")          # q.data float8_e4m3fn, q.scale float8_e8m0fnu (M, K // 32)
+    err = (q.dequantize() - x).abs().max()
+"""
+
+from mixprec.lowbit.convert import ModuleFilter, convert_to_lowbit_training, lowbit_linears
+from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRule, get_format
+from mixprec.lowbit.gemm import hadamard_16, lowbit_mm
+from mixprec.lowbit.linear import LowbitLinear
+from mixprec.lowbit.quantize import Quantized, quantize, round_to_element
+from mixprec.lowbit.recipes import HP, OPERANDS, RECIPES, Recipe, get_recipe
+
+__all__ = [
+    "FORMATS",
+    "HP",
+    "OPERANDS",
+    "RECIPES",
+    "LowbitFormat",
+    "LowbitLinear",
+    "ModuleFilter",
+    "Quantized",
+    "Recipe",
+    "ScaleRule",
+    "convert_to_lowbit_training",
+    "get_format",
+    "get_recipe",
+    "hadamard_16",
+    "lowbit_linears",
+    "lowbit_mm",
+    "quantize",
+    "round_to_element",
+]

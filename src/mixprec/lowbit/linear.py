@@ -1,0 +1,82 @@
+"""`LowbitLinear`: an ``nn.Linear`` whose three GEMMs run in the formats of a :class:`Recipe`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixprec.lowbit.gemm import LowbitLinearFunction
+from mixprec.lowbit.recipes import Recipe, get_recipe
+
+__all__ = ["LowbitLinear"]
+
+
+class LowbitLinear(nn.Linear):
+    """``nn.Linear`` with quantized GEMMs (forward, input-gradient, weight-gradient) as ``recipe`` says.
+
+    Same parameters (``weight`` (out, in), ``bias`` (out,)), the same ``state_dict`` keys and the same call
+    as ``nn.Linear``: input (..., in_features) of any float dtype, output (..., out_features) in the input's
+    dtype, or in the autocast dtype inside a ``torch.autocast`` / ``mixprec.autocast`` region (the weight is
+    cast to it before quantization, as torchao's ``Float8Linear`` does). The bias is added after the GEMM
+    in the output dtype. No buffers: every scale is computed from the tensor being quantized.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        recipe: a :class:`Recipe` or a recipe string (default ``"fp8_rowwise"``).
+        generator: the ``torch.Generator`` for stochastic rounding (None: torch's global generator).
+
+    Raises:
+        ValueError / TypeError: for a bad recipe or generator (nothing is built then).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: Recipe | str = "fp8_rowwise",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        recipe, generator = _check(recipe, generator)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe, self.generator = recipe, generator
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, recipe: Recipe | str = "fp8_rowwise", generator: torch.Generator | None = None
+    ) -> LowbitLinear:
+        """A LowbitLinear sharing ``linear``'s parameter objects (an optimizer built before keeps working).
+
+        Raises:
+            TypeError: if ``linear`` is not an ``nn.Linear``; ValueError / TypeError for a bad recipe.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        recipe, generator = _check(recipe, generator)
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, generator=generator)
+        new.weight, new.bias = linear.weight, linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            input = input.to(torch.get_autocast_dtype(device_type))
+        out = LowbitLinearFunction.apply(input, self.weight, self.recipe, self.generator)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def _check(recipe: object, generator: object) -> tuple[Recipe, torch.Generator | None]:
+    recipe = get_recipe(recipe)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    return recipe, generator

@@ -1,0 +1,236 @@
+"""`quantize`: a tensor to a block-scaled low-bit format, and the :class:`Quantized` value it returns.
+
+The tensor is seen as a 2-D (M, K) matrix whose K runs along ``axis`` (the GEMM's reduction dimension:
+``axis=-1`` for ``x`` of ``x @ w.T``, ``axis=0`` for the operands of the weight-gradient GEMM); blocks are
+(rows, cols) tiles of that matrix. Per block: amax, scale (:mod:`mixprec.lowbit.scaling`), multiply into
+the element range, saturate to ``±elem.max``, round (nearest-even, or stochastic), store. e4m3 / e5m2 are
+stored as torch's float8 dtypes, e2m1 as two 4-bit codes per uint8 (first value in the low nibble, as
+torchao's ``pack_uint4``). Without ``stochastic`` the results are bit for bit torchao 0.18's pure-PyTorch
+references: ``MXTensor.to_mx``, ``NVFP4Tensor.to_nvfp4`` and the float8 ``hp_tensor_to_float8_dynamic``.
+
+Stochastic rounding rounds ``|v|`` to one of its two neighbours on the element grid with probability
+proportional to closeness, ``floor(|v| / ulp + u) * ulp`` with ``u ~ U[0, 1)`` drawn from ``generator``
+(computed in float64, so it is exact for every fp32 input), which makes ``E[q] = v`` within the range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec import formats
+from mixprec.lowbit import scaling
+from mixprec.lowbit.formats import LowbitFormat, get_format
+
+__all__ = ["Quantized", "quantize", "round_to_element"]
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True, eq=False)
+class Quantized:
+    """A tensor in a block-scaled format.
+
+    Attributes:
+        data: (M, Kp) float8 values, or (M, Kp // 2) uint8 holding two e2m1 codes each, where M is the
+            product of the dims other than ``axis`` (padded to the block) and Kp the ``axis`` size (padded).
+        scale: one per block, (M // rows, Kp // cols): float32 multipliers (fp32/pow2: ``x ~ data / scale``),
+            ``torch.float8_e8m0fnu`` exponents (e8m0: ``x ~ data * 2**(e-127)``) or float8_e4m3fn descales
+            (e4m3: ``x ~ data * scale * tensor_scale``).
+        tensor_scale: NVFP4's float32 per-tensor scale (a 0-dim tensor), or None.
+        fmt: the :class:`LowbitFormat`; shape, dtype: the original tensor's; axis: the quantized axis.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    fmt: LowbitFormat
+    shape: torch.Size
+    dtype: torch.dtype
+    axis: int
+
+    def values(self) -> torch.Tensor:
+        """The stored element values as float32 (M, Kp), before the scales."""
+        if self.fmt.element != "e2m1":
+            return self.data.to(torch.float32)
+        lut = torch.tensor(_E2M1_VALUES, device=self.data.device)
+        lut = torch.cat([lut, -lut])
+        codes = torch.stack([self.data & 0xF, self.data >> 4], dim=-1).reshape(self.data.shape[0], -1)
+        return lut[codes.to(torch.long)]
+
+    def block_descale(self) -> torch.Tensor:
+        """float32 (M // rows, Kp // cols): the factor a block's stored values are multiplied by."""
+        if self.fmt.scale in ("fp32", "pow2"):
+            return self.scale.reciprocal()
+        if self.fmt.scale == "e8m0":
+            return scaling.e8m0_to_float(self.scale.view(torch.uint8))
+        scale = self.scale.to(torch.float32)
+        return scale if self.tensor_scale is None else self.tensor_scale * scale
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor the stored values stand for, in the original shape, as ``dtype``.
+
+        Computed in float32 as torchao's references do (``data / scale`` for float32 multipliers,
+        ``data * descale`` otherwise), then cast to ``dtype``.
+        """
+        values = self.values()
+        mb, kb = self.scale.shape
+        blocks = values.reshape(mb, values.shape[0] // mb, kb, values.shape[1] // kb)
+        if self.fmt.scale in ("fp32", "pow2"):
+            out = blocks / self.scale[:, None, :, None]
+        else:
+            out = blocks * self.block_descale()[:, None, :, None]
+        moved = _moved_shape(self.shape, self.axis)
+        m, k = moved[:-1].numel(), moved[-1]
+        out = out.reshape(values.shape)[:m, :k].reshape(moved)
+        return out.movedim(-1, self.axis).to(dtype)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: LowbitFormat | str,
+    *,
+    axis: int = -1,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    pad: bool = False,
+    tensor_amax: torch.Tensor | None = None,
+) -> Quantized:
+    """Quantize ``x`` to ``fmt`` with blocks along ``axis`` (see the module doc).
+
+    Args:
+        x: a floating tensor of any shape with at least one dimension (fp32, bf16, fp16).
+        fmt: a :class:`LowbitFormat` or a name in :data:`mixprec.lowbit.FORMATS`.
+        axis: the dimension blocks run along (the GEMM's reduction dimension).
+        stochastic: stochastic rounding of the elements instead of nearest-even.
+        generator: the ``torch.Generator`` stochastic rounding draws from (default: torch's global one).
+        pad: zero-pad sizes that are not a multiple of the block; otherwise they are refused.
+        tensor_amax: a two-level format's per-tensor amax (default: ``max|x|``), e.g. from calibration.
+
+    Returns:
+        A :class:`Quantized`.
+
+    Raises:
+        TypeError: for a non-tensor or non-floating ``x``, or a bad ``generator``.
+        ValueError: for an unknown format, an ``axis`` out of range, or sizes that are not a multiple of
+            the block without ``pad``.
+    """
+    fmt = get_format(fmt)
+    axis = _check(x, axis, stochastic, generator, pad)
+    x2 = _as_matrix(x, axis)
+    rows, cols = _block_of(fmt, x2.shape)
+    x2 = _pad(x2, rows, cols, pad, fmt, x.shape, axis)
+    x2 = x2.to(torch.float32)
+    amax = scaling.block_amax(x2, rows, cols)
+    tensor_scale = None
+    if fmt.two_level:
+        full = scaling.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0] if tensor_amax is None else tensor_amax
+        tensor_scale = scaling.nvfp4_tensor_scale(torch.as_tensor(full, device=x.device))
+    scaled, scale = _scale(x2, amax, fmt, rows, cols, tensor_scale)
+    scaled = torch.clamp(scaled, min=-fmt.elem.max, max=fmt.elem.max)
+    if stochastic:
+        scaled = round_to_element(scaled, fmt.elem, stochastic=True, generator=generator)
+    data = _store(scaled, fmt)
+    return Quantized(data, scale, tensor_scale, fmt, x.shape, x.dtype, axis)
+
+
+def _check(x: object, axis: object, stochastic: object, generator: object, pad: object) -> int:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+        raise TypeError(f"x must be a floating torch.Tensor with at least one dim, got {_describe(x)}")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis must be an int in [{-x.dim()}, {x.dim() - 1}] for shape {tuple(x.shape)}")
+    for name, flag in (("stochastic", stochastic), ("pad", pad)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    return axis % x.dim()
+
+
+def _describe(x: object) -> str:
+    return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _moved_shape(shape: torch.Size, axis: int) -> torch.Size:
+    dims = list(shape)
+    dims.append(dims.pop(axis))
+    return torch.Size(dims)
+
+
+def _as_matrix(x: torch.Tensor, axis: int) -> torch.Tensor:
+    moved = x.movedim(axis, -1)
+    return moved.reshape(-1, moved.shape[-1])
+
+
+def _block_of(fmt: LowbitFormat, shape: torch.Size) -> tuple[int, int]:
+    rows, cols = fmt.block
+    return (shape[0] if rows == -1 else rows), (shape[1] if cols == -1 else cols)
+
+
+def _pad(x2, rows, cols, pad, fmt, shape, axis) -> torch.Tensor:
+    m, k = x2.shape
+    cols = cols + cols % 2 if fmt.element == "e2m1" else cols  # two e2m1 codes per byte
+    pad_m, pad_k = -m % rows, -k % cols
+    if pad_m or pad_k:
+        if not pad:
+            raise ValueError(
+                f"{fmt.name} needs the {m}x{k} matrix of shape {tuple(shape)} (axis {axis} last) to be a "
+                f"multiple of its {rows}x{cols} block; pass pad=True to zero-pad it"
+            )
+        x2 = torch.nn.functional.pad(x2, (0, pad_k, 0, pad_m))
+    return x2.contiguous()
+
+
+def _scale(x2, amax, fmt, rows, cols, tensor_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x2 scaled into the element range, the stored scale)``."""
+    mb, kb = amax.shape
+    blocks = x2.reshape(mb, rows, kb, cols)
+    if fmt.scale in ("fp32", "pow2"):
+        scale = scaling.fp32_scale(amax, fmt.elem, fmt.scale == "pow2")
+        return (blocks * scale[:, None, :, None]).reshape(x2.shape), scale
+    if fmt.scale == "e8m0":
+        exp = scaling.e8m0_exponent(amax, fmt.elem, fmt.rule)
+        factor, divide = scaling.e8m0_quantize_factor(exp, fmt.rule)
+        factor = factor[:, None, :, None]
+        scaled = blocks / factor if divide else blocks * factor
+        return scaled.reshape(x2.shape), exp.view(torch.float8_e8m0fnu)
+    descale = scaling.e4m3_descale(amax, tensor_scale)
+    d32 = descale.to(torch.float32)
+    factor = 1.0 / d32 if tensor_scale is None else (1.0 / tensor_scale) / d32
+    return (blocks * factor[:, None, :, None]).reshape(x2.shape), descale
+
+
+def _store(scaled: torch.Tensor, fmt: LowbitFormat) -> torch.Tensor:
+    if fmt.element != "e2m1":
+        return scaled.to(fmt.elem.dtype)
+    mag = round_to_element(scaled, fmt.elem).abs()
+    code = torch.where(mag < 2, mag * 2, torch.where(mag < 4, mag + 2, mag / 2 + 4))
+    code = torch.where(torch.isnan(mag), 7.0, code).to(torch.uint8) | (
+        torch.signbit(scaled).to(torch.uint8) << 3
+    )
+    return code[:, 0::2] | (code[:, 1::2] << 4)
+
+
+def round_to_element(
+    v: torch.Tensor,
+    elem: formats.Format,
+    *,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``v`` (float32, already within ``±elem.max``) rounded onto ``elem``'s grid, as float32.
+
+    Nearest-even (``torch.round`` of ``|v| / ulp``) or stochastic (see the module doc). The ulp of ``|v|``
+    is ``2**(max(floor(log2|v|), 1 - bias) - mantissa_bits)``, the subnormal spacing below the normals.
+    """
+    mag = v.abs().to(torch.float64 if stochastic else torch.float32)
+    _, exp = torch.frexp(mag)
+    exp = torch.clamp(exp - 1, min=1 - elem.bias) - elem.mantissa_bits
+    ulp = torch.ldexp(torch.ones_like(mag), exp)
+    if stochastic:
+        noise = torch.rand(mag.shape, dtype=torch.float64, device=mag.device, generator=generator)
+        q = torch.floor(mag / ulp + noise) * ulp
+    else:
+        q = torch.round(mag / ulp) * ulp
+    return torch.clamp(q, max=elem.max).to(torch.float32).copysign(v)

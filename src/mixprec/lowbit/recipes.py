@@ -1,0 +1,205 @@
+"""Recipes: which format quantizes which operand of each of a linear layer's three GEMMs.
+
+For ``out = x @ w.T`` with ``x`` (M, K), ``w`` (N, K), the GEMMs and the axis each operand is quantized
+along (the GEMM's reduction dimension, so a block never straddles two dot products)::
+
+    fprop   out    = x  @ w.T      x along K (axis -1),   w along K (axis -1)
+    dgrad   grad_x = go @ w        go along N (axis -1),  w along N (axis 0)
+    wgrad   grad_w = go.T @ x      go along M (axis 0),   x along M (axis 0)
+
+A :class:`Recipe` names a format (:data:`mixprec.lowbit.FORMATS`) or ``"hp"`` (left in the input's
+precision) for each of the six operands, plus two switches: ``sr`` (stochastic rounding of the gradient
+operands ``go``, NVFP4's recipe) and ``rht`` (a 16x16 random Hadamard transform along M on both wgrad
+operands, which cancels in the product since it is orthogonal, NVFP4's recipe). The named recipes:
+
+================== =========================================================== ========================
+name               operands (fprop x/w, dgrad go/w, wgrad go/x)                source
+================== =========================================================== ========================
+fp8_tensorwise     e4m3/e4m3, e5m2/e4m3, e5m2/e4m3, one fp32 scale each        torchao TENSORWISE
+fp8_rowwise        e4m3 rowwise with power-of-two scales everywhere            torchao ROWWISE
+fp8_rowwise_gw_hp  rowwise fprop, rowwise go / tensorwise w dgrad, hp wgrad    torchao ROWWISE_WITH_GW_HP
+fp8_blockwise      1x128 x and go, 128x128 w, power-of-two fp32 scales         TE Float8BlockScaling
+mxfp8              e4m3, 1x32 blocks, e8m0 scales, everywhere                  TE MXFP8BlockScaling
+mxfp4              e2m1, 1x32 blocks, e8m0 scales, everywhere                  OCP MX v1.0
+nvfp4              e2m1, 1x16 e4m3 + fp32 scales; 16x16 w; sr; rht             TE NVFP4BlockScaling
+================== =========================================================== ========================
+
+The string form round-trips: ``str(recipe)`` is the name of a named recipe it equals, else
+``"fprop=A,B dgrad=C,D wgrad=E,F sr=on|off rht=on|off"``; :meth:`Recipe.parse` reads both and a name
+followed by overrides (``"nvfp4 rht=off"``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields, replace
+
+from mixprec.lowbit.formats import FORMATS
+
+__all__ = ["HP", "OPERANDS", "RECIPES", "Recipe", "get_recipe"]
+
+#: The name of "not quantized" (the operand stays in the input's precision).
+HP = "hp"
+OPERANDS = ("fprop_x", "fprop_w", "dgrad_go", "dgrad_w", "wgrad_go", "wgrad_x")
+_GEMMS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_go", "dgrad_w"), "wgrad": ("wgrad_go", "wgrad_x")}
+_SWITCHES = {"on": True, "off": False}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A frozen per-operand recipe (see the module doc).
+
+    Raises:
+        ValueError: for an operand format that is neither ``"hp"`` nor in ``FORMATS``, or ``rht`` with
+            wgrad operands that are not quantized (the transform would be pure cost).
+        TypeError: for a non-bool switch.
+    """
+
+    fprop_x: str
+    fprop_w: str
+    dgrad_go: str
+    dgrad_w: str
+    wgrad_go: str
+    wgrad_x: str
+    sr: bool = False
+    rht: bool = False
+
+    def __post_init__(self) -> None:
+        for name in OPERANDS:
+            value = getattr(self, name)
+            if value != HP and value not in FORMATS:
+                near = difflib.get_close_matches(str(value), [*FORMATS, HP], n=2)
+                hint = f" (did you mean {', '.join(near)}?)" if near else ""
+                raise ValueError(
+                    f"{name}={value!r} is not 'hp' or a low-bit format{hint}; known: {', '.join(FORMATS)}"
+                )
+        for name in ("sr", "rht"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.rht and HP in (self.wgrad_go, self.wgrad_x):
+            raise ValueError("rht=on needs both wgrad operands quantized (it only helps their quantization)")
+
+    def operand(self, name: str) -> str:
+        """The format name of operand ``name`` (one of :data:`OPERANDS`)."""
+        if name not in OPERANDS:
+            raise ValueError(f"operand must be one of {list(OPERANDS)}, got {name!r}")
+        return getattr(self, name)
+
+    @property
+    def name(self) -> str | None:
+        """The name of the named recipe this equals, or None."""
+        return next((n for n, r in RECIPES.items() if r == self), None)
+
+    def full_str(self) -> str:
+        gemms = " ".join(f"{g}={getattr(self, a)},{getattr(self, b)}" for g, (a, b) in _GEMMS.items())
+        return f"{gemms} sr={'on' if self.sr else 'off'} rht={'on' if self.rht else 'off'}"
+
+    def __str__(self) -> str:
+        return self.name or self.full_str()
+
+    def with_(self, **changes: object) -> Recipe:
+        """A copy with fields changed (validated as the constructor does)."""
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(changes) - known)
+        if bad:
+            raise ValueError(f"unknown recipe field(s) {bad}; fields: {sorted(known)}")
+        return replace(self, **changes)
+
+    @classmethod
+    def parse(cls, text: str) -> Recipe:
+        """The recipe a string names (see the module doc).
+
+        Raises:
+            ValueError: naming the token that is not a recipe name, a ``key=value`` pair or a known key.
+            TypeError: for a non-string.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"a recipe string must be a str, got {type(text).__name__}")
+        tokens = text.split()
+        if not tokens:
+            raise ValueError("empty recipe string; give a name or fprop=.. dgrad=.. wgrad=..")
+        base, changes = None, {}
+        if "=" not in tokens[0]:
+            base = get_recipe(tokens[0])
+            tokens = tokens[1:]
+        for token in tokens:
+            key, sep, value = token.partition("=")
+            if not sep:
+                raise ValueError(f"recipe token {token!r} is not key=value (in {text!r})")
+            changes.update(_parse_pair(key, value, text))
+        if base is not None:
+            return base.with_(**changes)
+        missing = [o for o in OPERANDS if o not in changes]
+        if missing:
+            raise ValueError(
+                f"recipe {text!r} without a name must give fprop, dgrad and wgrad (missing {missing})"
+            )
+        return cls(**changes)
+
+
+def _parse_pair(key: str, value: str, text: str) -> dict[str, object]:
+    if key in _GEMMS:
+        parts = value.split(",")
+        if len(parts) != 2:
+            raise ValueError(f"{key}={value!r} needs two formats A,B (in {text!r})")
+        return dict(zip(_GEMMS[key], parts, strict=True))
+    if key in ("sr", "rht"):
+        if value not in _SWITCHES:
+            raise ValueError(f"{key}={value!r} must be on or off (in {text!r})")
+        return {key: _SWITCHES[value]}
+    if key in OPERANDS:
+        return {key: value}
+    raise ValueError(
+        f"unknown recipe key {key!r} in {text!r}; keys: fprop, dgrad, wgrad, sr, rht, {', '.join(OPERANDS)}"
+    )
+
+
+def _same(fmt: str) -> Recipe:
+    return Recipe(fmt, fmt, fmt, fmt, fmt, fmt)
+
+
+RECIPES: dict[str, Recipe] = {
+    "fp8_tensorwise": Recipe(
+        "fp8_tensorwise",
+        "fp8_tensorwise",
+        "fp8_tensorwise_e5m2",
+        "fp8_tensorwise",
+        "fp8_tensorwise_e5m2",
+        "fp8_tensorwise",
+    ),
+    "fp8_rowwise": _same("fp8_rowwise"),
+    "fp8_rowwise_gw_hp": Recipe("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "fp8_tensorwise_pow2", HP, HP),
+    "fp8_blockwise": Recipe(
+        "fp8_blockwise",
+        "fp8_blockwise_2d",
+        "fp8_blockwise",
+        "fp8_blockwise_2d",
+        "fp8_blockwise",
+        "fp8_blockwise",
+    ),
+    "mxfp8": _same("mxfp8"),
+    "mxfp4": _same("mxfp4"),
+    "nvfp4": Recipe("nvfp4", "nvfp4_2d", "nvfp4", "nvfp4_2d", "nvfp4", "nvfp4", sr=True, rht=True),
+}
+
+
+def get_recipe(recipe: Recipe | str) -> Recipe:
+    """The :class:`Recipe` for a name, a recipe string, or the value itself.
+
+    Raises:
+        ValueError: for an unknown name (with the closest names) or a malformed string.
+        TypeError: for anything else.
+    """
+    if isinstance(recipe, Recipe):
+        return recipe
+    if not isinstance(recipe, str):
+        raise TypeError(
+            f"recipe must be a mixprec.lowbit.Recipe or a recipe string, got {type(recipe).__name__}"
+        )
+    if recipe in RECIPES:
+        return RECIPES[recipe]
+    if " " in recipe.strip() or "=" in recipe:
+        return Recipe.parse(recipe)
+    near = difflib.get_close_matches(recipe, RECIPES, n=3)
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    raise ValueError(f"unknown low-bit recipe {recipe!r}{hint}; named recipes: {', '.join(RECIPES)}")
