@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "SCALINGS", "Float8Config"]
+__all__ = ["AMAX_COMPUTE_ALGOS", "RECIPE_NAMES", "SCALINGS", "Float8Config"]
 
 #: Accepted values of :attr:`Float8Config.scaling`.
 SCALINGS = ("dynamic", "delayed")
 #: Accepted values of :attr:`Float8Config.amax_compute_algo`.
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+#: torchao's ``Float8LinearRecipeName`` values, accepted by :attr:`Float8Config.recipe`.
+RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ class Float8Config:
             ``emulate=True``) instead of ``torch._scaled_mm``; the values are the same up to the order
             of accumulation. False uses ``torch._scaled_mm`` (CPU in torch >= 2.13, Hopper-class GPUs) and
             falls back to emulation for shapes it rejects (on CUDA: dimensions not multiples of 16).
+        recipe: torchao's recipe names: ``"tensorwise"`` (one scale per tensor, the scalings above),
+            ``"rowwise"`` (one scale per row along each GEMM's reduction dim, e4m3 everywhere) or
+            ``"rowwise_with_gw_hp"`` (rowwise forward, weight-gradient GEMM in high precision); the rowwise
+            recipes are :mod:`mixprec.lowbit`'s ``fp8_rowwise`` / ``fp8_rowwise_gw_hp`` and dynamic only.
+        round_scales_to_power_of_2: round every scale down to a power of two (torchao's flag; its rowwise
+            recipes set it, and ``from_recipe_name`` does too).
 
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an
@@ -46,6 +54,8 @@ class Float8Config:
     margin: int = 0
     amax_compute_algo: str = "max"
     emulate: bool = False
+    recipe: str = "tensorwise"
+    round_scales_to_power_of_2: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALINGS)
@@ -54,6 +64,41 @@ class Float8Config:
         _check_int("margin", self.margin, minimum=0)
         if not isinstance(self.emulate, bool):
             raise TypeError(f"emulate must be a bool, got {type(self.emulate).__name__}: {self.emulate!r}")
+        _check_choice("recipe", self.recipe, RECIPE_NAMES)
+        if not isinstance(self.round_scales_to_power_of_2, bool):
+            raise TypeError(
+                f"round_scales_to_power_of_2 must be a bool, got {self.round_scales_to_power_of_2!r}"
+            )
+        if self.recipe != "tensorwise" and self.delayed:
+            raise ValueError(
+                f"recipe {self.recipe!r} scales dynamically; scaling='delayed' needs 'tensorwise'"
+            )
+
+    @classmethod
+    def from_recipe_name(cls, recipe_name: str, **overrides: object) -> Float8Config:
+        """torchao's ``Float8LinearConfig.from_recipe_name``: the config of a named recipe.
+
+        ``"tensorwise"`` is the default config; the rowwise recipes set ``round_scales_to_power_of_2``.
+
+        Raises:
+            ValueError: for a name outside :data:`RECIPE_NAMES`.
+        """
+        _check_choice("recipe_name", getattr(recipe_name, "value", recipe_name), RECIPE_NAMES)
+        name = getattr(recipe_name, "value", recipe_name)
+        fields = {"recipe": name, "round_scales_to_power_of_2": name != "tensorwise"}
+        return cls(**{**fields, **overrides})
+
+    @property
+    def lowbit_recipe(self) -> str | None:
+        """The :mod:`mixprec.lowbit` recipe a rowwise config runs, or None for tensorwise."""
+        if self.recipe == "tensorwise":
+            return None
+        pow2 = self.round_scales_to_power_of_2
+        row = "fp8_rowwise" if pow2 else "fp8_rowwise_fp32"
+        if self.recipe == "rowwise":
+            return f"fprop={row},{row} dgrad={row},{row} wgrad={row},{row}"
+        w_gi = "fp8_tensorwise_pow2" if pow2 else "fp8_tensorwise"
+        return f"fprop={row},{row} dgrad={row},{w_gi} wgrad=hp,hp"
 
     @property
     def delayed(self) -> bool:
@@ -66,6 +111,9 @@ class Float8Config:
             text = "dynamic" if self.margin == 0 else f"dynamic(margin={self.margin})"
         else:
             text = f"delayed(len={self.amax_history_len},{self.amax_compute_algo},margin={self.margin})"
+        if self.recipe != "tensorwise":
+            text = self.recipe
+        text += ",pow2" if self.round_scales_to_power_of_2 else ""
         return text + (",emulate" if self.emulate else "")
 
 

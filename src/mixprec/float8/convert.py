@@ -38,6 +38,7 @@ def convert_to_float8_training(
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``, ``config`` not a :class:`Float8Config` or
             ``module_filter_fn`` not callable; nothing is converted then.
+        ValueError: if ``model`` is an ``nn.Linear`` with child modules (they would be dropped).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -45,6 +46,9 @@ def convert_to_float8_training(
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"module_filter_fn must be callable (module, fqn) -> bool, got {module_filter_fn!r}")
     if _wanted(model, "", module_filter_fn):
+        children = [name for name, _ in model.named_children()]
+        if children:  # torchao refuses these too: the swapped module would lose them
+            raise ValueError(f"cannot convert a root {type(model).__name__} with child modules {children}")
         return Float8Linear.from_linear(model, config)
     swaps = [
         (fqn, module)

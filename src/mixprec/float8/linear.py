@@ -7,6 +7,8 @@ from torch import nn
 
 from mixprec.float8.config import Float8Config
 from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
+from mixprec.lowbit.gemm import LowbitLinearFunction
+from mixprec.lowbit.recipes import get_recipe
 
 __all__ = ["ROLES", "Float8Linear"]
 
@@ -83,13 +85,23 @@ class Float8Linear(nn.Linear):
         new.train(linear.training)
         return new
 
+    @classmethod
+    def from_float(cls, mod: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
+        """torchao's name for :meth:`from_linear`."""
+        return cls.from_linear(mod, config)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _quantized_for_inference(self.weight):
+            return nn.functional.linear(input, self.weight, self.bias)
         device_type = input.device.type
         if torch.is_autocast_enabled(device_type):
             input = input.to(torch.get_autocast_dtype(device_type))
-        out = Float8LinearFunction.apply(
-            input, self.weight, self.amax_history, self.fp8_stats, self.config, self.training
-        )
+        if self.config.lowbit_recipe is not None:
+            out = LowbitLinearFunction.apply(input, self.weight, get_recipe(self.config.lowbit_recipe), None)
+        else:
+            out = Float8LinearFunction.apply(
+                input, self.weight, self.amax_history, self.fp8_stats, self.config, self.training
+            )
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -114,6 +126,11 @@ class Float8Linear(nn.Linear):
     def last_scale(self) -> dict[str, float]:
         """The scale used at the last cast of input, weight and grad_output (0.0 before any); host sync."""
         return dict(zip(ROLES, self.fp8_stats[1].tolist(), strict=True))
+
+
+def _quantized_for_inference(weight: torch.Tensor) -> bool:
+    """A frozen tensor-subclass weight (torchao's ``quantize_`` after training) runs its own linear."""
+    return not weight.requires_grad and type(weight) not in (torch.Tensor, nn.Parameter)
 
 
 def _check_config(config: Float8Config | None) -> Float8Config:

@@ -83,6 +83,8 @@ def _scale_for(
         scale = delayed_scale(history[row], amax, fmt, config.margin, config.amax_compute_algo)
         if update:
             push_amax(history[row], amax)
+    if config.round_scales_to_power_of_2:  # torchao's flag: down to a power of two (nan stays nan)
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
     stats[0, row] = amax
     stats[1, row] = scale
     return scale
