@@ -23,7 +23,7 @@ import torch
 from mixprec.lowbit.quantize import Quantized, quantize
 from mixprec.lowbit.recipes import HP, Recipe
 
-__all__ = ["LowbitLinearFunction", "hadamard_16", "lowbit_mm"]
+__all__ = ["LowbitLinearFunction", "gemm_operands", "hadamard_16", "lowbit_mm"]
 
 _HADAMARD_SIZE = 16
 
@@ -93,6 +93,25 @@ def _gemm(a, a_fmt, b, b_fmt, out_dtype, sr_a=False, generator=None) -> torch.Te
     return torch.mm(a32, b32.t()).to(out_dtype)
 
 
+def gemm_operands(
+    x2: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, recipe: Recipe
+) -> dict[str, tuple[torch.Tensor, str]]:
+    """Operand name -> ``(matrix, format name)``, each (rows, K) matrix quantized along K by its GEMM.
+
+    ``x2`` (M, K) is the flattened input, ``weight`` (N, K), ``grad_out`` (M, N); the wgrad operands are
+    Hadamard-rotated along M when the recipe says so. The layouts the backward pass uses, for diagnostics.
+    """
+    go_w, x_w = (_rotate_rows(grad_out), _rotate_rows(x2)) if recipe.rht else (grad_out, x2)
+    return {
+        "fprop_x": (x2, recipe.fprop_x),
+        "fprop_w": (weight, recipe.fprop_w),
+        "dgrad_go": (grad_out, recipe.dgrad_go),
+        "dgrad_w": (weight.t(), recipe.dgrad_w),
+        "wgrad_go": (go_w.t(), recipe.wgrad_go),
+        "wgrad_x": (x_w.t(), recipe.wgrad_x),
+    }
+
+
 class LowbitLinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with the three GEMMs quantized by ``recipe``; bias is added by the caller.
 
@@ -126,7 +145,7 @@ class LowbitLinearFunction(torch.autograd.Function):
                 grad_x = _gemm(go, recipe.dgrad_go, w.t(), recipe.dgrad_w, x2.dtype, recipe.sr, gen)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                go_w, x_w = (_rotate_rows(go), _rotate_rows(x2)) if recipe.rht else (go, x2)
-                grad_w = _gemm(go_w.t(), recipe.wgrad_go, x_w.t(), recipe.wgrad_x, x2.dtype, recipe.sr, gen)
-                grad_w = grad_w.to(ctx.w_dtype)
+                ops = gemm_operands(x2, w, go, recipe)
+                (go_w, go_fmt), (x_w, x_fmt) = ops["wgrad_go"], ops["wgrad_x"]
+                grad_w = _gemm(go_w, go_fmt, x_w, x_fmt, x2.dtype, recipe.sr, gen).to(ctx.w_dtype)
         return grad_x, grad_w, None, None
