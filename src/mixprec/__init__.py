@@ -4,10 +4,12 @@ Public names: :class:`autocast` (an engine of its own that applies an editable :
 :func:`custom_fwd` / :func:`custom_bwd`, :func:`checkpoint`, :class:`GradScaler` and its scale rules,
 :class:`MixedPrecisionOptimizer` (fp32 master weights), :func:`initialize` (apex-style opt levels and
 Lightning-style presets), :class:`CompensatedOptimizer` (pure-bf16 training with Kahan summation or
-stochastic rounding), and the numeric :mod:`formats`. Diagnostics live in :mod:`mixprec.inspect`.
+stochastic rounding), the numeric :mod:`formats`, and low-bit training
+(:mod:`float8` per tensor, :mod:`lowbit` block-scaled: fp8 rowwise/blockwise, MXFP8, MXFP4, NVFP4).
+Diagnostics live in :mod:`mixprec.inspect`.
 """
 
-from mixprec import distributed, float8, formats
+from mixprec import distributed, float8, formats, lowbit
 from mixprec.autocast import autocast, get_autocast_dtype, is_autocast_enabled
 from mixprec.autocast.checkpoint import autocast_context_fn, checkpoint
 from mixprec.autocast.custom_function import custom_bwd, custom_fwd
@@ -42,4 +44,5 @@ __all__ = [
     "get_autocast_dtype",
     "initialize",
     "is_autocast_enabled",
+    "lowbit",
 ]

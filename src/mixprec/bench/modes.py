@@ -303,3 +303,4 @@ DEFAULT_MODES: dict[str, tuple[str, ...]] = {
 }
 
 from mixprec.bench import fp8_modes as _fp8_modes  # noqa: E402, F401  (registers fp8-dynamic, fp8-delayed)
+from mixprec.bench import lowbit_modes as _lowbit_modes  # noqa: E402, F401  (registers lowbit-<recipe>)

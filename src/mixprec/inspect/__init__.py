@@ -6,6 +6,7 @@
 * :func:`trace_dtypes`: which ops ran in which dtype, per module;
 * :func:`fp8_report`: per ``nn.Linear``, what fp8 (e4m3 forward, e5m2 gradients) would lose: amax,
   scale, underflow and saturation, and the layers to keep in bf16 as a ready ``module_filter_fn``;
+  :func:`lowbit_report` does the same for any :mod:`mixprec.lowbit` recipe, per GEMM operand and block;
 * :class:`ScalerLog`, :func:`nonfinite_params`, :func:`grad_amax`: an opt-in per-step scaler log and the
   parameters behind a skipped step;
 * :func:`plot_gradient_histogram`, :func:`plot_scale_history`, :func:`plot_underflow`, :func:`write_report`:
@@ -16,6 +17,7 @@ Nothing here is hooked or active unless one of these runs; no other part of mixp
 
 from mixprec.inspect.fp8 import Fp8Report, fp8_report, plot_fp8_report
 from mixprec.inspect.grads import grad_amax, nonfinite_params
+from mixprec.inspect.lowbit import LowbitReport, lowbit_report
 from mixprec.inspect.nonfinite import find_nonfinite
 from mixprec.inspect.nonfinite_report import NonfiniteReport
 from mixprec.inspect.plots import plot_gradient_histogram, plot_scale_history, plot_underflow
@@ -31,6 +33,7 @@ __all__ = [
     "Fp8Report",
     "GradStats",
     "Log2Histogram",
+    "LowbitReport",
     "NonfiniteReport",
     "ScalerLog",
     "UnderflowReport",
@@ -38,6 +41,7 @@ __all__ = [
     "fp8_report",
     "grad_amax",
     "load_log",
+    "lowbit_report",
     "nonfinite_params",
     "plot_fp8_report",
     "plot_gradient_histogram",
