@@ -143,6 +143,14 @@ def test_non_multiple_shapes_are_refused_or_padded() -> None:
     assert q2.data.shape == (128, 128) and q2.dequantize().shape == (3, 40)
 
 
+def test_a_calibrated_tensor_amax_matches_torchao_per_tensor_scale() -> None:
+    x = _hard(torch.float32)
+    amax = torch.tensor(3.0e7)  # a calibrated amax beyond this tensor's own
+    ref = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(amax))
+    ours = quantize(x, "nvfp4", tensor_amax=amax)
+    assert torch.equal(_bits(ours.scale), _bits(ref.scale)) and torch.equal(ours.data, _bits(ref.qdata))
+
+
 def test_quantize_keeps_shape_dtype_and_axis() -> None:
     x = torch.randn(2, 64, 3, dtype=torch.bfloat16)
     q = quantize(x, "nvfp4", axis=1)
@@ -166,6 +174,10 @@ def test_bad_arguments_raise_clear_errors() -> None:
         quantize(x, "mxfp8", stochastic=True, generator=0)
     with pytest.raises(TypeError, match="stochastic must be a bool"):
         quantize(x, "mxfp8", stochastic=1)
+    with pytest.raises(ValueError, match="tensor_amax is for two-level formats"):
+        quantize(x, "mxfp8", tensor_amax=1.0)
+    with pytest.raises(ValueError, match="tensor_amax must be one finite number > 0"):
+        quantize(x, "nvfp4", tensor_amax=float("nan"))
     with pytest.raises(ValueError, match="does not take rule"):
         LowbitFormat("bad", "e4m3", "fp32", (1, 32), ScaleRule.FLOOR)
     with pytest.raises(ValueError, match="block must be"):
