@@ -235,15 +235,17 @@ def round_to_element(
     """``v`` (float32, already within ``±elem.max``) rounded onto ``elem``'s grid, as float32.
 
     Nearest-even (``torch.round`` of ``|v| / ulp``) or stochastic (see the module doc). The ulp of ``|v|``
-    is ``2**(max(floor(log2|v|), 1 - bias) - mantissa_bits)``, the subnormal spacing below the normals.
+    is ``2**(max(floor(log2|v|), 1 - bias) - mantissa_bits)``, the subnormal spacing below the normals
+    (float32 subnormal inputs are far below every element format's grid and take its smallest ulp).
     """
-    mag = v.abs().to(torch.float64 if stochastic else torch.float32)
-    _, exp = torch.frexp(mag)
-    exp = torch.clamp(exp - 1, min=1 - elem.bias) - elem.mantissa_bits
-    ulp = torch.ldexp(torch.ones_like(mag), exp)
+    mag = v.abs().to(torch.float32)
+    # The ulp from the float32 exponent bits: 2**(max(e, 1 - bias) - mantissa_bits), exact and cheap.
+    exp = torch.clamp((torch.bitwise_right_shift(mag.view(torch.int32), 23) & 0xFF) - 127, min=1 - elem.bias)
+    ulp = torch.bitwise_left_shift(exp - elem.mantissa_bits + 127, 23).view(torch.float32)
     if stochastic:
         noise = torch.rand(mag.shape, dtype=torch.float64, device=mag.device, generator=generator)
-        q = torch.floor(mag / ulp + noise) * ulp
+        ulp64 = ulp.to(torch.float64)
+        q = torch.floor(mag.to(torch.float64) / ulp64 + noise) * ulp64
     else:
         q = torch.round(mag / ulp) * ulp
     return torch.clamp(q, max=elem.max).to(torch.float32).copysign(v)
