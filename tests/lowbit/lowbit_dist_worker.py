@@ -1,6 +1,6 @@
-"""One gloo rank of the lowbit DDP / FSDP2 scenarios (run by test_distributed.py).
+"""One gloo rank of the lowbit DDP / FSDP2 scenarios (run by test_lowbit_distributed.py).
 
-python dist_worker.py RANK WORLD_SIZE OUT_DIR WRAPPER   (WRAPPER: ddp or fsdp2)
+python lowbit_dist_worker.py RANK WORLD_SIZE OUT_DIR WRAPPER   (WRAPPER: ddp or fsdp2)
 """
 
 from __future__ import annotations
