@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from mixprec.master.guard import HugeGradientGuard
 from mixprec.master.wrapper import (
     LOW_PRECISION_DTYPES,
     OptimizerWrapper,
@@ -81,15 +82,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.model_params: list[torch.Tensor] = []
         self.master_params: list[torch.Tensor] = []
         self.scaler = resolved
-        self._scaler_view = ScalerView(optimizer)
+        self._scaler_view = ScalerView(optimizer, _guard_for(optimizer, resolved))
         self._grads_ready = False
         self._seen: list[tuple[int, int]] = []
+        self._stepped: list[int] = []
         for group in optimizer.param_groups:
             self._adopt(group)
 
     def _adopt(self, group: dict[str, Any]) -> None:
         group["params"] = [self._master_for(p) for p in group["params"]]
         self._record()
+        self._stepped = self._group_ids()
+
+    def _group_ids(self) -> list[int]:
+        return [id(p) for group in self.param_groups for p in group["params"]]
 
     def _master_for(self, param: torch.Tensor) -> torch.Tensor:
         if not (self.master_weights and param.dtype in LOW_PRECISION_DTYPES):
@@ -105,9 +111,45 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         return master
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the inner optimizer, with fp32 masters for its half-precision params."""
-        self.optimizer.add_param_group(param_group)
+        """Add a group to the inner optimizer, with fp32 masters for its half-precision params.
+
+        As in torch, a parameter may be in one group only: a model parameter that already has a master
+        (or a master itself) is refused, before anything changes.
+
+        Raises:
+            TypeError: ``param_group`` is not a dict with ``"params"``, or holds a non-tensor.
+            ValueError: a parameter is already in a group, or given twice.
+        """
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(f"param_group must be a dict with 'params', got {param_group!r:.80}")
+        self._follow_groups()
+        params = param_group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        _check_new_params(params, self.model_params, self.param_groups)
+        self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1])
+
+    def _follow_groups(self) -> None:
+        """Give half-precision params put into ``param_groups`` by hand their masters (before a step).
+
+        Raises:
+            ValueError: a parameter is in two groups (or twice in one), or a model parameter that has a
+                master was put in beside it; nothing changes then.
+        """
+        if self._group_ids() == self._stepped:
+            return
+        known = set(self._stepped)
+        held = [p for group in self.param_groups for p in group["params"]]
+        _check_new_params(
+            [p for p in held if id(p) not in known],
+            self.model_params,
+            [p for p in held if id(p) in known],
+            "param_groups",
+        )
+        for group in self.param_groups:
+            group["params"] = [p if id(p) in known else self._master_for(p) for p in group["params"]]
+        self._record()
+        self._stepped = self._group_ids()
 
     def _record(self) -> None:
         self._seen = [(p._version, p.data_ptr()) for p in self.model_params]
@@ -146,13 +188,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped so far because a gradient was inf/nan (0 for a scaler that does not count)."""
-        return int(getattr(self.scaler, "skipped_steps", 0))
+        """Steps skipped so far because a gradient was inf/nan (as the scaler counts them; 0 for a scaler
+        that does not count) or so large that its square would overflow the optimizer state (the guard)."""
+        guard = self._scaler_view.guard
+        return int(getattr(self.scaler, "skipped_steps", 0)) + (guard.skipped_steps if guard else 0)
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the latest ``step()`` was skipped: step LR schedulers only when it was not."""
-        return bool(getattr(self.scaler, "last_step_skipped", False))
+        guard = self._scaler_view.guard
+        return bool(getattr(self.scaler, "last_step_skipped", False)) or bool(
+            guard and guard.last_step_skipped
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale ``loss`` and run backward; ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``)."""
@@ -185,6 +232,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             raise ValueError(
                 "MixedPrecisionOptimizer.step does not take a closure; call backward(loss) first"
             )
+        self._follow_groups()
         self._follow_model()
         try:
             self._prepare_grads()
@@ -208,6 +256,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, fp32 masters (references, as torch does) and scaler state."""
+        self._follow_groups()
         self._follow_model()
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -230,3 +279,39 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         load_mixed_precision_state(self, state_dict)
         self._grads_ready = False
         self._record()
+
+
+def _check_new_params(
+    params: list[Any], model_params: list[torch.Tensor], held: list[torch.Tensor], where: str = "param_group"
+) -> None:
+    """Refuse what torch refuses (a param in two groups), counting a model param with a master as held."""
+    ids = [id(p) for p in held]
+    for param in params:
+        if not torch.is_tensor(param):
+            raise TypeError(f"{where}: optimizer params must be tensors, got {type(param).__name__}")
+        ids.append(id(param))
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            f"{where}: some parameters appear in more than one parameter group (or twice in one), "
+            "as torch.optim refuses; each parameter may be added once"
+        )
+    mastered = {id(p) for p in model_params}
+    for param in params:
+        if id(param) in mastered:
+            raise ValueError(
+                f"{where}: some parameters appear in more than one parameter group: a model parameter "
+                f"of shape {tuple(param.shape)} already has an fp32 master in this optimizer"
+            )
+
+
+def _guard_for(optimizer: Optimizer, scaler: Any) -> HugeGradientGuard | None:
+    """The huge-gradient guard of a wrapper, or None: without a scaler (``loss_scale=None``, as torch), and
+    for Kahan/stochastic updates (their own update pass checks the gradients)."""
+    from mixprec.master.compensated import CompensatedOptimizer
+
+    enabled = getattr(scaler, "is_enabled", None)
+    if callable(enabled) and not enabled():
+        return None
+    if isinstance(optimizer, CompensatedOptimizer):
+        return None if optimizer.method in ("kahan", "stochastic") else HugeGradientGuard(torch.float32)
+    return HugeGradientGuard()
