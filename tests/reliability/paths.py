@@ -90,4 +90,4 @@ def train_step(net: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, facto
     loss = (net(x).float() - y).pow(2).mean()
     opt.backward(loss * factor)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
