@@ -41,7 +41,7 @@ def policy_cases() -> list[Case]:
         for label, value, error in BAD_DTYPES:
             cases.append(
                 Case(
-                    f"Policy({field}={label})",
+                    f"every dtype field: Policy({field}={label})",
                     lambda _, f=field, v=value: mixprec.Policy(**{f: v}),
                     names=(field,),
                     raises=(error,),

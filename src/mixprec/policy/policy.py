@@ -66,7 +66,13 @@ def _module_value(value: object, key: object) -> torch.dtype | Policy:
     if isinstance(value, Policy):
         return value
     if isinstance(value, str) and value.strip().lower().removeprefix("torch.") not in _DTYPE_NAMES:
-        return Policy.parse(value)
+        try:
+            return Policy.parse(value)
+        except ValueError as error:
+            raise ValueError(
+                f"module override for {key!r}: {value!r} is neither a dtype name {sorted(_DTYPE_NAMES)} "
+                f"nor a policy ({error})"
+            ) from None
     if isinstance(value, (torch.dtype, str)):
         return _dtype(value, f"module override for {key!r}")
     raise TypeError(f"module override for {key!r} must be a dtype or a Policy, got {type(value).__name__}")
