@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .battery import Case
+from .cases_scaler_state import check_roundtrip
 from .paths import PATHS, Path, prepared, train_step
 
 OWNER = "master-edits"
@@ -78,6 +79,13 @@ def _path_cases(path: Path) -> list[Case]:
     def load(how: str) -> Any:
         return lambda c: c["opt"].load_state_dict(_other_layout(path, how))
 
+    def grown() -> dict[str, Any]:
+        ctx = prepared(path)
+        ctx["opt"].add_param_group({"params": [nn.Parameter(torch.ones(3, dtype=path.grad_dtype))]})
+        ctx["opt"].param_groups[0]["params"].append(nn.Parameter(torch.ones(2, dtype=path.grad_dtype)))
+        train_step(ctx["model"], ctx["opt"], ctx["x"], ctx["y"])
+        return ctx
+
     return [
         case("add_param_group(a param it holds)", add(lambda c: {"params": [_first_param(c)]}), DUPLICATE),
         case(
@@ -107,6 +115,14 @@ def _path_cases(path: Path) -> list[Case]:
         ),
         case("load_state_dict(of another width)", load("width"), ("param",)),
         case("load_state_dict(of the params in two groups)", load("groups"), ("param",)),
+        case(
+            "deepcopy/pickle after add_param_group and a hand edit",
+            lambda c: check_roundtrip(c["opt"], lambda o: o.state_dict()),
+            (),
+            setup=grown,
+            roundtrip=True,
+            isolate=True,
+        ),
     ]
 
 

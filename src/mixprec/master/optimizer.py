@@ -11,6 +11,7 @@ the optimizer step the masters. One iteration::
         master.grad <- fp32(param.grad)                  # exists during step() only
         scaler.unscale_(inner)                           # master.grad /= scale, found_inf recorded
         scaler.step(inner)                               # inner.step() on the masters unless found_inf
+                                                         # or a |g| whose square overflows the state
         scaler.update()                                  # back off after inf/nan, grow after a clean run
         param <- half(master)                            # one foreach copy (a no-op after a skipped step)
 
@@ -52,7 +53,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     The masters follow the model: when a model weight changes outside this optimizer (``load_state_dict``,
     an in-place edit under ``no_grad``, ``param.data = ...``), the elements that no longer equal their
     master's rounding are copied to the master before the next step or ``state_dict``. An in-place edit of
-    ``param.data`` bypasses the tensor's version counter; call :meth:`sync_masters` after one.
+    ``param.data`` bypasses the tensor's version counter; call :meth:`sync_masters` after one. The groups
+    may be edited as a torch optimizer's: a half-precision param given to :meth:`add_param_group`, or
+    appended to ``param_groups[i]["params"]`` by hand, gets its master at once or before the next step.
+
+    With a scaler, a step whose unscaled gradients hold a value whose square overflows the optimizer
+    state's dtype (``|g| > 1.8e19`` for fp32 state) is skipped and counted in :attr:`skipped_steps`, with a
+    ``RuntimeWarning`` (:mod:`mixprec.master.guard`); Kahan/stochastic inner updates are not guarded here.
 
     Args:
         optimizer: a torch optimizer built on the model's parameters.
@@ -85,17 +92,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._scaler_view = ScalerView(optimizer, _guard_for(optimizer, resolved))
         self._grads_ready = False
         self._seen: list[tuple[int, int]] = []
-        self._stepped: list[int] = []
+        self._stepped: list[torch.Tensor] = []  # what the groups held at the last adoption
         for group in optimizer.param_groups:
             self._adopt(group)
 
     def _adopt(self, group: dict[str, Any]) -> None:
         group["params"] = [self._master_for(p) for p in group["params"]]
         self._record()
-        self._stepped = self._group_ids()
+        self._stepped = self._held()
 
-    def _group_ids(self) -> list[int]:
-        return [id(p) for group in self.param_groups for p in group["params"]]
+    def _held(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _master_for(self, param: torch.Tensor) -> torch.Tensor:
         if not (self.master_weights and param.dtype in LOW_PRECISION_DTYPES):
@@ -125,7 +132,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._follow_groups()
         params = param_group["params"]
         params = [params] if torch.is_tensor(params) else list(params)
-        _check_new_params(params, self.model_params, self.param_groups)
+        _check_new_params(params, self.model_params, self._held())
         self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1])
 
@@ -136,10 +143,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             ValueError: a parameter is in two groups (or twice in one), or a model parameter that has a
                 master was put in beside it; nothing changes then.
         """
-        if self._group_ids() == self._stepped:
+        held = self._held()
+        if len(held) == len(self._stepped) and all(a is b for a, b in zip(held, self._stepped, strict=True)):
             return
-        known = set(self._stepped)
-        held = [p for group in self.param_groups for p in group["params"]]
+        known = {id(p) for p in self._stepped}
         _check_new_params(
             [p for p in held if id(p) not in known],
             self.model_params,
@@ -149,7 +156,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         for group in self.param_groups:
             group["params"] = [p if id(p) in known else self._master_for(p) for p in group["params"]]
         self._record()
-        self._stepped = self._group_ids()
+        self._stepped = self._held()
 
     def _record(self) -> None:
         self._seen = [(p._version, p.data_ptr()) for p in self.model_params]
