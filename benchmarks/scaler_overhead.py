@@ -32,6 +32,7 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
     "adam-fused": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
 }
 
 

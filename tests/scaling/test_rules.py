@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec.scaling import DynamicScale, HeadroomScale, NoScale, StaticScale
-from mixprec.scaling.dynamic import FLOAT32_TINY
+from mixprec.scaling.rules import FLOAT32_TINY
 
 from .helpers import f32, found, no_host_sync
 
