@@ -389,3 +389,35 @@ def test_cuda_lists_applied_on_cpu_tensors() -> None:
         assert F.binary_cross_entropy(torch.rand(4).bfloat16(), torch.rand(4).bfloat16()).dtype == FP32
     with mixprec.autocast("cuda"):  # banned only for tensors on the region's device
         F.binary_cross_entropy(torch.rand(4), torch.rand(4))
+
+
+@pytest.mark.parametrize("policy", [None, "p=f32,c=bf16,o=f32,fp32+=linear"])
+def test_region_exited_in_another_thread_says_so_and_changes_nothing(policy):
+    """torch's autocast state is per thread: a region handed to another thread to exit cannot restore it.
+    The exit raises a RuntimeError naming both threads, and both threads' states are as they were."""
+    region = mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy)
+    region.__enter__()
+    errors = []
+
+    def exit_elsewhere():
+        try:
+            region.__exit__(None, None, None)
+        except RuntimeError as error:
+            errors.append((str(error), torch.is_autocast_enabled("cpu"), mixprec.is_autocast_enabled("cpu")))
+
+    worker = threading.Thread(target=exit_elsewhere)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1
+    message, torch_on_there, mixprec_on_there = errors[0]
+    assert f"entered in thread {threading.get_ident()} and exited in thread" in message
+    assert "same thread" in message
+    assert not torch_on_there and not mixprec_on_there
+    assert torch.is_autocast_enabled("cpu") and mixprec.is_autocast_enabled("cpu")  # still open here
+    region.__exit__(None, None, None)  # the right thread closes it
+    assert not torch.is_autocast_enabled("cpu") and not mixprec.is_autocast_enabled("cpu")
+
+
+def test_region_exited_without_entry_says_so():
+    with pytest.raises(RuntimeError, match="exited without being entered"):
+        mixprec.autocast("cpu").__exit__(None, None, None)
