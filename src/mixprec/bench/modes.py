@@ -12,8 +12,6 @@ left out of the run with that message; they are picked up as soon as the part la
 from __future__ import annotations
 
 import contextlib
-import importlib
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,30 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# Where each public name lives until ``mixprec/__init__.py`` exports it.
-_COMPONENT_MODULES = {
-    "autocast": "mixprec.autocast",
-    "GradScaler": "mixprec.scaling",
-    "initialize": "mixprec.recipes",
-}
-
-
-class MissingComponent(RuntimeError):
-    """A mixprec component a mode needs cannot be imported."""
-
-
-def component(name: str) -> Any:
-    """``mixprec.<name>``, from the package's exports or, failing that, the module that defines it."""
-    import mixprec
-
-    found = getattr(mixprec, name, None)
-    if found is not None and not isinstance(found, types.ModuleType):
-        return found
-    try:
-        found = getattr(importlib.import_module(_COMPONENT_MODULES[name]), name)
-    except Exception as exc:  # a half-written module can fail with anything; report it, don't crash
-        raise MissingComponent(f"mixprec.{name} is not available ({type(exc).__name__}: {exc})") from exc
-    return found
+import mixprec
 
 
 class TrainMode:
@@ -93,10 +68,10 @@ class AutocastMode(TrainMode):
     def __init__(self, spec: ModeSpec, device_type: str) -> None:
         super().__init__(spec, device_type)
         autocast_name, scaler_name = spec.parts
-        self._autocast = component(autocast_name) if autocast_name != "torch" else torch.autocast
+        self._autocast = getattr(mixprec, autocast_name) if autocast_name != "torch" else torch.autocast
         self.scaler = None
         if spec.scaled:
-            scaler_cls = component(scaler_name) if scaler_name != "torch" else torch.amp.GradScaler
+            scaler_cls = getattr(mixprec, scaler_name) if scaler_name != "torch" else torch.amp.GradScaler
             self.scaler = scaler_cls(device_type)
         self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
 
@@ -131,7 +106,7 @@ class MasterWeightsMode(TrainMode):
 
     def __init__(self, spec: ModeSpec, device_type: str) -> None:
         super().__init__(spec, device_type)
-        self._initialize = component("initialize")
+        self._initialize = mixprec.initialize
         self._last_scale: float | None = None
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -187,8 +162,6 @@ class ModeSpec:
 
     def probe(self, device: str) -> None:
         """One training step on a tiny conv + linear model; raises whatever this mode raises here."""
-        for name in self.requires:
-            component(name)
         mode = self.create(torch.device(device).type)
         model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(64, 2)).to(device)
         mode.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -201,8 +174,6 @@ class ModeSpec:
         needs = ", ".join(f"mixprec.{name}" for name in self.requires)
         try:
             self.probe(device)
-        except MissingComponent as exc:
-            return f"needs {needs}: {exc}"
         except ImportError as exc:
             return f"needs {needs}: a part it imports is missing ({exc})"
         except Exception as exc:
@@ -301,5 +272,3 @@ DEFAULT_MODES: dict[str, tuple[str, ...]] = {
         "fp8-delayed",
     ),
 }
-
-from mixprec.bench import fp8_modes as _fp8_modes  # noqa: E402, F401  (registers fp8-dynamic, fp8-delayed)
