@@ -87,16 +87,17 @@ class DynamicScale(ScaleRule):
         min_scale: floor, in [smallest normal float32, float32 max]; None means the smallest normal float32
             (so the scale and its reciprocal stay finite, never 0).
         max_scale: cap, in the same range; None means none (growth still stops short of inf).
+        underflow_restart: the underflow recovery above; False gives torch's rule exactly, and lets a fused
+            optimizer's check pass run torch's own op (no amax to measure), at torch's cost.
         raise_at_min_scale: raise RuntimeError when a skipped step would back off from the floor
             (checked when the scaler has already synced for the skip decision, so never on fused steps).
 
     Raises:
         ValueError: for any argument outside the ranges above, or ``min_scale > max_scale``, or
             ``init_scale`` outside ``[min_scale, max_scale]``.
-        TypeError: for a ``raise_at_min_scale`` that is not a bool.
+        TypeError: for a ``underflow_restart`` or ``raise_at_min_scale`` that is not a bool.
     """
 
-    reads_amax: ClassVar[bool] = True  # amax == 0 is the underflow signal
     growth: ClassVar[str | None] = "interval"
 
     def __init__(
@@ -109,9 +110,11 @@ class DynamicScale(ScaleRule):
         hysteresis: int = DEFAULTS.hysteresis,
         min_scale: float | None = DEFAULTS.min_scale,
         max_scale: float | None = DEFAULTS.max_scale,
+        underflow_restart: bool = True,
         raise_at_min_scale: bool = False,
     ) -> None:
         super().__init__(init_scale)
+        self.underflow_restart = check_flag("underflow_restart", underflow_restart)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
@@ -156,6 +159,11 @@ class DynamicScale(ScaleRule):
         self._tracker_unchecked = True
 
     @property
+    def amax_use(self) -> str:  # type: ignore[override]
+        """``"when_free"``: amax == 0 is the underflow signal; ``"none"`` without ``underflow_restart``."""
+        return "when_free" if self.underflow_restart else "none"
+
+    @property
     def floor(self) -> float:
         """The effective minimum scale."""
         return FLOAT32_TINY if self.min_scale is None else self.min_scale
@@ -194,7 +202,7 @@ class DynamicScale(ScaleRule):
             torch.maximum(scale, found * self.floor, out=scale)  # the floor, where it backed off
         if self.max_scale is not None:  # the cap, where it grew (the tracker restarts only on growth)
             scale.copy_(torch.where(~found & (tracker == 0), scale.clamp_max(self.max_scale), scale))
-        if amax is not None:
+        if amax is not None and self.underflow_restart:
             restart = min(self.init_scale, self.max_scale or math.inf)
             underflow = (amax.to(scale.device) == 0) & ~found & (scale < restart)
             scale.masked_fill_(underflow, restart)
@@ -238,6 +246,7 @@ class DynamicScale(ScaleRule):
             "_hysteresis_tracker": self.get_hysteresis_left(),
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
+            "underflow_restart": self.underflow_restart,
             "raise_at_min_scale": self.raise_at_min_scale,
         }
 
@@ -259,6 +268,7 @@ class DynamicScale(ScaleRule):
             hysteresis_left=optional(state_dict, "_hysteresis_tracker", hysteresis, check_count, 0),
             min_scale=optional(state_dict, "min_scale", self.min_scale, _check_bound),
             max_scale=optional(state_dict, "max_scale", self.max_scale, _check_bound),
+            underflow_restart=optional(state_dict, "underflow_restart", self.underflow_restart, check_flag),
             raise_at_min_scale=optional(
                 state_dict, "raise_at_min_scale", self.raise_at_min_scale, check_flag
             ),
@@ -279,6 +289,7 @@ class DynamicScale(ScaleRule):
         self.hysteresis = values["hysteresis"]
         self.min_scale, self.max_scale = values["min_scale"], values["max_scale"]
         self.raise_at_min_scale = values["raise_at_min_scale"]
+        self.underflow_restart = values["underflow_restart"]
         self._init_growth_tracker = values["growth_tracker"]
         self._init_hysteresis_left = values["hysteresis_left"]
         self._tracker_unchecked = True

@@ -23,10 +23,6 @@ from mixprec.scaling.skip import RankSync, SkipMonitor
 
 __all__ = ["GradScaler", "GradScalerError", "OptState"]
 
-_NO_SCALE_YET = (
-    "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-)
-
 
 class OptState(Enum):
     """Where one optimizer is within the current iteration."""
@@ -167,7 +163,10 @@ class GradScaler:
 
     def _require_scale(self, funcname: str) -> torch.Tensor:
         if self.rule.scale is None:
-            raise GradScalerError(f"Attempted {funcname} but _scale is None.  " + _NO_SCALE_YET)
+            raise GradScalerError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+                "scaler.scale(loss or outputs) earlier in the iteration."
+            )
         return self.rule.scale
 
     def _record(self, optimizer: torch.optim.Optimizer) -> _Record:
@@ -213,9 +212,11 @@ class GradScaler:
         groups = kernels.collect_grads(kernels.params_of(optimizer), allow_fp16)
         # The reciprocal in float64 (where the device has it), as torch does: float32 division can be inexact.
         inv_scale = scale.to(kernels.wide_float(scale.device)).reciprocal().float()
+        use = self.rule.amax_use  # amax: in every pass, or free in a fused step's check (its only pass)
+        want_amax = use == "every_step" or (use == "when_free" and not unscale)
         unscale = unscale and not self.rule.is_identity
         record.found_inf, record.amax = kernels.check_and_unscale_(
-            groups, inv_scale, unscale, want_amax=self.rule.needs_amax
+            groups, inv_scale, unscale, None, want_amax
         )
 
     # -- step ------------------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ class GradScaler:
         across ranks, one collective per optimizer, and replaces the record's, so ``update()`` needs none.
         """
         found_inf = kernels.combine_max(record.found_inf.values(), device)
-        measured = self.rule.reads_amax and record.amax
+        measured = self.rule.amax_use != "none" and record.amax
         amax = kernels.combine_max(record.amax.values(), device) if measured else None
         found_inf, amax = self.rank_sync.max_across_ranks(found_inf, amax)
         record.found_inf = {device: found_inf}
@@ -300,7 +301,7 @@ class GradScaler:
         """Read found_inf on the host (the step's one sync), and the scale with it where the rule reads amax
         but torch's fused pass gave none: below 1 (only there can all gradients flush to zero) a clean step
         measures amax, agreed across ranks."""
-        if not (self.rule.reads_amax and not record.amax):
+        if self.rule.amax_use == "none" or record.amax:
             return bool(found_inf.item() != 0)
         found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
         if found == 0 and current < 1:
@@ -317,10 +318,8 @@ class GradScaler:
 
         Args:
             new_scale: set the scale to this instead: a float or int in [smallest normal float32, float32
-                max], or a 1-element tensor whose value is copied (not checked: that would sync).
-
-        An iteration that only calls ``update(new_scale)`` (no step, no unscale_) skipped nothing:
-        ``last_step_skipped`` is False after it.
+                max], or a 1-element tensor whose value is copied (not checked: that would sync). An
+                iteration that only calls ``update(new_scale)`` skipped nothing (``last_step_skipped``).
 
         Raises:
             GradScalerError: with no ``new_scale`` and no step/unscale_ in this iteration, or no scale() ever.
@@ -340,7 +339,7 @@ class GradScaler:
         if checked is not None:
             self.rule.set_scale(checked)
         else:
-            all_measured = self.rule.reads_amax and all(record.amax for record in records)
+            all_measured = self.rule.amax_use != "none" and all(record.amax for record in records)
             amax = (t for r in records for t in r.amax.values()) if all_measured else None
             self.rule.update(found_inf, None if amax is None else kernels.combine_max(amax, scale.device))
         if records:

@@ -47,14 +47,14 @@ class HeadroomScale(DynamicScale):
         format: the format the scaled gradients must fit (the backward's dtype): a
             :class:`mixprec.formats.Format`, dtype or name. Default fp16.
         margin: keep ``amax * scale * margin <= format.max``; >= 1. Default 32 (five doublings spare).
-        **dynamic: ``hysteresis``, ``min_scale``, ``max_scale``, ``raise_at_min_scale`` as in DynamicScale.
+        **dynamic: ``hysteresis``, ``min_scale``, ``max_scale``, ``underflow_restart``, ``raise_at_min_scale``
+            as in DynamicScale.
 
     Raises:
         ValueError: for a bad argument, naming it.
     """
 
-    needs_amax: ClassVar[bool] = True
-    reads_amax: ClassVar[bool] = True
+    amax_use = "every_step"  # type: ignore[assignment]
     growth: ClassVar[str | None] = "headroom"
 
     def __init__(

@@ -232,8 +232,9 @@ def check_and_unscale_(
         device was non-finite else 0.0; ``amax`` the largest ``|gradient| * inv_scale`` (non-finite with
         ``found_inf``); ``amax`` is empty when it was not measured.
     """
-    if kernel is None and unscale and not want_amax and TORCH_FUSED is not None:
-        return _torch_fused(groups, inv_scale), {}
+    if kernel is None and not want_amax and TORCH_FUSED is not None:
+        # torch's check runs a multiply; a check-only pass multiplies by 1, as torch.amp.GradScaler does
+        return _torch_fused(groups, inv_scale if unscale else torch.ones_like(inv_scale)), {}
     found_inf: DeviceResults = {}
     amax: DeviceResults = {}
     for device, per_dtype in groups.items():
@@ -274,7 +275,7 @@ def combine_max(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.
 # -- the scale update -----------------------------------------------------------------------------------
 
 # Device types where torch's ``_amp_update_scale_`` has no kernel (found at the first call): the same rule
-# then runs as tensor ops, which give the same bits (tests/scaling/test_kernels.py).
+# then runs as tensor ops, which give the same bits (tests/scaling/test_devices.py).
 _WITHOUT_UPDATE_OP: set[str] = set()
 
 
@@ -299,35 +300,32 @@ def update_scale_(
 
     Each product is computed in float64 and rounded once to float32, as in torch's kernels.
     """
+    args = (scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
     if scale.device.type not in _WITHOUT_UPDATE_OP:
         try:
-            torch._amp_update_scale_(
-                scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
-            )
+            torch._amp_update_scale_(*args)
             return
         except NotImplementedError:
             _WITHOUT_UPDATE_OP.add(scale.device.type)
-    update_scale_with_tensor_ops_(
-        scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
-    )
+    update_scale_with_tensor_ops_(*args)
 
 
 def update_scale_with_tensor_ops_(
     scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
+    tracker: torch.Tensor,
     found_inf: torch.Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
+    growth: float,
+    backoff: float,
+    interval: int,
 ) -> None:
     """:func:`update_scale_` written with public tensor ops, for devices without torch's kernel."""
     found = found_inf != 0
-    successful = (growth_tracker + 1) * ~found
-    grow = successful == growth_interval
-    grown = times(scale, growth_factor)
+    successful = (tracker + 1) * ~found
+    grow = successful == interval
+    grown = times(scale, growth)
     grown = torch.where(torch.isfinite(grown), grown, scale)
-    scale.copy_(torch.where(found, times(scale, backoff_factor), torch.where(grow, grown, scale)))
-    growth_tracker.copy_(successful.masked_fill_(grow, 0))
+    scale.copy_(torch.where(found, times(scale, backoff), torch.where(grow, grown, scale)))
+    tracker.copy_(successful.masked_fill_(grow, 0))
 
 
 def times(scale: torch.Tensor, factor: float) -> torch.Tensor:

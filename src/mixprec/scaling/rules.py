@@ -175,14 +175,14 @@ class ScaleRule:
         init_scale: the scale before the first update; a finite number > 0.
 
     Attributes:
-        needs_amax: whether :meth:`update` needs ``amax`` every step (the scaler then checks the gradients
-            with its own public-op kernel, which yields amax in the same pass).
-        reads_amax: whether :meth:`update` uses ``amax`` when it is given (it may be None).
+        amax_use: what :meth:`update` does with ``amax``, the largest ``|unscaled gradient|``: ``"none"``
+            (never reads it), ``"when_free"`` (reads it where the scaler measures it without an extra sync:
+            fused optimizers' check pass, a step whose scale is below 1; None elsewhere) or ``"every_step"``
+            (the scaler measures it in every gradient pass, with its own public-op kernel).
         is_identity: whether the scale is always exactly 1, so unscaling can skip the multiply.
     """
 
-    needs_amax: ClassVar[bool] = False
-    reads_amax: ClassVar[bool] = False
+    amax_use: str = "none"
     is_identity: ClassVar[bool] = False
     growth: ClassVar[str | None] = None  # the name GradScaler(growth=...) builds this rule by, if any
 
@@ -236,8 +236,8 @@ class ScaleRule:
         Args:
             found_inf: float32 0-dim tensor on the scale's device, > 0 if any gradient was non-finite.
             amax: float32 0-dim tensor, the largest ``|gradient|`` after unscaling (non-finite when
-                ``found_inf``), or None where the scaler did not measure it; only rules with ``reads_amax``
-                read it.
+                ``found_inf``), or None where the scaler did not measure it; only rules whose ``amax_use``
+                is not ``"none"`` read it.
         """
 
     def after_skip(self) -> None:
