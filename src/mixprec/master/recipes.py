@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from mixprec import formats
+from mixprec._tree import map_tensors
 from mixprec.master.casting import cast_model, cast_with_undo
 from mixprec.master.compensated import CompensatedOptimizer
 from mixprec.master.optimizer import MixedPrecisionOptimizer
@@ -167,14 +168,8 @@ def _check_optimizer_owns(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with floating tensors (in tuples, lists and dicts too) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
+    """``value`` with floating tensors (in tuples, namedtuples, lists and dicts too) cast to ``dtype``."""
+    return map_tensors(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
 
 class PrecisionForward:
