@@ -13,19 +13,9 @@ import torch
 
 from mixprec.autocast import pins
 from mixprec.autocast.engine import _DeviationMode, _Frame, _state
-from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family
+from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family, check_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
-
-
-def _check_policy(policy: object) -> Policy | None:
-    if isinstance(policy, str):
-        return Policy.parse(policy)
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(
-            f"policy must be a Policy, a preset name or a policy string, got {type(policy).__name__}"
-        )
-    return policy
 
 
 def _settings(
@@ -41,7 +31,7 @@ def _settings(
             f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}: {cache_enabled!r}"
         )
     family = _family(device_type)
-    policy = _check_policy(policy)
+    policy = check_policy(policy)
     if not enabled:
         return family, False, policy or Policy(device_type=family), None
     if policy is None:

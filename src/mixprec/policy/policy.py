@@ -56,6 +56,7 @@ __all__ = [
     "Policy",
     "ResolvedPolicy",
     "canonical_op",
+    "check_policy",
     "known_op_names",
 ]
 
@@ -318,3 +319,22 @@ class Policy:
             if names:
                 parts.append(f"{category}+={'|'.join(names)}")
         return ",".join(parts)
+
+
+def check_policy(policy: object) -> Policy | None:
+    """``policy`` as a :class:`Policy`: a Policy or None as it is, a preset name or policy string parsed.
+
+    The one check for every public ``policy=`` argument (``mixprec.autocast``, the trainer integrations).
+
+    Raises:
+        TypeError: for anything but a Policy, a str or None, naming its type.
+        ValueError: for a string :meth:`Policy.parse` refuses (an unknown preset or op, a bad dtype).
+    """
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return Policy.parse(policy)
+    raise TypeError(
+        "policy must be a mixprec.Policy, a preset name, a policy string or None, got "
+        f"{type(policy).__name__}: {policy!r:.80}"
+    )
