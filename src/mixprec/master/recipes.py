@@ -90,7 +90,7 @@ PRESETS: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
     "bf16-true": ("O3", torch.bfloat16, {}),
 }
 
-DEFAULT_DTYPE: dict[str, torch.dtype] = {"cuda": torch.float16}  # any other device: bfloat16
+DEFAULT_HALF_DTYPE: dict[str, torch.dtype] = {"cuda": torch.float16}  # any other device: bfloat16
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _WEIGHT_UPDATES = ("nearest", "kahan", "stochastic")
 OVERRIDES = ("keep_batchnorm_fp32", "master_weights", "loss_scale", "min_loss_scale", "max_loss_scale",
@@ -127,7 +127,9 @@ def resolve_level(
         raise TypeError(f"unknown override(s) {unknown}{hint}; accepted: {list(OVERRIDES)}")
     level = dataclasses.replace(OPT_LEVELS[opt_level], **overrides)
     _check(level, opt_level, overrides)
-    half = formats.get(dtype).dtype if dtype is not None else DEFAULT_DTYPE.get(device_type, torch.bfloat16)
+    half = (
+        formats.get(dtype).dtype if dtype is not None else DEFAULT_HALF_DTYPE.get(device_type, torch.bfloat16)
+    )
     if half not in _HALF_DTYPES:
         raise ValueError(
             f"dtype must be a half-precision type, got {dtype!r}; accepted: {list(_HALF_DTYPES)}"

@@ -31,7 +31,7 @@ from mixprec.policy.names import (
     BANNED,
     DEFAULT_DTYPES,
     PASSTHROUGH,
-    PRESETS,
+    POLICY_PRESETS,
     SUPPORTED_DTYPES,
     ModuleKey,
     OpKey,
@@ -51,7 +51,7 @@ __all__ = [
     "BANNED",
     "DEFAULT_DTYPES",
     "PASSTHROUGH",
-    "PRESETS",
+    "POLICY_PRESETS",
     "SUPPORTED_DTYPES",
     "Policy",
     "ResolvedPolicy",
@@ -165,7 +165,9 @@ class Policy:
             return cls(compute_dtype=torch.float16, device_type=family)
         if key == "conservative":
             return cls(device_type=family).with_ops(fp32=_CONSERVATIVE_FP32)
-        raise ValueError(f"unknown policy preset {name!r}{_suggest(key, PRESETS)}; accepted: {list(PRESETS)}")
+        raise ValueError(
+            f"unknown policy preset {name!r}{_suggest(key, POLICY_PRESETS)}; accepted: {list(POLICY_PRESETS)}"
+        )
 
     @classmethod
     def parse(cls, spec: str, device_type: str | None = None) -> Policy:
