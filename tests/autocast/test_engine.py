@@ -76,7 +76,7 @@ def test_weight_cast_is_cached_for_the_region_and_dropped_on_exit(lin: nn.Linear
 
 
 def test_cache_disabled_casts_every_time(lin: nn.Linear, x: torch.Tensor) -> None:
-    from mixprec.autocast import _state
+    from mixprec.autocast.engine import _state
 
     with mixprec.autocast("cpu", cache_enabled=False):
         lin(x)
@@ -187,7 +187,7 @@ def test_exception_inside_region_restores_state(lin: nn.Linear, x: torch.Tensor)
         lin(x)
         1 / 0  # noqa: B018
     assert lin(x).dtype == FP32
-    from mixprec.autocast import _state
+    from mixprec.autocast.engine import _state
 
     assert not _state.frames and _state.mode is None and not _state.cache
 
@@ -287,10 +287,19 @@ def test_module_override_by_class_and_by_policy(x: torch.Tensor) -> None:
     pinned = Policy.for_device("cpu").with_modules({nn.Linear: torch.float32})
     with mixprec.autocast("cpu", policy=pinned):
         assert net(x).dtype == FP32
-    # hooks are only installed while a region with overrides is active
-    from mixprec.autocast.pins import _global_handles as _hooks
+    # the global hooks are only installed while a region with overrides is active; the pinned modules'
+    # hooks are listed, and disarm() removes them
+    from mixprec.autocast.pins import HOOKS
 
-    assert not _hooks
+    assert not HOOKS.root_handles and HOOKS.users == 0
+    hooked = [m for m in net.modules() if m._forward_pre_hooks]
+    assert hooked and all(m in HOOKS.armed for m in hooked)
+    with mixprec.autocast("cpu", policy=pinned), pytest.raises(RuntimeError, match="1 region"):
+        HOOKS.disarm()
+    HOOKS.disarm()
+    assert len(HOOKS.armed) == 0 and not any(m._forward_pre_hooks or m._forward_hooks for m in net.modules())
+    with mixprec.autocast("cpu", policy=pinned):
+        assert net(x).dtype == FP32  # armed again on the next run
 
 
 def test_module_override_output_dtype(x: torch.Tensor) -> None:

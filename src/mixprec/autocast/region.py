@@ -176,9 +176,9 @@ class autocast(torch.amp.autocast_mode.autocast):
             frame.saved_rules = mode.rules
             mode.set_rules(rules)
         if rules is not None and rules.policy.module_overrides:
-            pins.acquire()
+            pins.HOOKS.acquire()
             frame.holds_pins = True
-        pins.watch_optimizers()
+        pins.HOOKS.watch_optimizers()
         return self
 
     def __exit__(self, *exc: object) -> None:  # type: ignore[override]
@@ -191,7 +191,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         elif mode is not None:
             mode.set_rules(frame.saved_rules)
         if frame.holds_pins:
-            pins.release()
+            pins.HOOKS.release()
         if not _state.frames:
             _state.cache.clear()
             _state.names.clear()
