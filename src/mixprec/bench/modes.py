@@ -4,9 +4,8 @@ A mode is prepared once with the workload's fp32 ``(model, optimizer)``, then ``
 user's loop does in that recipe (forward under its autocast, loss, backward, optimizer step, loss scaling),
 and ``observe`` reports the loss scale and whether the step was skipped, outside the timed region.
 
-Modes built on parts of mixprec that are not importable in this build (``mixprec.autocast``,
-``mixprec.GradScaler``, ``mixprec.initialize``) report what is missing through ``unavailable()`` and are
-left out of the run with that message; they are picked up as soon as the part lands.
+A mode whose probe step fails on a device (a kernel this torch build lacks there, a missing optional
+dependency) says why through ``unavailable()`` and is left out of the run with that message.
 """
 
 from __future__ import annotations
