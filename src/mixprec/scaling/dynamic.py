@@ -196,7 +196,7 @@ class DynamicScale(ScaleRule):
         if before is not None:  # Megatron/DeepSpeed hysteresis: back off only once the tolerance is used up
             left_after = (left - found.int()).clamp_min_(0)
             tolerated = found & (left_after > 0)
-            scale.copy_(torch.where(tolerated, before, scale.clamp_min(self.floor)))
+            scale.copy_(torch.where(tolerated, before, torch.maximum(scale, found * self.floor)))
             left.copy_(left_after.masked_fill_(~found & (tracker == 0), self.hysteresis))
         else:
             torch.maximum(scale, found * self.floor, out=scale)  # the floor, where it backed off
