@@ -47,3 +47,12 @@ def test_strict_maps_other_iterables_lazily_and_refuses_other_leaves():
     assert map_tensors([torch.ones(1), 5], double)[1] == 5  # not strict: leaves pass through
     with pytest.raises(ValueError, match="got int: 5"):
         map_tensors([torch.ones(1), 5], double, strict=True)
+
+
+def test_a_dict_type_that_refuses_update_is_mapped_item_by_item():
+    class Output(OrderedDict):  # as transformers' ModelOutput
+        def update(self, *args, **kwargs):
+            raise RuntimeError("no update")
+
+    out = map_tensors(Output(loss=torch.ones(())), double)
+    assert type(out) is Output and out["loss"].item() == 2.0

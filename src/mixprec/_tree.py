@@ -54,7 +54,8 @@ def map_tensors(
         if all(mapped[key] is item for key, item in value.items()):
             return value
         result = copy.copy(value)
-        result.update(mapped)
+        for key, item in mapped.items():  # item by item: some dict types refuse update() (HF ModelOutput)
+            result[key] = item
         return result
     if isinstance(value, (list, tuple)):
         items = [walk(item) for item in value]
