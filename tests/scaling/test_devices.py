@@ -123,3 +123,27 @@ def test_a_device_without_torchs_update_op_falls_back_to_tensor_ops(monkeypatch)
         theirs.unscale_(optimizer)
         theirs.update()
     assert ours.get_scale() == theirs.get_scale() == 2.0**19
+
+
+def test_a_device_without_torchs_check_op_unscales_with_public_ops(monkeypatch):
+    """Where ``_amp_foreach_non_finite_check_and_unscale_`` has no kernel, unscale_ gives torch's values."""
+
+    def missing(*args):
+        raise NotImplementedError("Could not run '_amp_foreach_non_finite_check_and_unscale_' here")
+
+    grads = [torch.tensor([3.0, -(2.0**-20), 0.0]), torch.tensor([math.inf, 1.0])]
+    results = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(kernels, "TORCH_FUSED", missing)
+            monkeypatch.setattr(kernels, "_WITHOUT_CHECK_OP", set())
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        scaler = mixprec.GradScaler(init_scale=3.0)
+        scaler.scale(torch.ones(()))
+        scaler.unscale_(torch.optim.SGD(params, lr=0.1))
+        results.append([p.grad for p in params])
+    assert kernels._WITHOUT_CHECK_OP == {"cpu"}
+    for ours, theirs in zip(*results, strict=True):
+        assert bits_equal(ours, theirs)

@@ -12,9 +12,10 @@ Two kernels give the same results; the choice is per device type, as data:
 - ``_foreach_norm(inf)`` then ``_foreach_mul_``: a couple of multi-tensor launches on accelerators.
 
 Two passes read every gradient; torch's own ``torch._amp_foreach_non_finite_check_and_unscale_`` (what
-torch.amp.GradScaler runs) checks and multiplies in one. Decision: when the rule needs no amax, unscaling
-runs that op (:func:`_torch_fused`); the public-op kernels above serve everything else (check-only passes for
-fused optimizers, amax for HeadroomScale) and any torch build without it. Why, given the project's rule of
+torch.amp.GradScaler runs) checks and multiplies in one. Decision: a pass that measures no amax runs that op
+(:func:`_torch_fused`; a check-only pass multiplies by 1, as torch's does); the public-op kernels above serve
+the passes that measure amax (a fused optimizer's check under the default rule, HeadroomScale) and devices
+or torch builds without the op. Why, given the project's rule of
 building on torch's public ops and dispatcher: it *is* a dispatcher op (``torch.ops.aten``, with CPU, CUDA
 and MPS kernels, which torch.amp and FSDP's ShardedGradScaler call), its results are torch's bit for bit by
 construction, and no public op can do a check and a multiply in one pass. Measured on 200 tensors / 8M fp32
@@ -248,6 +249,11 @@ def check_and_unscale_(
     return found_inf, amax
 
 
+# Device types without a kernel for torch's check op (found at the first call); their passes run the
+# public-op kernels, which give the same found_inf and unscaled values.
+_WITHOUT_CHECK_OP: set[str] = set()
+
+
 def _torch_fused(groups: GradGroups, inv_scale: torch.Tensor) -> DeviceResults:
     """torch's ``_amp_foreach_non_finite_check_and_unscale_``, one call per device and dtype."""
     assert TORCH_FUSED is not None
@@ -255,8 +261,15 @@ def _torch_fused(groups: GradGroups, inv_scale: torch.Tensor) -> DeviceResults:
     for device, per_dtype in groups.items():
         device_inv = inv_scale.to(device, non_blocking=True)
         found = torch.zeros((), dtype=torch.float32, device=device)
-        for grads in per_dtype.values():
-            TORCH_FUSED(grads, found, device_inv)
+        try:
+            if device.type in _WITHOUT_CHECK_OP:
+                raise NotImplementedError(device.type)
+            for grads in per_dtype.values():  # the dispatcher refuses before touching any gradient
+                TORCH_FUSED(grads, found, device_inv)
+        except NotImplementedError:
+            _WITHOUT_CHECK_OP.add(device.type)
+            kernel = KERNELS.get(device.type, foreach_kernel)
+            found = check_and_unscale_({device: per_dtype}, device_inv, True, kernel)[0][device]
         found_inf[device] = found
     return found_inf
 
