@@ -99,16 +99,31 @@ def scaler_metrics(scaler: GradScaler) -> dict[str, float]:
     return {"loss_scale": float(scaler.get_scale()), "skipped_steps": float(scaler.skipped_steps)}
 
 
-def loss_of(output: Any) -> torch.Tensor:
+def loss_of(output: Any) -> torch.Tensor | None:
     """The loss inside a model's or training step's output: the tensor itself, ``output["loss"]``,
-    ``output.loss`` or ``output[0]``."""
-    if isinstance(output, torch.Tensor):
+    ``output.loss`` or ``output[0]``; None when there is none (a manual-optimization step returning None
+    or a dict without ``"loss"``)."""
+    if output is None or isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
+    if isinstance(output, dict):
+        return output.get("loss")
     if getattr(output, "loss", None) is not None:
         return output.loss
-    return output[0]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def nonfinite_grads(named_params: Any, limit: int = 5) -> list[str]:
+    """Names of the first ``limit`` parameters whose ``.grad`` holds inf/nan (one host sync each; called
+    only after a step was skipped)."""
+    found = []
+    for name, param in named_params:
+        if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+            found.append(name)
+            if len(found) == limit:
+                break
+    return found
 
 
 class Diagnoser:
@@ -148,40 +163,55 @@ class Diagnoser:
         scale: float = 1.0,
         rename: Callable[[str], str] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        window: list[Any] | None = None,
     ) -> str:
         """Run find_nonfinite on ``model(inputs)`` (loss from :func:`loss_of`, times ``scale``); log and keep
         the sentence.
 
         Args:
             model: what to call on ``inputs`` (a tensor, a tuple of positional args or a dict of kwargs).
-            step: the global step, for the sentence.
+            step: the framework's global step after that step (1-based: the n-th step is ``step n``).
             reason: what happened ("skipped its optimizer step", "gave a non-finite loss").
             region: the mixprec.autocast the step ran under (its device type, dtype and policy are reused).
             scale: the loss scale at that step.
             loss_fn: ``loss_fn(output) -> loss`` instead of :func:`loss_of`.
             rename: maps the report's module name (e.g. strips a wrapper's prefix).
+            window: every micro-batch of a gradient accumulation, in order (``inputs`` is then ignored):
+                each is re-run until one reports, and the sentence names it.
         """
         from mixprec.inspect import find_nonfinite  # only a diagnosis pays for importing inspect
 
         get_loss = loss_of if loss_fn is None else loss_fn
-        report = find_nonfinite(
-            model,
-            inputs,
-            loss_fn=lambda output: get_loss(output).float() * scale,
-            dtype=region.fast_dtype,
-            device_type=region.device_type,
-            policy=region.policy,
-        )
+        batches = [inputs] if not window else list(window)
+        report, where_found = None, 0
+        for where_found, batch in enumerate(batches):  # noqa: B007 - the index of the batch that reported
+            report = find_nonfinite(
+                model,
+                batch,
+                loss_fn=lambda output: get_loss(output).float() * scale,
+                dtype=region.fast_dtype,
+                device_type=region.device_type,
+                policy=region.policy,
+            )
+            if report is not None:
+                break
         if report is not None and rename is not None:
             report = dataclasses.replace(report, module=rename(report.module))
+        where = "that batch" if len(batches) == 1 else f"the {len(batches)} micro-batches of that step"
         if report is None:
             found = (
-                f"every value stayed finite when find_nonfinite re-ran that batch at loss scale {scale:g}, "
+                f"every value stayed finite when find_nonfinite re-ran {where} at loss scale {scale:g}, "
                 "so the inf/nan did not come from this batch's forward or backward alone (look at the data "
-                "pipeline, gradient accumulation or the optimizer)"
+                "pipeline or the optimizer)"
             )
         else:
             found = str(report)
+            if len(batches) > 1:
+                found = f"In micro-batch {where_found + 1} of {len(batches)}: {found}"
+        return self.note(step, reason, found)
+
+    def note(self, step: int, reason: str, found: str) -> str:
+        """Log and keep ``"mixprec: step {step} {reason}. {found}"`` (a diagnosis made without a re-run)."""
         sentence = f"mixprec: step {step} {reason}. {found}"
         logger.warning(sentence)
         self.diagnoses.append(sentence)

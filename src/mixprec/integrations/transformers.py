@@ -33,6 +33,7 @@ re-runs that batch and the sentence is logged (logger ``"mixprec.integrations"``
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -52,6 +53,10 @@ from mixprec.scaling import GradScaler
 
 __all__ = ["MixprecTrainer"]
 
+# transformers 4.x names scaler.pt but neither saves nor loads it; 5.x does both (_save_scaler, _load_scaler).
+_TRAINER_KEEPS_SCALER = hasattr(transformers.Trainer, "_save_scaler")
+_SCALER_FILE = "scaler.pt"
+
 
 class _AfterStep(transformers.TrainerCallback):
     """Tells Accelerate the truth about a skipped step, and runs the pending diagnosis after the step."""
@@ -64,6 +69,16 @@ class _AfterStep(transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._diagnose_pending_step()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        scaler = self.trainer.mixprec_scaler
+        if scaler is None or _TRAINER_KEEPS_SCALER or not args.should_save:
+            return
+        folder = os.path.join(
+            args.output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        )
+        if os.path.isdir(folder):
+            torch.save(scaler.state_dict(), os.path.join(folder, _SCALER_FILE))
 
 
 class MixprecTrainer(transformers.Trainer):
@@ -116,13 +131,29 @@ class MixprecTrainer(transformers.Trainer):
         """A new :class:`mixprec.autocast` with this trainer's device, dtype and policy."""
         return autocast(self.args.device.type, dtype=self._mixprec_dtype, policy=self._mixprec_policy)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; on transformers 4.x, which keeps no scaler in checkpoints, the scaler is
+        restored from the ``scaler.pt`` this trainer wrote there (a checkpoint without one leaves it as is).
+        """
+        if resume_from_checkpoint and self.mixprec_scaler is not None and not _TRAINER_KEEPS_SCALER:
+            folder = resume_from_checkpoint
+            if folder is True:
+                folder = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+            path = os.path.join(str(folder), _SCALER_FILE)
+            if os.path.isfile(path):
+                self.mixprec_scaler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if self.mixprec_scaler is not None:
             self.accelerator.scaler = self.mixprec_scaler
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
-        stack = super().compute_loss_context_manager()
+        """The Trainer's own context (an ExitStack in 5.x; torch.autocast or a nullcontext in 4.x), then
+        the mixprec region inside it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().compute_loss_context_manager())
         stack.enter_context(self.mixprec_region())
         return stack
 
