@@ -127,6 +127,11 @@ class MixprecPrecision(Precision):
             yield
 
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if not isinstance(module, pl.LightningModule) or module._trainer is None:  # Fabric calls it too
+            raise TypeError(
+                "mixprec.integrations.lightning.MixprecPrecision is the plugin for lightning.pytorch's "
+                "Trainer; for lightning.fabric.Fabric use mixprec.integrations.fabric.MixprecPrecision"
+            )
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
