@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.autocast.checkpoint import autocast_context_fn
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -92,6 +94,76 @@ def settings(
     if scaler is None and dtype == torch.float16:
         scaler = GradScaler()
     return policy, dtype, scaler
+
+
+def checkpoint_in_region(
+    model: nn.Module, policy: Policy | None, device_type: str, *, reentrant_is_ours: bool = False
+) -> int:
+    """Make a Hugging Face model's gradient checkpointing recompute under the mixprec region.
+
+    torch's checkpoint replays torch's autocast state only; a policy that pins modules or edits ops
+    would recompute in other dtypes ("Recomputed values ... have different metadata"). Every module that
+    HF's ``gradient_checkpointing_enable`` armed (``gradient_checkpointing`` True and a
+    ``_gradient_checkpointing_func``) gets that function called with ``use_reentrant=False`` and
+    ``context_fn=mixprec.autocast_context_fn``; one log line says so. Nothing changes for a policy
+    without pins or edits, or where the user gave a ``context_fn`` of their own.
+
+    Args:
+        model: the model (any nn.Module; only HF-armed submodules are touched).
+        policy: the integration's policy.
+        device_type: the region's device type.
+        reentrant_is_ours: the reentrant variant was the framework's default, not the user's choice
+            (transformers 4.x defaults to it): switch it to non-reentrant instead of refusing it.
+
+    Returns:
+        How many modules now checkpoint under the region.
+
+    Raises:
+        ValueError: when checkpointing was enabled with ``use_reentrant=True`` by the user (the reentrant
+            variant has no hook to replay the region); the message names the fix.
+    """
+    if policy is None or not (policy.module_overrides or policy.resolve(device_type).deviations):
+        return 0
+    armed = [
+        module
+        for module in model.modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+        and callable(getattr(module, "_gradient_checkpointing_func", None))
+    ]
+    rewired = 0
+    for module in armed:
+        original = module._gradient_checkpointing_func
+        keywords = getattr(original, "keywords", {})
+        if getattr(original, "_mixprec_region", False) or keywords.get("context_fn") is not None:
+            continue
+        if keywords.get("use_reentrant", False) and not reentrant_is_ours:
+            raise ValueError(
+                f"{type(module).__name__} checkpoints with use_reentrant=True, which cannot replay the "
+                "mixprec "
+                "region a pinned or edited policy needs on recompute; enable it with "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False, "
+                "'context_fn': mixprec.autocast_context_fn}), or leave use_reentrant unset"
+            )
+        module._gradient_checkpointing_func = _in_region(original)
+        rewired += 1
+    if rewired:
+        logger.info(
+            "mixprec: gradient checkpointing of %d module(s) recomputes under the mixprec region "
+            "(use_reentrant=False, context_fn=mixprec.autocast_context_fn), since the policy pins modules "
+            "or edits ops",
+            rewired,
+        )
+    return rewired
+
+
+def _in_region(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs.update(use_reentrant=False, context_fn=autocast_context_fn)
+        return original(function, *args, **kwargs)
+
+    checkpoint._mixprec_region = True  # type: ignore[attr-defined]
+    return checkpoint
 
 
 def scaler_metrics(scaler: GradScaler) -> dict[str, float]:

@@ -40,6 +40,7 @@ from mixprec.integrations._common import (
     Diagnoser,
     check_policy,
     check_scaler,
+    checkpoint_in_region,
     loss_of,
     nonfinite_grads,
     region_dtype,
@@ -114,10 +115,13 @@ class MixprecPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
-        """Take the autocast device from the (already placed) model if none was given."""
+        """Take the autocast device from the (already placed) model if none was given; make an HF model's
+        gradient checkpointing recompute under the region when the policy pins or edits (ValueError for
+        a reentrant one, see :func:`~mixprec.integrations._common.checkpoint_in_region`)."""
         if self.device is None:
             first = next(model.parameters(), None)
             self.device = "cpu" if first is None else first.device.type
+        checkpoint_in_region(model, self.policy, self.device)
         return super().connect(model, optimizers, lr_schedulers)
 
     @contextlib.contextmanager

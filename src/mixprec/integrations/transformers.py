@@ -47,7 +47,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from mixprec import autocast
-from mixprec.integrations._common import Diagnoser, scaler_metrics, settings
+from mixprec.integrations._common import Diagnoser, checkpoint_in_region, scaler_metrics, settings
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -63,6 +63,18 @@ class _AfterStep(transformers.TrainerCallback):
 
     def __init__(self, trainer: MixprecTrainer) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        # the Trainer enabled it (activation_checkpointing in 5.x) and the user gave no use_reentrant
+        enabled = getattr(args, "activation_checkpointing", None) or getattr(
+            args, "gradient_checkpointing", False
+        )
+        user_kwargs = getattr(args, "activation_checkpointing_kwargs", None)
+        user_kwargs = user_kwargs or getattr(args, "gradient_checkpointing_kwargs", None) or {}
+        ours = bool(enabled) and "use_reentrant" not in user_kwargs
+        model = kwargs.get("model") or trainer.model
+        checkpoint_in_region(model, trainer._mixprec_policy, args.device.type, reentrant_is_ours=ours)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._report_skip()
@@ -118,7 +130,8 @@ class MixprecTrainer(transformers.Trainer):
         )
         self._mixprec_policy, self._mixprec_dtype = policy, dtype
         self._diagnoser = Diagnoser(max_diagnoses)
-        self._pending: tuple[nn.Module, Any, str, torch.Tensor | None] | None = None
+        self._pending: tuple[nn.Module, list[Any], str, torch.Tensor | None] | None = None
+        self._window: list[Any] = []  # the micro-batches of the accumulation in progress
         super().__init__(*args, **kwargs)
         autocast(self.args.device.type, dtype=dtype, policy=policy)  # validates device and dtype now
         self.add_callback(_AfterStep(self))
@@ -165,11 +178,14 @@ class MixprecTrainer(transformers.Trainer):
         scale = None if scaler is None or scaler.rule.scale is None else scaler.rule.scale.detach().clone()
         if scaler is not None and self.accelerator.sync_gradients and not self._accelerate_unscales():
             scaler.unscale_(_inner_optimizer(self.optimizer))  # before the Trainer clips / measures grads
+        window = [*self._window, inputs]
+        self._window = [] if self.accelerator.sync_gradients else window
         if self._diagnoser.wanted and self._pending is None:
             if not bool(torch.isfinite(loss).all()):
-                self._pending = (model, inputs, "gave a non-finite loss", scale)
+                self._pending = (model, [inputs], "gave a non-finite loss", scale)
             elif scaler is not None and self.accelerator.sync_gradients:
-                self._pending = (model, inputs, "", scale)  # decided after the step: skipped or not
+                # decided after the step, skipped or not; every micro-batch, the one that overflowed found
+                self._pending = (model, window, "", scale)
         return loss
 
     def _report_skip(self) -> None:
@@ -192,14 +208,15 @@ class MixprecTrainer(transformers.Trainer):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        model, inputs, reason, scale = pending
+        model, window, reason, scale = pending
         if not reason:
             if not self.accelerator.optimizer_step_was_skipped:
                 return
             reason = "skipped its optimizer step"
         self._diagnoser.run(
             model,
-            inputs,
+            window[-1],
+            window=window,
             step=self.state.global_step,
             reason=reason,
             region=self.mixprec_region(),
