@@ -1,4 +1,4 @@
-"""The three integration examples (the README's) run and print what they promise."""
+"""The four integration examples (the README's) run and print what they promise."""
 
 from __future__ import annotations
 
@@ -60,3 +60,13 @@ def test_accelerate_example() -> None:
     assert "skipped_steps 1, loss_scale 65536" in out
     assert "scheduler steps 39 of 40" in out
     assert "diagnosis: mixprec: step 11 skipped its optimizer step." in out
+
+
+def test_fabric_example() -> None:
+    pytest.importorskip("lightning")
+    out = run_example("fabric_mixprec.py")
+    before, after = losses(out)
+    assert after < 0.7 * before
+    assert "loss_scale 65536, skipped_steps 1" in out  # hysteresis=2 held the scale
+    assert "module 0 matmuls ran in torch.float16\n" in out
+    assert "module 4 matmuls ran in torch.float32\n" in out
