@@ -293,8 +293,9 @@ class MixprecDiagnostics(pl.Callback):
         if not (skips or nonfinite):
             return
         reason = "skipped its optimizer step" if skips else "gave a non-finite loss"
+        step = trainer.global_step + (0 if stepped else 1)  # a micro-batch belongs to the step it feeds
         if not pl_module.automatic_optimization:
-            self._diagnoser.note(trainer.global_step, reason, _manual_finding(skips))
+            self._diagnoser.note(step, reason, _manual_finding(skips))
             return
         if ours:
             region, scale = plugin.region(), skips[0][1] if skips else plugin.last_step_scale
@@ -306,7 +307,7 @@ class MixprecDiagnostics(pl.Callback):
             self._diagnoser.run(
                 _TrainingStep(pl_module),
                 (batch, batch_idx),
-                step=trainer.global_step,
+                step=step,
                 reason=reason,
                 region=region,
                 scale=scale,
