@@ -76,3 +76,36 @@ def test_accelerator_with_a_pin_and_gradient_checkpointing_equals_the_run_withou
     plain = _accelerate_run(False)
     torch.manual_seed(0)
     _assert_equal(plain, _accelerate_run(True))
+
+
+def _lightning_run(checkpointing: bool) -> dict:
+    L = pytest.importorskip("lightning")
+    from mixprec.integrations.lightning import MixprecPrecision
+    from tests.integrations import _tiny_lightning
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = tiny.make_model()
+            if checkpointing:
+                self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.losses: list[float] = []
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self.lm(input_ids=batch, labels=batch).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    policy = mixprec.Policy().with_modules({"lm.transformer.h.0.mlp": torch.float32})
+    module = LM()
+    loader = torch.utils.data.DataLoader(tiny.TokenData().ids, batch_size=tiny.BATCH)
+    plugin = MixprecPrecision("bf16-mixed", policy=policy)
+    _tiny_lightning.trainer(max_steps=STEPS, plugins=[plugin]).fit(module, loader)
+    return {"losses": module.losses, "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+def test_lightning_plugin_with_a_pin_and_gradient_checkpointing_equals_the_run_without() -> None:
+    _assert_equal(_lightning_run(False), _lightning_run(True))
