@@ -187,15 +187,13 @@ def loss_of(output: Any) -> torch.Tensor | None:
 
 
 def nonfinite_grads(named_params: Any, limit: int = 5) -> list[str]:
-    """Names of the first ``limit`` parameters whose ``.grad`` holds inf/nan (one host sync each; called
+    """Names of the first ``limit`` parameters whose ``.grad`` holds inf/nan (one host sync in all; called
     only after a step was skipped)."""
-    found = []
-    for name, param in named_params:
-        if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
-            found.append(name)
-            if len(found) == limit:
-                break
-    return found
+    named = [(name, param.grad) for name, param in named_params if param.grad is not None]
+    if not named:
+        return []
+    bad = torch.stack([~torch.isfinite(grad).all() for _, grad in named]).tolist()
+    return [name for (name, _), flag in zip(named, bad, strict=True) if flag][:limit]
 
 
 class Diagnoser:

@@ -165,7 +165,7 @@ class MixprecPrecision(Precision):
         self.scaler.update()
         self.last_step_skipped = self.scaler.last_step_skipped
         self.steps += 1
-        if self.last_step_skipped:  # read the gradients now: a manual loop may zero them before batch end
+        if self.last_step_skipped and len(self._skips) < 8:  # now: a manual loop may zero them later
             mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
             named = ((name, p) for name, p in model.named_parameters() if id(p) in mine)
             self._skips.append((nonfinite_grads(named), self.last_step_scale))
