@@ -86,7 +86,7 @@ def load_log(path: str | Path) -> list[dict[str, Any]]:
     for number, record in enumerate(records, 1):
         if not isinstance(record.get("step"), int):
             raise ValueError(
-                f"{path}: record {number}: expected a JSON object with an integer 'step', "
+                f"{path}:{number}: expected a JSON object with an integer 'step', "
                 f"got {json.dumps(record)[:80]!r}"
             )
     if not records:
