@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 PARTIAL_SUFFIX = ".partial"
 TRAILER_KEY = "end_of_log"
+PAUSE_ENV = "MIXPREC_WRITE_PAUSE_S"
 
 
 class TruncatedFile(ValueError):
@@ -61,9 +64,13 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     path = Path(path)
     staged = partial_path(path)
     payload = data.encode() if isinstance(data, str) else data
+    half = len(payload) // 2
     try:
         with staged.open("wb") as handle:
-            handle.write(payload)
+            handle.write(payload[:half])
+            handle.flush()
+            _pause("half-written", staged)
+            handle.write(payload[half:])
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staged, path)
@@ -71,7 +78,18 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
         staged.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent if str(path.parent) else Path("."))
+    _pause("replaced", path)
     return path
+
+
+def _pause(event: str, path: Path) -> None:
+    """With ``MIXPREC_WRITE_PAUSE_S`` set (tests only), announce ``event`` on stderr and sleep, so that
+    a test can kill the process in the middle of a write or right after it."""
+    delay = os.environ.get(PAUSE_ENV)
+    if delay:
+        sys.stderr.write(f"mixprec-write {event} {path}\n")
+        sys.stderr.flush()
+        time.sleep(float(delay))
 
 
 def trailer_line(records: int, **fields: Any) -> str:
