@@ -86,7 +86,8 @@ class Progress:
     """Progress over the whole plan: ``advance`` by estimated seconds, ``where`` names what is running.
 
     The estimate is checked against the real pace once the first rounds have run (``measured`` work of
-    at least ``MEASURE_MIN_S`` estimated seconds, and again after every round): when the projected total
+    at least ``MEASURE_MIN_S`` estimated seconds), and from then on at every step of progress and every
+    wait: when the projected total
     (elapsed + what is left at the pace so far) differs from the last one announced by more than
     ``REESTIMATE_OFF`` (25%), a line says so and gives the corrected total.
 
@@ -153,7 +154,7 @@ class Progress:
         self.done = min(self.done + estimated_s * self.factor, self.total)
         if measured:
             self.measured += estimated_s * self.factor
-            self._check_estimate()
+        self._check_estimate()
         if self._bar is not None and not can_draw_bar(self.stream):
             self._bar.close()  # the terminal shrank to nothing: plain lines from now on
             self._bar = None
@@ -189,7 +190,9 @@ class Progress:
             print(text, file=self.stream, flush=True)
 
     def heartbeat(self) -> None:
-        """Called while waiting on a run: keep the bar's clock moving, or print a line every 15 s."""
+        """Called while waiting on a run: check the estimate, keep the bar's clock moving, or print a
+        line every 15 s."""
+        self._check_estimate()
         if self._bar is not None:
             self._bar.refresh()
         elif self.clock() - self.last_line >= HEARTBEAT_S:
