@@ -150,3 +150,25 @@ def test_report_refuses_a_cut_log_and_names_an_unfinished_one(
     assert cli.main(["report", str(log), "--out", str(tmp_path / "b")]) == 2
     assert "truncated: the last line is cut off" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()  # nothing written from a cut file
+
+
+class _Scaler:
+    def get_scale(self) -> float:
+        return 1024.0
+
+
+def test_scaler_log_is_append_only_with_a_trailer_and_reopens_cleanly(tmp_path: Path) -> None:
+    from mixprec.inspect import ScalerLog
+
+    path = tmp_path / "run.jsonl"
+    log = ScalerLog(_Scaler(), path)
+    log.record(loss=1.0)
+    log.record(loss=0.5)
+    assert read_jsonl(path) == (log.records, None)  # written as it goes: a reader sees it unfinished
+    assert incomplete(path) and "no end-of-log record after 2 records" in incomplete(path)  # type: ignore[operator]
+    log.close()
+    assert read_jsonl(path) == (log.records, {"records": 2}) and incomplete(path) is None
+    log.record(loss=0.25)  # reopened: the trailer is dropped, the lines kept
+    assert read_jsonl(path) == (log.records, None)
+    log.close()
+    assert read_jsonl(path) == (log.records, {"records": 3})
