@@ -151,6 +151,10 @@ def _results_folder(args: argparse.Namespace, notes: list[str]) -> Path | None:
     if args.out is None and (args.json or args.log or args.plot):
         return None
     folder = Path(args.out or time.strftime(DEFAULT_FOLDER))
+    for number in range(2, 100):  # a dated folder is new: another run started in the same second
+        if args.out is not None or not folder.exists():
+            break
+        folder = Path(f"{time.strftime(DEFAULT_FOLDER)}-{number}")
     checks.output_dir(folder, "--out", args.mkdir)
     args.json = args.json or str(folder / "bench.json")
     args.log = args.log or str(folder / "steps.jsonl")
