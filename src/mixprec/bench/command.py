@@ -34,8 +34,11 @@ DESCRIPTION = """\
 Trains each workload in each precision mode from the same seed and data order, the modes interleaved a
 few steps at a time (each run in a process of its own), then prints the median step time and its spread,
 the speedup over fp32 with a 90% interval, peak memory, held-out loss and metric, skipped steps and the
-final loss scale. A row marked NOISY had timings too spread out to trust (a busy machine); rerun then.
-Default: about 3 minutes on a quiet 2-core CPU; --full: the longer study (about 10 minutes).
+final loss scale. The 'fp32 (A/A)' row is a second fp32 process: how far it lands from 1.00x widens
+every interval. A row marked NOISY had timings too spread out to trust (a busy machine); rerun then.
+Default: about 3-4 minutes on a quiet 2-core CPU; --full: the longer study (about 10 minutes). The
+results go into a new folder ./mixprec-bench-DATE-TIME (or --out DIR) unless --json, --log or --plot
+names single outputs; `mixprec report DIR` redraws them.
 
 workloads:
 {workloads}
