@@ -129,10 +129,11 @@ def test_plan_resolves_aliases_and_leaves_out_what_cannot_run(monkeypatch: pytes
         size="quick",
         device="cpu",
     )
-    assert [(j.workload, j.mode) for j in result.jobs] == [
+    assert [(j.workload, j.label) for j in result.jobs] == [
         ("lm", "fp32"),
         ("tabular-regression", "fp32"),
         ("tabular-regression", "torch-amp-fp16"),
+        ("tabular-regression", "fp32 (A/A)"),  # the A/A run, only where fp32 has company
     ]
     assert any("broken left out" in note for note in result.notes)
     assert any("fp16 on a CPU" in note and "lm/torch-amp-fp16" in note for note in result.notes)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec._files import jsonl_text
 from mixprec.inspect import (
     Log2Histogram,
     cli,
@@ -50,7 +51,7 @@ def _bench_log(path: Path) -> Path:
                 {"step": step, "workload": "cnn", "mode": mode, "loss": 2.0 - 0.1 * step, "scale": scale_now,
                  "skipped": skipped, "step_time_ms": 3.0 + step}
             )  # fmt: skip
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text(jsonl_text(records, runs=2, runs_planned=2))  # as the bench writes it
     return path
 
 
@@ -130,7 +131,7 @@ def test_report_from_a_scaler_log_with_histograms(tmp_path):
         },
     ]
     log = tmp_path / "scaler.jsonl"
-    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log.write_text(jsonl_text(records))  # with the trailer ScalerLog.close() writes
     written = write_report(log, tmp_path / "out")
     assert [p.name for p in written] == ["scale_history.png", "grad_histogram.png", "summary.md"]
     for png in written[:2]:

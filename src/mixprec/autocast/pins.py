@@ -113,8 +113,17 @@ def has_policy_pins(policy: Policy) -> bool:
 
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if _state.frames:  # plain torch.autocast users (no mixprec frame) keep torch's behaviour
+    """An optimizer step inside a mixprec region: from here to the region's exit every use of a weight
+    casts afresh, bitwise as ``cache_enabled=False`` would (a second use of one cached cast sums its
+    gradients in the low dtype before the cast back; separate casts sum them in fp32).
+
+    torch's cast cache cannot drop single tensors, so it is cleared and switched off for the rest of the
+    region (torch.autocast's exit restores the flag); casts before the step stay cached, as torch does.
+    Threads without a mixprec frame, plain torch.autocast users, keep torch's behaviour.
+    """
+    if _state.frames:
         torch.clear_autocast_cache()
+        torch.set_autocast_cache_enabled(False)
         _state.cache.clear()
 
 

@@ -66,7 +66,8 @@ class autocast(torch.amp.autocast_mode.autocast):
     a dtype) is applied on top. With the default policy a region is exactly ``torch.autocast``.
 
     Beyond torch.autocast: a nested region of another dtype never gets a cast cached by the outer one,
-    and an optimizer step inside a region drops the cast cache, so the next forward sees new weights.
+    and after an optimizer step inside a region every later use of a weight casts afresh until the
+    region exits (bitwise as ``cache_enabled=False``), so the next forward sees new weights.
 
     Args:
         device_type: "cpu" or "cuda" (a ``torch.device`` or "cuda:0" is accepted too).
