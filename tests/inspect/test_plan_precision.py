@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import lowbit
-from mixprec.inspect import PrecisionPlan, plan_precision
+from mixprec.inspect import PrecisionPlan, Replan, plan_precision
 from mixprec.inspect.plan import _knapsack
 from mixprec.inspect.plan_cost import TARGETS, gemm_cost
 from mixprec.lowbit import LowbitLinear
@@ -251,3 +251,33 @@ def test_cost_model_fp4_gain_shrinks_on_small_matrices_and_hopper_has_no_fp4():
     assert ratio(h100, "fp8_rowwise", 16384) < 0.6
     assert ratio(TARGETS["b200-peak"], "nvfp4", 64) == pytest.approx(0.25)
     assert math.isfinite(ratio(b200, "fp32", 64))
+
+
+def test_replan_from_a_plain_loop_replans_every_n_steps_and_switches_at_a_phase(planned):
+    model, batches, _plan, _ = planned
+    model = copy.deepcopy(model)
+    calls = []
+
+    def make_plan(m: nn.Module) -> PrecisionPlan:
+        calls.append(m)
+        return plan_precision(
+            m, batches[:1], loss_fn, formats=("mxfp8", "bf16"), budget=BUDGET, cost="b200-peak"
+        )
+
+    replan = Replan(make_plan, every=3, phases={5: "bf16"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    weight = model.fc1.weight
+    for step in range(8):
+        replan.step(model, step)
+        opt.zero_grad()
+        loss_fn(model, batches[0]).backward()
+        opt.step()
+    assert [s for s, _ in replan.history] == [0, 3, 5]  # every 3 until the bf16 phase fixes the formats
+    assert len(calls) == 2 and all(m is model for m in calls)
+    assert set(replan.history[-1][1].values()) == {"bf16"}
+    assert all(type(m) is nn.Linear for m in (model.fc1, model.fc2, model.fc3, model.head))
+    assert model.fc1.weight is weight and opt.state[weight]["step"] == 8
+    with pytest.raises(ValueError, match="every must be"):
+        Replan(make_plan, every=0)
+    with pytest.raises(ValueError, match="unknown low-bit recipe 'fp5'"):
+        Replan(make_plan, phases={3: "fp5"})

@@ -8,7 +8,8 @@
   scale, underflow and saturation, and the layers to keep in bf16 as a ready ``module_filter_fn``;
   :func:`lowbit_report` does the same for any :mod:`mixprec.lowbit` recipe, per GEMM operand and block;
 * :func:`plan_precision`: a format per linear layer (low-bit recipe, bf16 or fp32) chosen by measured
-  loss and gradient divergence under a budget, as a :class:`PrecisionPlan` value;
+  loss and gradient divergence under a budget, as a :class:`PrecisionPlan` value; :class:`Replan`
+  re-plans every N steps or switches format at a phase change, from a plain loop;
 * :class:`ScalerLog`, :func:`nonfinite_params`, :func:`grad_amax`: an opt-in per-step scaler log and the
   parameters behind a skipped step;
 * :func:`plot_gradient_histogram`, :func:`plot_scale_history`, :func:`plot_underflow`, :func:`write_report`:
@@ -23,6 +24,7 @@ from mixprec.inspect.lowbit import LowbitReport, lowbit_report
 from mixprec.inspect.nonfinite import find_nonfinite
 from mixprec.inspect.nonfinite_report import NonfiniteReport
 from mixprec.inspect.plan import plan_precision
+from mixprec.inspect.plan_schedule import Replan
 from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.inspect.plots import plot_gradient_histogram, plot_scale_history, plot_underflow
 from mixprec.inspect.report import load_log, write_report
@@ -40,6 +42,7 @@ __all__ = [
     "LowbitReport",
     "NonfiniteReport",
     "PrecisionPlan",
+    "Replan",
     "ScalerLog",
     "UnderflowReport",
     "find_nonfinite",
