@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "mixprec.bench.command",
     "report": "mixprec.inspect.report_command",
     "inspect": "mixprec.inspect.inspect_command",
+    "plan": "mixprec.inspect.plan_command",
 }
 
 
