@@ -4,7 +4,8 @@
 #   1. the CUDA tests (tests/test_cuda.py and any test marked `cuda`), if pytest is installed;
 #   2. `mixprec bench` on CUDA, size large (sized for a GPU): fp32, torch.amp fp16/bf16, mixprec fp16/bf16,
 #      O2 fp16/bf16, bf16-true(+kahan), and every registered fp8 mode, modes interleaved round by round;
-#   3. benchmarks/precision_paths.py and benchmarks/fp8_lm.py --device cuda, where those scripts exist;
+#   3. benchmarks/precision_paths.py, benchmarks/fp8_lm.py and benchmarks/lowbit_lm.py (every lowbit recipe's
+#      step time and loss against bf16) with --device cuda, where those scripts exist;
 # then writes RESULTS_DIR/gpu.json (everything, one file) and RESULTS_DIR/gpu.md (the Markdown tables).
 #
 #   bash benchmarks/gpu.sh [RESULTS_DIR]        # default RESULTS_DIR: ./gpu-results
@@ -54,7 +55,7 @@ if [ "$dry" = 1 ]; then
     device=cpu sizes="${SIZES:-tiny}" modes="${MODES:-fp32,torch-amp-bf16,mixprec-bf16}"
 else
     device=cuda sizes="${SIZES:-large}"
-    fp8=$(python -c "from mixprec.bench.modes import MODES; print(','.join(m for m in MODES if 'fp8' in m))")
+    fp8=$(python -c "from mixprec.bench.modes import MODES; print(','.join(m for m in MODES if m.startswith('fp8')))")
     base="fp32,torch-amp-fp16,torch-amp-bf16,mixprec-fp16,mixprec-bf16,O2-fp16,O2-bf16,bf16-true,bf16-true-kahan"
     modes="${MODES:-$base${fp8:+,$fp8}}"
 fi
@@ -91,6 +92,14 @@ if [ -f benchmarks/fp8_lm.py ]; then
     else
         step fp8_lm "${LIMIT_EXTRA:-90}" python benchmarks/fp8_lm.py --device cuda --size large --steps 200 \
             --json "$out/fp8_lm.json"
+    fi
+fi
+if [ -f benchmarks/lowbit_lm.py ]; then
+    if [ "$dry" = 1 ]; then
+        skip lowbit_lm "dry run: would run python benchmarks/lowbit_lm.py --task lm --device cuda --json DIR/lowbit_lm.json"
+    else
+        step lowbit_lm "${LIMIT_EXTRA:-90}" python benchmarks/lowbit_lm.py --task lm --device cuda --steps 100 \
+            --json "$out/lowbit_lm.json"
     fi
 fi
 

@@ -183,7 +183,8 @@ def test_bad_conversions_raise_and_convert_nothing() -> None:
     assert type(model[0]) is nn.Linear
 
 
-def test_torch_compile_matches_eager() -> None:
+def test_torch_compile_matches_eager(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # /tmp's shared cache can vanish under us
     model = convert_to_lowbit_training(_mlp(), "mxfp8")
     eager = copy.deepcopy(model)
     compiled = torch.compile(model)

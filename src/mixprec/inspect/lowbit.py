@@ -154,8 +154,8 @@ def lowbit_report(
     loss_fn: Callable[[Any], torch.Tensor],
     recipe: Recipe | str,
     max_error: float = 0.2,
-    max_flushed: float = 0.05,
-    max_saturated: float = 0.01,
+    max_flushed: float = 0.5,
+    max_saturated: float = 0.05,
     outlier_ratio: float = 8.0,
 ) -> LowbitReport:
     """Measure every linear layer's losses under ``recipe`` on one forward and backward (see the module doc).
@@ -165,7 +165,9 @@ def lowbit_report(
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
         loss_fn: ``loss_fn(output) -> scalar tensor``.
         recipe: a :class:`~mixprec.lowbit.Recipe` or recipe string.
-        max_error, max_flushed, max_saturated: thresholds in [0, 1] over which a layer is kept out.
+        max_error, max_flushed, max_saturated: thresholds in [0, 1] over which a layer is kept out. The
+            defaults are for 4-bit formats too: e2m1 flushes every value below 1/24 of its block's amax,
+            5-10% of a Gaussian block, so a flushed share matters when it is most of an operand.
         outlier_ratio: a block's amax over the RMS of its other values above which an outlier set the
             block's scale (> 1).
 

@@ -113,11 +113,14 @@ def quantize(
 
     Raises:
         TypeError: for a non-tensor or non-floating ``x``, or a bad ``generator``.
-        ValueError: for an unknown format, an ``axis`` out of range, or sizes that are not a multiple of
-            the block without ``pad``.
+        ValueError: for an unknown format, an ``axis`` out of range, sizes that are not a multiple of
+            the block without ``pad``, or a ``tensor_amax`` that is not one finite number > 0 or is given
+            to a format without a per-tensor scale.
     """
     fmt = get_format(fmt)
     axis = _check(x, axis, stochastic, generator, pad)
+    if tensor_amax is not None:
+        _check_tensor_amax(tensor_amax, fmt)
     x2 = _as_matrix(x, axis)
     rows, cols = _block_of(fmt, x2.shape)
     x2 = _pad(x2, rows, cols, pad, fmt, x.shape, axis)
@@ -126,7 +129,8 @@ def quantize(
     tensor_scale = None
     if fmt.two_level:
         full = scaling.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0] if tensor_amax is None else tensor_amax
-        tensor_scale = scaling.nvfp4_tensor_scale(torch.as_tensor(full, device=x.device))
+        full = torch.as_tensor(full, dtype=torch.float32, device=x.device).reshape(())
+        tensor_scale = scaling.nvfp4_tensor_scale(full)
     scaled, scale = _scale(x2, amax, fmt, rows, cols, tensor_scale)
     scaled = torch.clamp(scaled, min=-fmt.elem.max, max=fmt.elem.max)
     if stochastic:
@@ -146,6 +150,15 @@ def _check(x: object, axis: object, stochastic: object, generator: object, pad: 
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     return axis % x.dim()
+
+
+def _check_tensor_amax(tensor_amax: object, fmt: LowbitFormat) -> None:
+    if not fmt.two_level:
+        raise ValueError(f"tensor_amax is for two-level formats (nvfp4, nvfp4_2d); {fmt.name} has none")
+    ok = isinstance(tensor_amax, (int, float)) and not isinstance(tensor_amax, bool)
+    ok = ok or (isinstance(tensor_amax, torch.Tensor) and tensor_amax.numel() == 1)
+    if not ok or not 0 < float(tensor_amax) < float("inf"):
+        raise ValueError(f"tensor_amax must be one finite number > 0, got {tensor_amax!r}")
 
 
 def _describe(x: object) -> str:
@@ -222,15 +235,17 @@ def round_to_element(
     """``v`` (float32, already within ``±elem.max``) rounded onto ``elem``'s grid, as float32.
 
     Nearest-even (``torch.round`` of ``|v| / ulp``) or stochastic (see the module doc). The ulp of ``|v|``
-    is ``2**(max(floor(log2|v|), 1 - bias) - mantissa_bits)``, the subnormal spacing below the normals.
+    is ``2**(max(floor(log2|v|), 1 - bias) - mantissa_bits)``, the subnormal spacing below the normals
+    (float32 subnormal inputs are far below every element format's grid and take its smallest ulp).
     """
-    mag = v.abs().to(torch.float64 if stochastic else torch.float32)
-    _, exp = torch.frexp(mag)
-    exp = torch.clamp(exp - 1, min=1 - elem.bias) - elem.mantissa_bits
-    ulp = torch.ldexp(torch.ones_like(mag), exp)
+    mag = v.abs().to(torch.float32)
+    # The ulp from the float32 exponent bits: 2**(max(e, 1 - bias) - mantissa_bits), exact and cheap.
+    exp = torch.clamp((torch.bitwise_right_shift(mag.view(torch.int32), 23) & 0xFF) - 127, min=1 - elem.bias)
+    ulp = torch.bitwise_left_shift(exp - elem.mantissa_bits + 127, 23).view(torch.float32)
     if stochastic:
         noise = torch.rand(mag.shape, dtype=torch.float64, device=mag.device, generator=generator)
-        q = torch.floor(mag / ulp + noise) * ulp
+        ulp64 = ulp.to(torch.float64)
+        q = torch.floor(mag.to(torch.float64) / ulp64 + noise) * ulp64
     else:
         q = torch.round(mag / ulp) * ulp
     return torch.clamp(q, max=elem.max).to(torch.float32).copysign(v)

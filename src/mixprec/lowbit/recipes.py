@@ -19,7 +19,8 @@ fp8_tensorwise     e4m3/e4m3, e5m2/e4m3, e5m2/e4m3, one fp32 scale each        t
 fp8_rowwise        e4m3 rowwise with power-of-two scales everywhere            torchao ROWWISE
 fp8_rowwise_gw_hp  rowwise fprop, rowwise go / tensorwise w dgrad, hp wgrad    torchao ROWWISE_WITH_GW_HP
 fp8_blockwise      1x128 x and go, 128x128 w, power-of-two fp32 scales         TE Float8BlockScaling
-mxfp8              e4m3, 1x32 blocks, e8m0 scales, everywhere                  TE MXFP8BlockScaling
+mxfp8              e4m3, 1x32 blocks, e8m0 scales (floor rule), everywhere     torchao MX default
+mxfp8_rceil        the same with the round-up rule (no block value saturates)  TE MXFP8BlockScaling
 mxfp4              e2m1, 1x32 blocks, e8m0 scales, everywhere                  OCP MX v1.0
 nvfp4              e2m1, 1x16 e4m3 + fp32 scales; 16x16 w; sr; rht             TE NVFP4BlockScaling
 ================== =========================================================== ========================
@@ -178,6 +179,7 @@ RECIPES: dict[str, Recipe] = {
         "fp8_blockwise",
     ),
     "mxfp8": _same("mxfp8"),
+    "mxfp8_rceil": _same("mxfp8_rceil"),
     "mxfp4": _same("mxfp4"),
     "nvfp4": Recipe("nvfp4", "nvfp4_2d", "nvfp4", "nvfp4_2d", "nvfp4", "nvfp4", sr=True, rht=True),
 }
