@@ -210,6 +210,19 @@ def test_bad_input_is_refused_and_the_model_is_unchanged(kwargs, error, match):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_model_without_linears_or_that_is_one_is_refused():
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        plan_precision(nn.Sequential(nn.ReLU()), [batch], loss_fn)
+    linear = nn.Linear(8, 2)
+    before = {k: v.clone() for k, v in linear.state_dict().items()}
+    with pytest.raises(ValueError, match="model itself is an nn.Linear"):
+        plan_precision(linear, [batch], loss_fn)
+    assert _same_state(linear, before)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        plan_precision("model", [batch], loss_fn)
+
+
 def test_knapsack_is_the_brute_force_optimum():
     g = torch.Generator().manual_seed(1)
     fmts = ("a", "b", "c")

@@ -87,8 +87,8 @@ def plan_precision(
     Raises:
         TypeError: for a non-module ``model``, a non-callable ``loss_fn`` or ``cost``.
         ValueError: for a budget that is not a finite number > 0, an empty ``batches``, an unknown
-            format or cost target, a model without linear layers, or a ``loss_fn`` that returns a
-            non-scalar loss, or a non-finite one at high precision. Nothing is changed when it raises.
+            format or cost target, a model without linear layers (or that is one), or a ``loss_fn`` that
+            returns a non-scalar loss, or a non-finite one at high precision. Nothing is changed then.
     """
     start = time.process_time()
     check_model(model)
@@ -97,6 +97,8 @@ def plan_precision(
     fqns = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not fqns:
         raise ValueError("model has no nn.Linear layer to plan")
+    if fqns[0] == "":
+        raise ValueError("model itself is an nn.Linear: wrap it (nn.Sequential(model)) so it can be swapped")
     generator = torch.Generator().manual_seed(seed)
     with preserved(model):
         slots = Slots(model, fqns)
