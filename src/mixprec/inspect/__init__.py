@@ -7,6 +7,9 @@
 * :func:`fp8_report`: per ``nn.Linear``, what fp8 (e4m3 forward, e5m2 gradients) would lose: amax,
   scale, underflow and saturation, and the layers to keep in bf16 as a ready ``module_filter_fn``;
   :func:`lowbit_report` does the same for any :mod:`mixprec.lowbit` recipe, per GEMM operand and block;
+* :func:`plan_precision`: a format per linear layer (low-bit recipe, bf16 or fp32) chosen by measured
+  loss and gradient divergence under a budget, as a :class:`PrecisionPlan` value; :class:`Replan`
+  re-plans every N steps or switches format at a phase change, from a plain loop;
 * :class:`ScalerLog`, :func:`nonfinite_params`, :func:`grad_amax`: an opt-in per-step scaler log and the
   parameters behind a skipped step;
 * :func:`plot_gradient_histogram`, :func:`plot_scale_history`, :func:`plot_underflow`, :func:`write_report`:
@@ -20,6 +23,9 @@ from mixprec.inspect.grads import grad_amax, nonfinite_params
 from mixprec.inspect.lowbit import LowbitReport, lowbit_report
 from mixprec.inspect.nonfinite import find_nonfinite
 from mixprec.inspect.nonfinite_report import NonfiniteReport
+from mixprec.inspect.plan import plan_precision
+from mixprec.inspect.plan_schedule import Replan
+from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.inspect.plots import plot_gradient_histogram, plot_scale_history, plot_underflow
 from mixprec.inspect.report import load_log, write_report
 from mixprec.inspect.scaler_log import ScalerLog
@@ -35,6 +41,8 @@ __all__ = [
     "Log2Histogram",
     "LowbitReport",
     "NonfiniteReport",
+    "PrecisionPlan",
+    "Replan",
     "ScalerLog",
     "UnderflowReport",
     "find_nonfinite",
@@ -43,6 +51,7 @@ __all__ = [
     "load_log",
     "lowbit_report",
     "nonfinite_params",
+    "plan_precision",
     "plot_fp8_report",
     "plot_gradient_histogram",
     "plot_scale_history",

@@ -1,0 +1,98 @@
+"""``mixprec plan``: run the precision planner on a bench workload or a user's model, print the table.
+
+In the shape of ``mixprec.cli``'s ``SUBCOMMANDS`` table (HELP, add_arguments, run). The model is either a
+bench workload (``mixprec.bench`` registry, built from ``--seed`` at ``--size``, planned on its first
+``--batches`` training batches with its own loss) or ``--from module:function``, a function returning
+``(model, batches, loss_fn)`` with ``loss_fn(model, batch) -> loss``. Writes the plan's JSON and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from mixprec._files import write_atomic
+
+HELP = "plan a format per linear layer (low-bit, bf16, fp32) by measured divergence under a budget"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--workload", default="lm", help="a bench workload (default lm)")
+    source.add_argument(
+        "--from",
+        dest="factory",
+        metavar="MODULE:FUNCTION",
+        help="a function returning "
+        "(model, batches, loss_fn); its module is imported from the current directory too",
+    )
+    parser.add_argument("--size", default="tiny", help="bench workload size (default tiny)")
+    parser.add_argument("--batches", type=int, default=2, help="planning batches of a workload (default 2)")
+    parser.add_argument("--formats", default="nvfp4,mxfp8,bf16", help="comma-separated candidate formats")
+    parser.add_argument("--budget", type=float, default=0.01, help="bound on the measured divergence")
+    parser.add_argument("--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
+    parser.add_argument("--plot", type=Path, default=Path("plan.png"), help="where the plot goes")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.inspect.plan import plan_precision
+
+    if args.batches < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches}")
+    for path in (args.json, args.plot):
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"output folder {path.parent} does not exist")
+    model, batches, loss_fn = _from_factory(args.factory) if args.factory else _from_workload(args)
+    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    plan = plan_precision(
+        model, batches, loss_fn, formats=formats, budget=args.budget, cost=args.cost, seed=args.seed
+    )
+    print(plan.table())
+    write_atomic(args.json, plan.to_json())  # complete or absent, see mixprec._files
+    plan.plot(args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+    return 0
+
+
+def _from_workload(args: argparse.Namespace) -> tuple[Any, list, Any]:
+    import torch
+
+    from mixprec.bench.workloads import WORKLOADS
+
+    if args.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {args.workload!r}; known: {', '.join(WORKLOADS)}")
+    spec = WORKLOADS[args.workload]
+    if args.size not in spec.presets:
+        raise ValueError(f"unknown size {args.size!r}; known: {', '.join(spec.presets)}")
+    preset = spec.presets[args.size]
+    job = types.SimpleNamespace(seed=args.seed, data=None, images=None)
+    work = spec.build(spec.load(preset, job), preset, args.seed, 1, torch.device("cpu"))
+    batches = list(itertools.islice(work.batches, args.batches))
+
+    def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        return work.loss_fn(model(batch[0]), batch[1])
+
+    return work.model, batches, loss_fn
+
+
+def _from_factory(spec: str) -> tuple[Any, Any, Any]:
+    module_name, sep, function = spec.partition(":")
+    if not sep or not module_name or not function:
+        raise ValueError(f"--from must be MODULE:FUNCTION, got {spec!r}")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        factory = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {spec!r}: {exc}") from None
+    result = factory()
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise ValueError(f"{spec} must return (model, batches, loss_fn), got {type(result).__name__}")
+    return result

@@ -1,0 +1,198 @@
+"""`PrecisionPlan`: which linear layer runs in which format, with the measurements that decided it."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._files import write_atomic
+from mixprec.inspect._plan_measure import HIGH_PRECISION
+from mixprec.lowbit import LowbitLinear, get_recipe
+
+__all__ = ["PrecisionPlan"]
+
+_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """A per-layer format assignment (see :func:`mixprec.inspect.plan_precision`).
+
+    Attributes:
+        formats: qualified name -> format (a :mod:`mixprec.lowbit` recipe name, ``"bf16"`` or ``"fp32"``).
+        layers: qualified name -> ``{"shape": [M, N, K], "flops": int, "cost": {format: float},
+            "divergence": {format: {"loss", "weight_grad", "input_grad", "score", "error", "flushed",
+            "saturated", "outlier_blocks"}}}``: ``M`` rows of input (tokens) over the planning batches' first
+            batch, ``N`` outputs, ``K`` inputs; ``flops`` of the three training GEMMs (``6 M N K``); cost in
+            the cost model's unit; the divergences are relative (0.01 = 1 %), quantization shares in [0, 1].
+        reasons: qualified name -> why its format was chosen, in words.
+        budget: the bound on the measured relative loss change of the whole plan.
+        measured: the whole plan's measured divergences (``loss``, ``weight_grad``, ``score``).
+        rounds: one entry per solve: the budget the solver was given and the plan's measured score.
+        target: the cost model's name; backward_weight: the weight of the weight-gradient divergence in
+            the score; seconds: planning CPU time (process time, s); step_seconds: the CPU time of one
+            reference forward/backward of one batch (s).
+    """
+
+    formats: dict[str, str]
+    layers: dict[str, dict[str, Any]]
+    reasons: dict[str, str]
+    budget: float
+    measured: dict[str, float]
+    rounds: list[dict[str, float]] = field(default_factory=list)
+    target: str = "b200"
+    backward_weight: float = 0.0
+    seconds: float = 0.0
+    step_seconds: float = 0.0
+
+    # ------------------------------------------------------------------ reading
+    def flop_share(self, fqn: str) -> float:
+        """Layer ``fqn``'s share of the planned layers' GEMM FLOPs."""
+        total = sum(info["flops"] for info in self.layers.values())
+        return self.layers[fqn]["flops"] / total if total else 0.0
+
+    def low_precision_share(self) -> float:
+        """Share of the GEMM FLOPs planned below bf16 (in a low-bit recipe)."""
+        return sum(self.flop_share(f) for f, fmt in self.formats.items() if fmt not in HIGH_PRECISION)
+
+    def relative_cost(self) -> float:
+        """The plan's GEMM cost over the all-bf16 cost, in the cost model (``< 1`` is faster)."""
+        planned = sum(self.layers[f]["cost"][fmt] for f, fmt in self.formats.items())
+        bf16 = sum(info["cost"].get("bf16", float("nan")) for info in self.layers.values())
+        return planned / bf16
+
+    def module_filter_fn(self, fmt: str) -> Callable[[nn.Module, str], bool]:
+        """``(module, fqn) -> bool`` for ``convert_to_lowbit_training``: True for the layers in ``fmt``."""
+        chosen = frozenset(f for f, planned in self.formats.items() if planned == fmt)
+        return lambda module, fqn: fqn in chosen
+
+    # ------------------------------------------------------------------ acting
+    def apply(self, model: nn.Module, generator: torch.Generator | None = None) -> nn.Module:
+        """Put each planned layer of ``model`` in its format, in place, and return ``model``.
+
+        A low-bit layer becomes a :class:`~mixprec.lowbit.LowbitLinear` of its recipe; a ``"bf16"`` or
+        ``"fp32"`` layer is a plain ``nn.Linear`` (it then runs in the precision of the surrounding region,
+        e.g. ``mixprec.autocast``). Layers already converted (by an earlier plan) are re-set, so re-planning
+        during training is ``new_plan.apply(model)``. Parameters are shared, never copied: an optimizer
+        built before keeps working.
+
+        Raises:
+            ValueError: if a planned name is not an ``nn.Linear`` of ``model``, or a format is unknown
+                (nothing is changed then).
+        """
+        modules = dict(model.named_modules())
+        missing = [f for f in self.formats if not isinstance(modules.get(f), nn.Linear)]
+        if missing:
+            raise ValueError(f"plan names layers that are not nn.Linear modules of this model: {missing}")
+        for fmt in set(self.formats.values()) - set(HIGH_PRECISION):
+            get_recipe(fmt)  # an unknown format raises here, before any layer is swapped
+        for fqn, fmt in self.formats.items():
+            module = modules[fqn]
+            if fmt in HIGH_PRECISION:
+                new = _plain(module)
+            elif isinstance(module, LowbitLinear) and module.recipe == get_recipe(fmt):
+                new = module
+            else:
+                new = LowbitLinear.from_linear(module, fmt, generator)
+            if new is not module:
+                parent, _, child = fqn.rpartition(".")
+                setattr(model.get_submodule(parent), child, new)
+        return model
+
+    # ------------------------------------------------------------------ showing
+    def table(self) -> str:
+        """One row per layer: shape, share of GEMM FLOPs, chosen format, its divergences, the reason."""
+        head = f"{'layer':<24} {'M x N x K':>18} {'flops':>6} {'format':<15} {'loss div':>9} {'wgrad div':>9}"
+        lines = [head + "  reason"]
+        for fqn, fmt in self.formats.items():
+            info = self.layers[fqn]
+            m, n, k = info["shape"]
+            d = info["divergence"][fmt]
+            lines.append(
+                f"{fqn:<24} {f'{m}x{n}x{k}':>18} {self.flop_share(fqn):>6.1%} {fmt:<15} "
+                f"{d['loss']:>9.2e} {d['weight_grad']:>9.2e}  {self.reasons[fqn]}"
+            )
+        m = self.measured
+        lines.append(
+            f"plan: {self.low_precision_share():.1%} of GEMM FLOPs below bf16, "
+            f"cost {self.relative_cost():.3f}x bf16 on {self.target}; "
+            f"measured loss divergence {m['loss']:.2e}, score {m['score']:.2e} "
+            f"(budget {self.budget:.2e}) after {len(self.rounds)} solve(s); planning {self.seconds:.2f} s "
+            f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps"
+        )
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path | None = None, ax: Any = None) -> Any:
+        """Divergence score per layer (x) and format (one line each, log scale), the chosen one circled.
+
+        Returns the matplotlib ``Figure``; written to ``path`` when given.
+        """
+        import matplotlib
+
+        if ax is None and path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(max(6, len(self.layers) * 0.5), 4)) if ax is None else (ax.figure, ax)
+        names = list(self.layers)
+        fmts = list(dict.fromkeys(f for info in self.layers.values() for f in info["divergence"]))
+        floor = 1e-9
+        for fmt in fmts:
+            ys = [max(self.layers[n]["divergence"][fmt]["score"], floor) for n in names]
+            ax.plot(range(len(names)), ys, marker=".", label=fmt)
+        chosen = [max(self.layers[n]["divergence"][self.formats[n]]["score"], floor) for n in names]
+        ax.scatter(range(len(names)), chosen, s=120, facecolors="none", edgecolors="black", label="chosen")
+        ax.axhline(self.budget, color="grey", linestyle="--", label="budget")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("divergence score (relative)")
+        ax.set_title(f"precision plan ({self.target}, budget {self.budget:g})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        if path is not None:
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png")
+            write_atomic(path, buffer.getvalue())  # complete or absent, see mixprec._files
+        return fig
+
+    # ------------------------------------------------------------------ data
+    def to_json(self) -> str:
+        """The plan as a JSON string (:meth:`from_json` reads it back to an equal plan)."""
+        return json.dumps({"version": _VERSION, **asdict(self)}, indent=1, allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PrecisionPlan:
+        """The plan a :meth:`to_json` string holds.
+
+        Raises:
+            ValueError: for text that is not a plan of this version, or formats that name unknown layers.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.pop("version", None) != _VERSION:
+            raise ValueError(f"not a mixprec precision plan (version {_VERSION}) JSON document")
+        try:
+            plan = cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"not a mixprec precision plan: {exc}") from None
+        unknown = [f for f in plan.formats if f not in plan.layers or f not in plan.reasons]
+        if unknown:
+            raise ValueError(f"plan formats name layers without measurements: {unknown}")
+        return plan
+
+
+def _plain(module: nn.Linear) -> nn.Linear:
+    """``module`` as an exact ``nn.Linear`` (sharing its parameters)."""
+    if type(module) is nn.Linear:
+        return module
+    with torch.device("meta"):
+        new = nn.Linear(module.in_features, module.out_features, bias=False)
+    new.weight, new.bias = module.weight, module.bias
+    new.train(module.training)
+    return new

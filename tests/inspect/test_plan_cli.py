@@ -1,0 +1,65 @@
+"""``mixprec plan``: the planner from the command line on a user's ``module:function``."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from mixprec.cli import main
+from mixprec.inspect import PrecisionPlan
+
+FACTORY = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    batches = [(torch.randn(16, 32), torch.randint(0, 4, (16,))) for _ in range(2)]
+    return model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1])
+
+
+def not_a_triple():
+    return 3
+"""
+
+
+@pytest.fixture
+def factory(tmp_path, monkeypatch):
+    (tmp_path / "plan_factory.py").write_text(textwrap.dedent(FACTORY))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys):
+    out_json, out_png = factory / "p.json", factory / "p.png"
+    argv = ["plan", "--from", "plan_factory:make", "--budget", "0.05", "--formats", "mxfp8,bf16"]
+    assert main([*argv, "--json", str(out_json), "--plot", str(out_png)]) == 0
+    printed = capsys.readouterr().out
+    plan = PrecisionPlan.from_json(out_json.read_text())
+    assert set(plan.formats) == {"0", "2"} and set(plan.formats.values()) <= {"mxfp8", "bf16"}
+    assert "below bf16" in printed and "wrote" in printed
+    assert plan.measured["score"] <= 0.05
+    assert out_png.stat().st_size > 1000
+    json.loads(out_json.read_text())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--from", "plan_factory"], "MODULE:FUNCTION"),
+        (["--from", "plan_factory:missing"], "cannot load"),
+        (["--from", "plan_factory:not_a_triple"], "must return (model, batches, loss_fn)"),
+        (["--from", "plan_factory:make", "--formats", "fp7"], "unknown format 'fp7'"),
+        (["--from", "plan_factory:make", "--budget", "0"], "budget must be > 0"),
+        (["--workload", "nope"], "unknown workload 'nope'"),
+        (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
+    ],
+)
+def test_plan_command_refuses_bad_input_with_exit_code_2(factory, capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
