@@ -28,6 +28,7 @@ import sys
 import time
 import warnings
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     preset = spec.presets["quick" if args.size == "small" else args.size]
     if args.size == "small":
         preset = replace(preset, params=SMALL)
-    corpus = spec.load(preset, args.seed, None)
+    corpus = spec.load(preset, SimpleNamespace(seed=args.seed, data=None))  # a job with no data file
     runs = [Run(m, spec, corpus, preset, args.seed, args.steps, device) for m in modes]
     start = time.perf_counter()
     for step in range(args.steps):
