@@ -146,13 +146,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped so far because a gradient was inf/nan (0 for a scaler that does not count)."""
-        return int(getattr(self.scaler, "skipped_steps", 0))
+        """Steps skipped so far because a gradient was inf/nan (by the scaler, or by a
+        :class:`~mixprec.master.compensated.CompensatedOptimizer` inside that checks in its update pass)."""
+        return int(getattr(self.scaler, "skipped_steps", 0)) + int(
+            getattr(self.optimizer, "skipped_steps", 0)
+        )
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the latest ``step()`` was skipped: step LR schedulers only when it was not."""
-        return bool(getattr(self.scaler, "last_step_skipped", False))
+        inner = bool(getattr(self.optimizer, "last_step_skipped", False))
+        return bool(getattr(self.scaler, "last_step_skipped", False)) or inner
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale ``loss`` and run backward; ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``)."""
