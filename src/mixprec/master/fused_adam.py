@@ -19,10 +19,10 @@ One step from fresh state is therefore bit for bit torch's fused AdamW stepping 
 later steps differ only by the moments' storage rounding. Seven copies and one kernel replace the dozen
 bf16 foreach passes of torch-optimi's Kahan AdamW (measured in ``benchmarks/precision_paths.py``).
 
-The guard (``guard=True``) reads every gradient once before anything is written (one ``aminmax`` per
-tensor) and skips the whole step when one is inf/nan or so large that its square could overflow the second
-moment (``|g| > sqrt(max / 2)`` of v's dtype, about 1.3e19): either would make ``exp_avg_sq`` inf or nan and
-freeze the weight for good (``m / inf = 0`` every later step).
+The guard (``guard=True``) reads every gradient once before anything is written (one multi-tensor
+``_foreach_norm`` call) and skips the whole step when a gradient is inf/nan or a tensor's norm exceeds
+``sqrt(max / 2)`` of v's dtype (about 1.3e19), so that no square can overflow the second moment: either
+would make ``exp_avg_sq`` inf or nan and freeze the weight for good (``m / inf = 0`` every later step).
 
 Sources: Adam (Kingma & Ba 2015) and torch's fused kernel; Kahan-compensated bf16 weights (Zamirai et al.
 2020, "Revisiting BFloat16 Training"; torch-optimi's ``kahan_sum``); bf16 state that freezes when
@@ -71,7 +71,7 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     Returns:
         False when the guard skipped the step: weights, Kahan buffers and state unchanged (none created).
     """
-    if guard and not all(grads_fit(unit) for unit in units):
+    if guard and not grads_fit(units):
         return False
     for unit in units:
         _prepare(unit)
@@ -145,18 +145,22 @@ def _consecutive(buffer: torch.Tensor, segments: list[tuple[int, int, int]]) -> 
     return out
 
 
-def grads_fit(unit: AdamUnit) -> bool:
-    """Whether every gradient is finite and small enough that its square fits the second moment's dtype."""
-    lows, highs = [], []
-    for param in unit.params:
-        if param.numel():
-            low, high = torch.aminmax(param.grad)
-            lows.append(low)
-            highs.append(high)
-    if not highs:
-        return True
-    largest = torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
-    return bool(largest <= (torch.finfo(unit.moment_dtypes[1]).max / 2) ** 0.5)  # nan compares False
+def grads_fit(units: list[AdamUnit]) -> bool:
+    """Whether every gradient is finite and small enough that its square fits the second moment's dtype.
+
+    One ``_foreach_norm`` per device: a tensor's L2 norm bounds each of its values, is nan or inf when one
+    is, and must stay below ``sqrt(max / 2)`` of the narrowest second-moment dtype.
+    """
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for unit in units:
+        for param in unit.params:
+            if param.numel():
+                per_device.setdefault(param.device, []).append(param.grad)
+    limit = min((torch.finfo(unit.moment_dtypes[1]).max / 2) ** 0.5 for unit in units)
+    largest = [
+        torch.stack(torch._foreach_norm(grads, 2)).max().float().cpu() for grads in per_device.values()
+    ]
+    return all(bool(norm <= limit) for norm in largest)  # nan compares False
 
 
 def _prepare(unit: AdamUnit) -> None:
@@ -206,7 +210,7 @@ def _round_stochastic(p, values, flat, generator, workspace) -> None:
     """``p = round_stochastic(values)``; ``flat`` is the fp32 buffer the ``values`` views cover."""
     bits = flat.view(torch.int32)
     fresh = None
-    if flat.numel() < 2 * POOL:
+    if flat.numel() < POOL // 4:
         fresh = workspace.get(p[0].device, torch.int64, "bits", (flat.numel() + 3) // 4)
     workspace.random_bits(p[0].device).add_(bits, generator, fresh)
     bits.bitwise_and_(KEEP_HIGH_16_BITS)  # carry into bf16's last bit with the dropped fraction

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 CHUNK = 2**18  # most elements per workspace buffer (1 MiB in fp32, cache-sized); never more than stepped
-POOL = 2**18  # random-bit pool: every 16-bit pattern 4 times; used for chunks of at least 2 * POOL values
+POOL = 2**18  # random-bit pool: every 16-bit pattern 4 times; chunks under POOL // 4 draw fresh bits
 KEEP_HIGH_16_BITS = -65536  # 0xFFFF0000 as int32: clears the low 16 bits of an fp32 pattern
 ROLES = ("grad", "moment", "second", "values", "kahan", "denom", "bits")
 
@@ -156,8 +156,8 @@ class RandomBits:
     def add_(self, bits: torch.Tensor, generator: torch.Generator, fresh: torch.Tensor | None = None) -> None:
         """Add uniform noise in [0, 2**16) to every value of the flat int32 tensor ``bits``.
 
-        With ``fresh`` (an int64 buffer of at least a quarter of the values; for chunks under ``2 * POOL``
-        values), new bits from the generator instead of the pool.
+        With ``fresh`` (an int64 buffer of at least a quarter of the values; for chunks under ``POOL // 4``
+        values, where drawing costs little), new bits from the generator instead of the pool.
         """
         total = bits.numel()
         if fresh is not None:
