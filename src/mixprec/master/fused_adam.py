@@ -41,6 +41,7 @@ from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace
 __all__ = ["AdamUnit", "adam_step", "grads_fit"]
 
 _F32 = torch.float32
+ALIGN = 64  # elements: a multiple of every vector width torch's kernels use
 
 
 @dataclass
@@ -103,7 +104,7 @@ def _plan(unit: AdamUnit, workspace: Workspace) -> list[_Chunk]:
     if key in workspace.plans:
         return workspace.plans[key]
     total = sum(p.numel() for p in unit.params)
-    limit = min(workspace.numel, total)
+    limit = min(max(workspace.numel, ALIGN), total)
     roles = ["values", "grad", "moment"] + (["kahan"] if unit.kahan is not None else [])
     roles += ["second"] if unit.moment_dtypes[1] != _F32 else []
     buffers = {role: workspace.get(unit.params[0].device, _F32, role, limit) for role in roles}
@@ -122,16 +123,23 @@ def _plan(unit: AdamUnit, workspace: Workspace) -> list[_Chunk]:
 
 
 def _segments(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
-    """``(index, start, stop)`` pieces of tensors of ``sizes``, grouped into chunks of at most ``limit``."""
+    """``(index, start, stop)`` pieces of tensors of ``sizes``, grouped into chunks of at most ``limit``.
+
+    A tensor is cut only ``ALIGN`` elements from its start: the kernel's vector lanes then see every element
+    where they see it in the whole tensor, and the result is bit for bit the unchunked one.
+    """
     out: list[list[tuple[int, int, int]]] = [[]]
     room = limit
     for i, numel in enumerate(sizes):
         start = 0
         while start < numel:
             take = min(numel - start, room)
-            out[-1].append((i, start, start + take))
-            start, room = start + take, room - take
-            if room == 0:
+            if take < numel - start:
+                take -= take % ALIGN
+            if take:
+                out[-1].append((i, start, start + take))
+                start, room = start + take, room - take
+            if room == 0 or (room < ALIGN and start < numel):
                 out.append([])
                 room = limit
     return [chunk for chunk in out if chunk]
