@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace
+from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits
 
 __all__ = ["AdamUnit", "adam_step", "grads_fit"]
 
@@ -217,9 +217,11 @@ def _update(unit: AdamUnit, chunk: _Chunk, g: list[torch.Tensor], workspace: Wor
 def _round_stochastic(p, values, flat, generator, workspace) -> None:
     """``p = round_stochastic(values)``; ``flat`` is the fp32 buffer the ``values`` views cover."""
     bits = flat.view(torch.int32)
-    fresh = None
-    if flat.numel() < POOL // 4:
-        fresh = workspace.get(p[0].device, torch.int64, "bits", (flat.numel() + 3) // 4)
-    workspace.random_bits(p[0].device).add_(bits, generator, fresh)
+    if flat.numel() < POOL // 4:  # small chunks: fresh bits cost little, and no pool is made
+        add_fresh_bits(
+            bits, generator, workspace.get(p[0].device, torch.int64, "bits", (flat.numel() + 3) // 4)
+        )
+    else:
+        workspace.random_bits(p[0].device).add_(bits, generator)
     bits.bitwise_and_(KEEP_HIGH_16_BITS)  # carry into bf16's last bit with the dropped fraction
     torch._foreach_copy_(p, values)  # exact: the low 16 bits are zero

@@ -16,7 +16,8 @@ carry into bf16's last bit happens with probability (dropped fraction): unbiased
   offset drawn from the generator for every piece of every step. Given a uniform offset each value is
   exactly uniform over the 2**16 patterns, so each rounding stays unbiased; rounding errors of two weights
   in one step may be correlated (their windows may overlap), never biased. Drawing the offsets costs one
-  small ``randint`` per step instead of 16 bits per weight (measured in ``benchmarks/precision_paths.py``).
+  small ``randint`` per chunk instead of 16 bits per weight (measured in ``benchmarks/precision_paths.py``);
+  chunks under ``POOL // 4`` values draw fresh bits (:func:`add_fresh_bits`, four values per int64 draw).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "POOL",
     "RandomBits",
     "Workspace",
+    "add_fresh_bits",
     "chunks",
     "kahan_fold",
     "round_stochastic_into",
@@ -153,22 +155,21 @@ class RandomBits:
         pool = patterns[torch.randperm(POOL, generator=shuffle)].to(device)
         self.pool = torch.cat([pool, pool])  # any window of up to POOL values is contiguous
 
-    def add_(self, bits: torch.Tensor, generator: torch.Generator, fresh: torch.Tensor | None = None) -> None:
-        """Add uniform noise in [0, 2**16) to every value of the flat int32 tensor ``bits``.
-
-        With ``fresh`` (an int64 buffer of at least a quarter of the values; for chunks under ``POOL // 4``
-        values, where drawing costs little), new bits from the generator instead of the pool.
-        """
-        total = bits.numel()
-        if fresh is not None:
-            draws = fresh[: (total + 3) // 4]
-            draws.random_(-(2**63), 2**63 - 1, generator=generator)
-            bits.add_(draws.view(torch.int16)[:total]).add_(2**15)  # int16 is [-2**15, 2**15)
-            return
-        starts = range(0, total, POOL)
+    def add_(self, bits: torch.Tensor, generator: torch.Generator) -> None:
+        """Add uniform noise in [0, 2**16) to every value of the flat int32 tensor ``bits``."""
+        starts = range(0, bits.numel(), POOL)
         offsets = torch.randint(
             0, POOL, (len(starts),), generator=generator, device=generator.device
         ).tolist()
         pieces = [bits[start : start + POOL] for start in starts]
         windows = [self.pool[o : o + p.numel()] for o, p in zip(offsets, pieces, strict=True)]
         torch._foreach_add_(pieces, windows)
+
+
+def add_fresh_bits(bits: torch.Tensor, generator: torch.Generator, draws: torch.Tensor) -> None:
+    """Add new uniform noise in [0, 2**16) from the generator to the flat int32 ``bits``; ``draws`` is an
+    int64 buffer of at least a quarter of their number (four 16-bit values per draw)."""
+    total = bits.numel()
+    draws = draws[: (total + 3) // 4]
+    draws.random_(-(2**63), 2**63 - 1, generator=generator)
+    bits.add_(draws.view(torch.int16)[:total]).add_(2**15)  # int16 is [-2**15, 2**15)
