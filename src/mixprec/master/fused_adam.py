@@ -74,12 +74,14 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     """
     if guard and not grads_fit(units):
         return False
+    used: dict[tuple[Any, ...], list[_Chunk]] = {}
     for unit in units:
         _prepare(unit)
         flat_grads = [p.grad.view(-1) for p in unit.params]
-        for chunk in _plan(unit, workspace):
+        for chunk in _plan(unit, workspace, used):
             grads = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
             _update(unit, chunk, grads, workspace)
+    workspace.plans = used  # plans of replaced tensors go, and with them their views
     return True
 
 
@@ -95,14 +97,16 @@ class _Chunk:
     steps: list[torch.Tensor]
 
 
-def _plan(unit: AdamUnit, workspace: Workspace) -> list[_Chunk]:
-    """The chunks of ``unit``, built once and reused while the tensors and the workspace stay the same."""
+def _plan(unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], list[_Chunk]]) -> list[_Chunk]:
+    """The chunks of ``unit``, built once and reused while its tensors and the workspace stay the same
+    (the plan holds views of them, so a tensor it names cannot be freed and its address reused)."""
     tensors = [unit.params, [s["exp_avg"] for s in unit.states], [s["exp_avg_sq"] for s in unit.states]]
     tensors += [unit.kahan] if unit.kahan is not None else []
-    key = (workspace.generation, *(t.data_ptr() for ts in tensors for t in ts))
+    key = (workspace.generation, *((t.data_ptr(), t.numel()) for ts in tensors for t in ts))
     key += tuple(id(s["step"]) for s in unit.states)
     if key in workspace.plans:
-        return workspace.plans[key]
+        used[key] = workspace.plans[key]
+        return used[key]
     total = sum(p.numel() for p in unit.params)
     limit = min(max(workspace.numel, ALIGN), total)
     roles = ["values", "grad", "moment"] + (["kahan"] if unit.kahan is not None else [])
@@ -116,9 +120,7 @@ def _plan(unit: AdamUnit, workspace: Workspace) -> list[_Chunk]:
         work = {role: _consecutive(buffer, segments) for role, buffer in buffers.items()}
         steps = [unit.states[i]["step"] for i, _, _ in segments]
         plan.append(_Chunk(segments, flat, work, buffers["values"][:size], steps))
-    if len(workspace.plans) > 16:  # tensors replaced (a loaded state): drop the stale plans
-        workspace.plans.clear()
-    workspace.plans[key] = plan
+    used[key] = plan
     return plan
 
 
