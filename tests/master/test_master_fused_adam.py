@@ -134,7 +134,7 @@ def test_a_huge_finite_gradient_is_skipped_not_written_into_the_state(method):
     backward(model, 3)
     for p in model.parameters():
         p.grad.mul_(1e30)
-    with pytest.warns(RuntimeWarning, match="skipped a step"):
+    with pytest.warns(RuntimeWarning, match="skipped an optimizer step"):
         opt.step()
     assert opt.last_step_skipped and opt.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters(), strict=True))
@@ -184,7 +184,7 @@ def test_bf16_true_checks_inside_the_update_pass_and_counts_skips():
     assert not opt.scaler.is_enabled() and opt.optimizer.skip_nonfinite  # no separate gradient pass
     opt.zero_grad()
     opt.backward(model(torch.randn(4, 8)).float().sum() * float("inf"))
-    with pytest.warns(RuntimeWarning, match="skipped a step"):
+    with pytest.warns(RuntimeWarning, match="skipped an optimizer step"):
         opt.step()
     assert opt.last_step_skipped and opt.skipped_steps == 1 and opt.loss_scale == 1.0
     fresh = mlp().float()
