@@ -147,9 +147,9 @@ class CompensatedOptimizer(OptimizerWrapper):
         if not stepped:
             self.skipped_steps += 1
             warnings.warn(
-                "skipped an optimizer step: a gradient is inf/nan or its square overflows the optimizer state "
-                f"(CompensatedOptimizer's update pass); weights and state unchanged, {self.skipped_steps} "
-                "such step(s) skipped so far",
+                "skipped an optimizer step: a gradient is inf/nan or its square overflows the optimizer "
+                f"state (CompensatedOptimizer's update pass); weights and state unchanged, "
+                f"{self.skipped_steps} such step(s) skipped so far",
                 RuntimeWarning,
                 stacklevel=2,
             )
