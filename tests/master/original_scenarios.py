@@ -17,7 +17,7 @@ import json
 import torch
 from torch import nn
 
-from mixprec.recipes import initialize
+from mixprec.master.recipes import initialize
 
 STEPS = 20
 OVERFLOW_STEP = 7

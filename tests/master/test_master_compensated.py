@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.compensated import CompensatedOptimizer
+from mixprec.master.compensated import CompensatedOptimizer
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

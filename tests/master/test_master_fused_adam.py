@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.compensated import CompensatedOptimizer
+from mixprec.master.compensated import CompensatedOptimizer
 from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, RandomBits
-from mixprec.recipes import initialize
+from mixprec.master.recipes import initialize
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -6,25 +6,16 @@ engine (:mod:`mixprec.autocast.engine`) adds what a policy changes. See docs/arc
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
 from mixprec.autocast import pins
 from mixprec.autocast.engine import _DeviationMode, _Frame, _state
-from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family
+from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family, check_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
-
-
-def _check_policy(policy: object) -> Policy | None:
-    if isinstance(policy, str):
-        return Policy.parse(policy)
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(
-            f"policy must be a Policy, a preset name or a policy string, got {type(policy).__name__}"
-        )
-    return policy
 
 
 def _settings(
@@ -40,7 +31,7 @@ def _settings(
             f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}: {cache_enabled!r}"
         )
     family = _family(device_type)
-    policy = _check_policy(policy)
+    policy = check_policy(policy)
     if not enabled:
         return family, False, policy or Policy(device_type=family), None
     if policy is None:
@@ -136,7 +127,8 @@ class autocast(torch.amp.autocast_mode.autocast):
         self._rules = rules if self.enabled else None
         self.fast_dtype = dtype if self.enabled and dtype is not None else self.fast_dtype
         self.cache_enabled = self._cache_enabled
-        self._entries: list[tuple[Any, Any, Any]] = []  # torch's saved state per entry: re-entrant
+        # torch's saved state and the entering thread, per entry: re-entrant
+        self._entries: list[tuple[Any, Any, Any, int]] = []
         self._replay_names: dict[int, str] | None = None  # a replayed region keeps its root's names
 
     @classmethod
@@ -163,7 +155,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         outer_dtype, outer_on = torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev)
         # (a region inside a pinned or disabled part still shares torch's cache with the outer region)
         super().__enter__()
-        self._entries.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled))
+        self._entries.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled, threading.get_ident()))
         frame = _Frame(dev, self.enabled, self._rules, self._cache_enabled)
         # torch keys its cast cache by tensor only: a nested region of another dtype must not be served
         # the outer region's casts (torch raises "expected ... same dtype" there).
@@ -184,12 +176,13 @@ class autocast(torch.amp.autocast_mode.autocast):
             frame.saved_rules = mode.rules
             mode.set_rules(rules)
         if rules is not None and rules.policy.module_overrides:
-            pins.acquire()
+            pins.HOOKS.acquire()
             frame.holds_pins = True
-        pins.watch_optimizers()
+        pins.HOOKS.watch_optimizers()
         return self
 
     def __exit__(self, *exc: object) -> None:  # type: ignore[override]
+        self._check_same_thread()
         frame = _state.frames.pop()
         mode = _state.mode
         if frame.pushed_mode and mode is not None:
@@ -198,15 +191,31 @@ class autocast(torch.amp.autocast_mode.autocast):
         elif mode is not None:
             mode.set_rules(frame.saved_rules)
         if frame.holds_pins:
-            pins.release()
+            pins.HOOKS.release()
         if not _state.frames:
             _state.cache.clear()
             _state.names.clear()
             _state.depth = 0
         if frame.cleared_cache:
             torch.clear_autocast_cache()
-        self.prev, self.prev_fastdtype, self.prev_cache_enabled = self._entries.pop()
+        self.prev, self.prev_fastdtype, self.prev_cache_enabled, _ = self._entries.pop()
         super().__exit__(*exc)
+
+    def _check_same_thread(self) -> None:
+        """RuntimeError, changing nothing, unless this thread entered the region and has not exited it.
+
+        A region's state (mixprec's frames and torch's autocast state alike) belongs to the thread that
+        entered it; another thread cannot restore it.
+        """
+        if not self._entries:
+            raise RuntimeError(f"{self!r} exited without being entered")
+        entered, here = self._entries[-1][3], threading.get_ident()
+        if entered != here or not _state.frames:
+            raise RuntimeError(
+                f"{self!r} was entered in thread {entered} and exited in thread {here}: a region's state "
+                "(torch's autocast state too) belongs to the thread that entered it, so enter and exit it "
+                "in the same thread (one region per thread, each inside its own thread's code)"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -237,8 +246,3 @@ def get_autocast_dtype(device_type: str = "cpu") -> torch.dtype:
     if frame is None or frame.rules is None:
         return DEFAULT_DTYPES[_family(device_type)]
     return frame.rules.compute_dtype
-
-
-def _suspended(device_type: str) -> Any:
-    """A region that switches mixprec and torch autocast off for ``device_type`` (custom_fwd's cast)."""
-    return autocast(device_type, enabled=False)

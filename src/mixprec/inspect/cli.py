@@ -1,8 +1,7 @@
 """``mixprec report`` and ``mixprec inspect``: argument parsing and the runs behind them.
 
-Each command is ``add_*_arguments(parser)`` + ``run_*(args) -> int``, the shape ``mixprec.cli``'s
-``SUBCOMMANDS`` table expects (through :mod:`mixprec.inspect.report_command` and
-:mod:`mixprec.inspect.inspect_command`), plus a standalone ``*_main(argv) -> int``.
+Each command is ``*_HELP``, ``add_*_arguments(parser)`` + ``run_*(args) -> int``, the names
+``mixprec.cli``'s ``SUBCOMMANDS`` table points to, plus a standalone ``*_main(argv) -> int``.
 """
 
 from __future__ import annotations

@@ -11,25 +11,12 @@ import torch
 from torch import nn
 
 from mixprec.policy import Policy
+from mixprec.policy.policy import check_policy
 from mixprec.scaling import GradScaler
 
 __all__ = ["Diagnoser", "check_policy", "check_scaler", "framework_dtype", "region_dtype", "scaler_metrics"]
 
 logger = logging.getLogger("mixprec.integrations")
-
-
-def check_policy(policy: Policy | str | None) -> Policy | None:
-    """``policy`` as a :class:`Policy` (a string is parsed), or None.
-
-    Raises:
-        TypeError: for anything but a Policy, a str or None.
-        ValueError: for a string :meth:`Policy.parse` refuses.
-    """
-    if policy is None or isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str):
-        return Policy.parse(policy)
-    raise TypeError(f"policy must be a mixprec.Policy, a policy string or None, got {type(policy).__name__}")
 
 
 def check_scaler(scaler: GradScaler | None) -> GradScaler | None:

@@ -31,7 +31,7 @@ from mixprec.policy.names import (
     BANNED,
     DEFAULT_DTYPES,
     PASSTHROUGH,
-    PRESETS,
+    POLICY_PRESETS,
     SUPPORTED_DTYPES,
     ModuleKey,
     OpKey,
@@ -51,11 +51,12 @@ __all__ = [
     "BANNED",
     "DEFAULT_DTYPES",
     "PASSTHROUGH",
-    "PRESETS",
+    "POLICY_PRESETS",
     "SUPPORTED_DTYPES",
     "Policy",
     "ResolvedPolicy",
     "canonical_op",
+    "check_policy",
     "known_op_names",
 ]
 
@@ -66,7 +67,13 @@ def _module_value(value: object, key: object) -> torch.dtype | Policy:
     if isinstance(value, Policy):
         return value
     if isinstance(value, str) and value.strip().lower().removeprefix("torch.") not in _DTYPE_NAMES:
-        return Policy.parse(value)
+        try:
+            return Policy.parse(value)
+        except ValueError as error:
+            raise ValueError(
+                f"module override for {key!r}: {value!r} is neither a dtype name {sorted(_DTYPE_NAMES)} "
+                f"nor a policy ({error})"
+            ) from None
     if isinstance(value, (torch.dtype, str)):
         return _dtype(value, f"module override for {key!r}")
     raise TypeError(f"module override for {key!r} must be a dtype or a Policy, got {type(value).__name__}")
@@ -119,10 +126,12 @@ class Policy:
     module_overrides: tuple[tuple[ModuleKey, torch.dtype | Policy], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        # Dtype names ("bf16", "torch.float16") become dtypes here, as in Policy.parse, so the value
+        # prints, compares and hashes as the dtype it names; anything else is refused now, not in a region.
+        dtypes = {"param_dtype": _dtype(self.param_dtype, "param_dtype")}
+        dtypes["output_dtype"] = _dtype(self.output_dtype, "output_dtype")
         if self.compute_dtype is not None:
-            _dtype(self.compute_dtype, "compute_dtype")
-        _dtype(self.param_dtype, "param_dtype")
-        _dtype(self.output_dtype, "output_dtype")
+            dtypes["compute_dtype"] = _dtype(self.compute_dtype, "compute_dtype")
         if self.device_type is not None and self.device_type not in _FAMILY_OPS:
             raise ValueError(
                 f"device_type must be one of {sorted(_FAMILY_OPS)} or None, got {self.device_type!r}"
@@ -133,10 +142,15 @@ class Policy:
                     f"unknown op category {category!r} for {op!r}; accepted: {list(_ALL_CATEGORIES)}"
                 )
             canonical_op(op)  # raises for an unknown op name
+        modules = []
         for key, value in _pairs("module_overrides", self.module_overrides):
             _module_key(key)
-            if not isinstance(value, (torch.dtype, Policy)):
+            if not isinstance(value, (torch.dtype, Policy, str)):
                 raise TypeError(f"module override for {key!r} must be a dtype or a Policy, got {value!r}")
+            modules.append((key, _module_value(value, key)))
+        for name, value in dtypes.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "module_overrides", tuple(modules))
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -164,7 +178,9 @@ class Policy:
             return cls(compute_dtype=torch.float16, device_type=family)
         if key == "conservative":
             return cls(device_type=family).with_ops(fp32=_CONSERVATIVE_FP32)
-        raise ValueError(f"unknown policy preset {name!r}{_suggest(key, PRESETS)}; accepted: {list(PRESETS)}")
+        raise ValueError(
+            f"unknown policy preset {name!r}{_suggest(key, POLICY_PRESETS)}; accepted: {list(POLICY_PRESETS)}"
+        )
 
     @classmethod
     def parse(cls, spec: str, device_type: str | None = None) -> Policy:
@@ -318,3 +334,22 @@ class Policy:
             if names:
                 parts.append(f"{category}+={'|'.join(names)}")
         return ",".join(parts)
+
+
+def check_policy(policy: object) -> Policy | None:
+    """``policy`` as a :class:`Policy`: a Policy or None as it is, a preset name or policy string parsed.
+
+    The one check for every public ``policy=`` argument (``mixprec.autocast``, the trainer integrations).
+
+    Raises:
+        TypeError: for anything but a Policy, a str or None, naming its type.
+        ValueError: for a string :meth:`Policy.parse` refuses (an unknown preset or op, a bad dtype).
+    """
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return Policy.parse(policy)
+    raise TypeError(
+        "policy must be a mixprec.Policy, a preset name, a policy string or None, got "
+        f"{type(policy).__name__}: {policy!r:.80}"
+    )
