@@ -136,11 +136,13 @@ def candidates(params) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=30, help="at least 2 (for the IQR)")
     parser.add_argument("--repeat", type=int, default=3, help="steps per candidate per round")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error(f"--rounds must be at least 2 (the IQR needs two values), got {args.rounds}")
     torch.set_num_threads(args.threads)
     params = make_grads(args.width)
     steps = candidates(params)
