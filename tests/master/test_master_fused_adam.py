@@ -252,3 +252,28 @@ def test_a_long_run_at_default_betas_with_gradient_spikes_ends_where_the_clean_r
     assert skipped_clean == 0 and skipped == len(spikes)
     assert spiked == pytest.approx(clean, rel=0.02)
     assert clean == pytest.approx(reference, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: CompensatedOptimizer(torch.optim.Adam(ps, lr=1e-3), "kahan", state_dtype=torch.float32),
+        lambda ps: CompensatedOptimizer(torch.optim.RMSprop(ps, lr=1e-3), "stochastic"),  # the generic path
+        lambda ps: CompensatedOptimizer(torch.optim.SGD(ps, lr=1e-3, momentum=0.9), "kahan"),
+    ],
+)
+def test_the_unfused_paths_skip_huge_gradients_too(make):
+    model = mlp()
+    opt = make(list(model.parameters()))
+    backward(model, 0)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    backward(model, 1)
+    model[0].weight.grad[0, 0] = 1e30
+    with pytest.warns(RuntimeWarning, match="skipped an optimizer step"):
+        opt.step()
+    after = opt.state_dict()["optimizer"]["state"]
+    saved = before["optimizer"]["state"]
+    assert all(
+        torch.equal(saved[i][k], after[i][k]) for i in saved for k in saved[i] if torch.is_tensor(saved[i][k])
+    )

@@ -193,7 +193,7 @@ class CompensatedOptimizer(OptimizerWrapper):
                 else:
                     unfused.append((group, bucket, low, torch.float32 if torch.float32 in dtypes else dtype))
         if self.skip_nonfinite and unfused:
-            if not updates.grads_finite([p for _, bucket, _, _ in unfused for p in bucket]):
+            if not updates.grads_fit([p for _, bucket, _, _ in unfused for p in bucket]):
                 return False
         if fused and not adam_step(fused, self.workspace, self.skip_nonfinite):
             return False
@@ -262,7 +262,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             graded = low + [
                 p for g in self.param_groups for p in g["params"] if id(p) in own and p.grad is not None
             ]
-            if graded and not updates.grads_finite(graded):
+            if graded and not updates.grads_fit(graded):
                 return False
         originals = [group["params"] for group in self.param_groups]
         for n, chunk in enumerate(self._chunks(low) if low else [[]]):
