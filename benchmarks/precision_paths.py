@@ -6,9 +6,10 @@ Paths (all AdamW with the same hyperparameters, on an MLP of ``depth`` Linear-La
 fp32                torch AdamW, fp32 weights (the baseline)
 bf16                weights cast to bf16, torch AdamW (its state bf16 too): loses small updates
 optimi-kahan        torch-optimi ``AdamW(kahan_sum=True)`` on bf16 weights: the peer for pure bf16
-bf16-true+kahan     ``mixprec.initialize(model, AdamW, "bf16-true", weight_update="kahan")``
+bf16-true+kahan     ``mixprec.initialize(model, AdamW, "bf16-true", weight_update="kahan")`` (guarded)
 kahan-nocheck       bf16-true+kahan with ``loss_scale=None``: no inf/nan check before the step (as optimi)
-bf16-true+sr        the same with ``weight_update="stochastic"``
+kahan-fp32state     bf16-true+kahan with ``CompensatedOptimizer(state_dtype=torch.float32)``: fp32 moments
+bf16-true+sr        the same with ``weight_update="stochastic"`` (guarded)
 O1                  ``initialize(..., "O1")``: fp32 weights, mixprec autocast, dynamic loss scale
 O2                  ``initialize(..., "O2")``: bf16 model, fp32 masters, dynamic loss scale
 ==================  ==========================================================================
@@ -21,11 +22,13 @@ step (forward, backward, optimizer step; ``time.process_time``), which other loa
 disturbs far less than the wall clock (also printed, ``wall ms``); with ``--threads 1`` (default) the two
 agree on an idle machine. ``tensors`` counts the distinct storages alive after a
 step: parameters, buffers, gradients, optimizer state, masters (and their gradients), Kahan buffers; exact
-and reproducible. ``peak`` is the process's peak RSS growth over training (includes transients).
+and reproducible. ``scratch`` is what a CompensatedOptimizer keeps between steps besides (its workspace
+buffers and random-bit pool: bounded, not per parameter). ``peak`` is the process's peak RSS growth over
+training (includes transients).
 
 Usage::
 
-    python benchmarks/precision_paths.py --widths 256,512,1024 --rounds 5 --json precision_paths.json
+    python benchmarks/precision_paths.py --widths 256,512 --beta2 0.999,0.99 --rounds 7 --json out.json
 """
 
 from __future__ import annotations
@@ -41,7 +44,17 @@ import time
 import torch
 from torch import nn
 
-PATHS = ("fp32", "bf16", "optimi-kahan", "bf16-true+kahan", "kahan-nocheck", "bf16-true+sr", "O1", "O2")
+PATHS = (
+    "fp32",
+    "bf16",
+    "optimi-kahan",
+    "bf16-true+kahan",
+    "kahan-nocheck",
+    "kahan-fp32state",
+    "bf16-true+sr",
+    "O1",
+    "O2",
+)
 MIB = 2**20
 
 
@@ -65,11 +78,20 @@ def tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
+def scratch_bytes(optimizer) -> int:
+    """Bytes of a CompensatedOptimizer's workspace buffers and random-bit pools (0 for other optimizers)."""
+    workspace = getattr(getattr(optimizer, "optimizer", None), "workspace", None)
+    if workspace is None:
+        return 0
+    tensors = [*workspace.buffers.values(), *(pool.pool for pool in workspace.pools.values())]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def build(path: str, width: int, depth: int, lr: float, betas: tuple[float, float], wd: float):
     torch.manual_seed(0)
     blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())]
     model = nn.Sequential(*blocks, nn.Linear(width, 10))
-    if path in ("bf16", "optimi-kahan"):
+    if path in ("bf16", "optimi-kahan", "kahan-fp32state"):
         model.to(torch.bfloat16)
     if path == "optimi-kahan":
         import optimi
@@ -78,8 +100,11 @@ def build(path: str, width: int, depth: int, lr: float, betas: tuple[float, floa
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if path in ("fp32", "bf16"):
         return model, optimizer
-    from mixprec import initialize
+    from mixprec import CompensatedOptimizer, MixedPrecisionOptimizer, initialize
 
+    if path == "kahan-fp32state":
+        inner = CompensatedOptimizer(optimizer, "kahan", state_dtype=torch.float32)
+        return model, MixedPrecisionOptimizer(inner, scaler=1.0, master_weights=False)
     update = {"bf16-true+kahan": "kahan", "kahan-nocheck": "kahan", "bf16-true+sr": "stochastic"}
     if path in update:
         scale = {"loss_scale": None} if path == "kahan-nocheck" else {}
@@ -92,10 +117,11 @@ def worker(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     x = torch.randn(args.batch, args.width)
     y = torch.randint(0, 10, (args.batch,))
-    if args.path in ("bf16", "optimi-kahan"):
+    if args.path in ("bf16", "optimi-kahan", "kahan-fp32state"):
         x = x.bfloat16()
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model, optimizer = build(args.path, args.width, args.depth, args.lr, (0.9, args.beta2), args.wd)
+    beta2 = float(args.beta2)
+    model, optimizer = build(args.path, args.width, args.depth, args.lr, (0.9, beta2), args.wd)
     times, cpu_times = [], []
     for step in range(args.warmup + args.steps):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -110,6 +136,8 @@ def worker(args: argparse.Namespace) -> dict:
     return {
         "path": args.path,
         "width": args.width,
+        "beta2": beta2,
+        "scratch_bytes": scratch_bytes(optimizer),
         "params": params,
         "wall_ms": statistics.median(times) * 1e3,
         "step_ms": statistics.median(cpu_times) * 1e3,
@@ -126,48 +154,58 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (beta2, width, path): medians and IQRs over rounds, and the ratio to optimi-kahan
+    computed within each round (the processes of one round ran back to back) with its IQR."""
     rows = []
-    for width in sorted({r["width"] for r in runs}):
-        for path in PATHS:
-            mine = [r for r in runs if r["width"] == width and r["path"] == path]
-            if not mine:
-                continue
-            q1, median, q3 = _quartiles([r["step_ms"] for r in mine])
-            rows.append(
-                {
-                    "width": width,
-                    "path": path,
-                    "params": mine[0]["params"],
-                    "step_ms": median,
-                    "step_iqr_ms": q3 - q1,
-                    "wall_ms": statistics.median(r["wall_ms"] for r in mine),
-                    "tensor_mib": mine[0]["tensor_bytes"] / MIB,
-                    "bytes_per_param": mine[0]["tensor_bytes"] / mine[0]["params"],
-                    "peak_mib": statistics.median(r["peak_mib"] for r in mine),
-                    "rounds": len(mine),
-                }
-            )
+    for beta2 in sorted({r["beta2"] for r in runs}, reverse=True):
+        for width in sorted({r["width"] for r in runs}):
+            here = [r for r in runs if r["width"] == width and r["beta2"] == beta2]
+            peers = {r["round"]: r["step_ms"] for r in here if r["path"] == "optimi-kahan"}
+            for path in PATHS:
+                mine = [r for r in here if r["path"] == path]
+                if mine:
+                    rows.append(_row(beta2, width, path, mine, peers))
     return rows
+
+
+def _row(beta2: float, width: int, path: str, mine: list[dict], peers: dict[int, float]) -> dict:
+    q1, median, q3 = _quartiles([r["step_ms"] for r in mine])
+    r1, ratio, r3 = _quartiles([r["step_ms"] / peers[r["round"]] for r in mine if r["round"] in peers])
+    return {
+        "beta2": beta2,
+        "width": width,
+        "path": path,
+        "params": mine[0]["params"],
+        "step_ms": median,
+        "step_iqr_ms": q3 - q1,
+        "vs_optimi": ratio,
+        "vs_optimi_q1": r1,
+        "vs_optimi_q3": r3,
+        "wall_ms": statistics.median(r["wall_ms"] for r in mine),
+        "tensor_mib": mine[0]["tensor_bytes"] / MIB,
+        "bytes_per_param": mine[0]["tensor_bytes"] / mine[0]["params"],
+        "scratch_mib": mine[0]["scratch_bytes"] / MIB,
+        "peak_mib": statistics.median(r["peak_mib"] for r in mine),
+        "rounds": len(mine),
+    }
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(
-        f"AdamW lr {args.lr} betas (0.9, {args.beta2}) wd {args.wd}, depth {args.depth}, batch {args.batch}, "
-        f"{args.threads} threads; CPU ms per step: median of {args.steps} steps per process, "
-        f"median and IQR over {args.rounds} interleaved rounds"
+        f"AdamW lr {args.lr} wd {args.wd}, depth {args.depth}, batch {args.batch}, {args.threads} threads; "
+        f"CPU ms per training step: median of {args.steps} steps per process, median and IQR over "
+        f"{args.rounds} interleaved rounds; vs optimi: per-round ratio, median [IQR]"
     )
-    header = (
-        f"{'width':>5} {'path':16} {'params':>7} {'step ms':>8} {'IQR':>6} {'wall ms':>8} {'tensors MiB':>11}"
+    print(
+        f"{'beta2':>5} {'width':>5} {'path':16} {'params':>7} {'step ms':>8} {'IQR':>5} "
+        f"{'vs optimi':>17} {'B/param':>7} {'scratch MiB':>11} {'peak MiB':>8}"
     )
-    print(header + f" {'B/param':>7} {'peak MiB':>8} {'ms vs optimi':>12} {'MiB vs optimi':>13}")
     for row in rows:
-        peer = next(r for r in rows if r["width"] == row["width"] and r["path"] == "optimi-kahan")
+        ratio = f"{row['vs_optimi']:.2f} [{row['vs_optimi_q1']:.2f}-{row['vs_optimi_q3']:.2f}]"
         print(
-            f"{row['width']:>5} {row['path']:16} {row['params'] / 1e6:6.2f}M {row['step_ms']:8.2f} "
-            f"{row['step_iqr_ms']:6.2f} {row['wall_ms']:8.2f} {row['tensor_mib']:11.1f} "
-            f"{row['bytes_per_param']:7.2f} "
-            f"{row['peak_mib']:8.1f} {row['step_ms'] / peer['step_ms']:12.2f} "
-            f"{row['tensor_mib'] / peer['tensor_mib']:13.2f}"
+            f"{row['beta2']:>5} {row['width']:>5} {row['path']:16} {row['params'] / 1e6:6.2f}M "
+            f"{row['step_ms']:8.2f} {row['step_iqr_ms']:5.2f} {ratio:>17} {row['bytes_per_param']:7.2f} "
+            f"{row['scratch_mib']:11.1f} {row['peak_mib']:8.1f}"
         )
 
 
@@ -181,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--beta2", type=float, default=0.99)
+    parser.add_argument("--beta2", default="0.999", help="comma-separated second-moment decay rates")
     parser.add_argument("--wd", type=float, default=0.01)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {list(PATHS)}")
     parser.add_argument("--json", help="write the rows and every run to this file")
@@ -198,14 +236,17 @@ def main(argv: list[str] | None = None) -> None:
     if "optimi-kahan" not in paths:
         parser.error("the table compares every path with optimi-kahan: keep it in --paths")
     shared = [f"--{k}={getattr(args, k)}" for k in ("depth", "batch", "steps", "warmup", "threads", "lr")]
-    shared += [f"--beta2={args.beta2}", f"--wd={args.wd}"]
+    shared += [f"--wd={args.wd}"]
     runs = []
-    for _ in range(args.rounds):
-        for width in map(int, args.widths.split(",")):
-            for path in paths:
-                command = [sys.executable, __file__, *shared, f"--path={path}", f"--width={width}"]
-                done = subprocess.run(command, capture_output=True, text=True, check=True)
-                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for round_ in range(args.rounds):
+        for beta2 in args.beta2.split(","):
+            for width in map(int, args.widths.split(",")):
+                for path in paths:
+                    command = [sys.executable, __file__, *shared, f"--beta2={beta2}", f"--path={path}"]
+                    done = subprocess.run(
+                        [*command, f"--width={width}"], capture_output=True, text=True, check=True
+                    )
+                    runs.append({**json.loads(done.stdout.strip().splitlines()[-1]), "round": round_})
     rows = summarize(runs)
     print_table(rows, args)
     if args.json:

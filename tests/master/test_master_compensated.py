@@ -10,6 +10,8 @@ from torch import nn
 
 from mixprec.master.compensated import CompensatedOptimizer
 
+BF16, FP32 = torch.bfloat16, torch.float32
+
 
 def small_updates(method, steps=200, size=4096, grad=1e-4):
     """``size`` bf16 weights at 1.0, each step moving them by -``grad``: returns the final weights."""
@@ -91,10 +93,11 @@ def test_fp32_params_step_once_per_step_whatever_the_chunking():
 @pytest.mark.parametrize(
     ("make", "state_dtype"),
     [
-        (lambda ps: torch.optim.Adam(ps, lr=1e-3), torch.float32),  # beta2 0.999: 1e-3 < half a bf16 ulp
-        (lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.9, 0.99)), torch.bfloat16),
-        (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), torch.bfloat16),
-        (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), torch.float32),  # generic path: fp32 scratch state
+        # beta2 0.999: 1e-3 is under half a bf16 ulp, so exp_avg_sq stays fp32; beta1 0.9 moves in bf16
+        (lambda ps: torch.optim.Adam(ps, lr=1e-3), {"exp_avg": BF16, "exp_avg_sq": FP32}),
+        (lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.9, 0.99)), {"exp_avg": BF16, "exp_avg_sq": BF16}),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), {"momentum_buffer": BF16}),
+        (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), {"square_avg": FP32}),  # generic path: fp32 state
     ],
 )
 def test_groups_hold_the_model_weights_and_state_is_bf16_where_the_method_allows(make, state_dtype):
@@ -102,8 +105,9 @@ def test_groups_hold_the_model_weights_and_state_is_bf16_where_the_method_allows
     opt = CompensatedOptimizer(make(model.parameters()))
     train(model, opt, 2)
     assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
-    state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
-    assert state and all(v.dtype == state_dtype for v in state)
+    assert len(opt.state) == len(list(model.parameters()))
+    for state in opt.state.values():
+        assert {k: v.dtype for k, v in state.items() if k in state_dtype} == state_dtype
 
 
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])
@@ -207,14 +211,16 @@ def test_lr_scheduler_drives_the_inner_optimizer():
 
 
 def test_state_dtype_follows_whether_a_bf16_average_can_move():
-    from mixprec.master.updates import state_dtype
+    from mixprec.master.updates import moment_dtypes
 
     one = torch.ones(1, dtype=torch.bfloat16)
     assert torch.equal(one * 0.999, one) and not torch.equal(one * 0.99, one)  # why beta2 0.999 stays fp32
-    assert state_dtype(torch.bfloat16, "adam", {"betas": (0.9, 0.999)}) == torch.float32
-    assert state_dtype(torch.bfloat16, "adam", {"betas": (0.9, 0.99)}) == torch.bfloat16
-    assert state_dtype(torch.bfloat16, "sgd", {"momentum": 0.999}) == torch.float32
-    assert state_dtype(torch.float16, "adam", {"betas": (0.9, 0.99)}) == torch.float32  # fp16 range
+    assert moment_dtypes(BF16, "adam", {"betas": (0.9, 0.999)}) == (BF16, FP32)
+    assert moment_dtypes(BF16, "adam", {"betas": (0.9, 0.99)}) == (BF16, BF16)
+    assert moment_dtypes(BF16, "adam", {"betas": (0.999, 0.999)}) == (FP32, FP32)
+    assert moment_dtypes(BF16, "sgd", {"momentum": 0.999}) == (FP32,)
+    assert moment_dtypes(BF16, "sgd", {"momentum": 0}) == (BF16,)
+    assert moment_dtypes(torch.float16, "adam", {"betas": (0.9, 0.99)}) == (FP32, FP32)  # fp16 range
 
 
 def test_stochastic_rounding_with_bf16_adam_state_is_unbiased():

@@ -20,7 +20,7 @@ import pytest
 from original_scenarios import OPTIMIZERS, PARTS, digest, model, train
 
 EXPECTED = json.loads((Path(__file__).parent / "original_digests.json").read_text())
-FP32_BY_RULE = ("adam", "adam-l2", "adamw", "rmsprop")
+FP32_BY_RULE = ("rmsprop",)  # Adam at beta1 = 0.9 keeps exp_avg in bf16: tested within rounding below
 
 
 def assert_digests(out, key):
@@ -52,15 +52,24 @@ def tracked(out):
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "bound"), [("sgd", 0.02), ("sgd-momentum", 0.02), ("adam-0.99", 0.1), ("adamw-0.99", 0.1)]
+    ("optimizer", "bound"),
+    [
+        ("sgd", 0.02),
+        ("sgd-momentum", 0.02),
+        ("adam-0.99", 0.1),
+        ("adamw-0.99", 0.1),
+        ("adam", 0.1),
+        ("adam-l2", 0.1),
+        ("adamw", 0.1),
+    ],
 )
 def test_bf16_state_stays_within_its_documented_rounding_of_the_original(optimizer, bound):
     """20 steps with bf16 state against the fp32-state run (= the original, by the digests above).
 
     Each bf16 state op rounds once (2**-9 relative), and the bf16 Kahan fold rounds the buffer: SGD's
     tracked weights stay within 2% of the distance travelled (measured <= 0.9%); Adam normalises each
-    element by its own bf16 second moment, which passes the rounding on to every update: within 10%
-    (measured <= 4.5%).
+    element by its own second moment, which passes the rounding on to every update: within 10%
+    (measured <= 4.5%). At the default betas only ``exp_avg`` is bf16 (the fused path).
     """
     start = [p.detach().bfloat16().float() for p in model().parameters()]
     reference = tracked(train("bf16-true", optimizer, weight_update="kahan", fp32_state=True))

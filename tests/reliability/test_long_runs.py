@@ -5,7 +5,8 @@ Ten steps whose loss is multiplied by 1e30 (by 1e3 where the model is fp16, whos
 move again (checked below, so the stretch is a real hazard). On a guarded path each such step is skipped
 and counted, the optimizer state stays finite, and the run ends where torch's fp32 Adam ends when it is
 given only the clean steps (the oracle, in this run). The paths are data (``paths.PATHS``); the
-Kahan/stochastic ones are left out until their update pass checks the gradients itself. fp16 models
+Kahan/stochastic ones check inside their own update pass (``CompensatedOptimizer(skip_nonfinite=True)``,
+which ``initialize`` sets). fp16 models
 (``O2-fp16``, ``16-true``) get a stretch of 1e3 times the loss: their gradients are finite in fp16, their
 squares fit the fp32 state, and training must simply go on.
 """

@@ -14,25 +14,31 @@ in expectation and needs no buffer (bf16 only).
 Two paths, chosen per optimizer:
 
 * ``torch.optim.Adam``, ``AdamW`` and ``SGD``: mixprec steps the torch optimizer's own groups and state with
-  foreach updates on the low-precision weights (:mod:`mixprec.master.updates`). The state is kept in bf16
-  where the method's moving averages can move in bf16, else fp32 (``state_dtype``); no fp32 copy of the
-  model exists at any time.
+  foreach updates on the low-precision weights (:mod:`mixprec.master.updates`; Adam/AdamW on bf16 weights
+  with Kahan or stochastic rounding in one fused pass, :mod:`mixprec.master.fused_adam`). Each moving
+  average is kept in bf16 where it can move in bf16, else fp32 (``state_dtype``): at torch's default Adam
+  betas a bf16 first moment and an fp32 second moment. No fp32 copy of the model exists at any time.
 * any other optimizer: it steps fp32 scratch copies of at most ``scratch_numel`` weights at a time (exact for
   per-parameter optimizers; one that couples parameters needs ``scratch_numel=None``), its state stays fp32.
 
 Either path works through at most ``scratch_numel`` weights at a time, so no fp32 temporary ever spans
 the whole model.
 
+With ``skip_nonfinite`` (the default) a step is skipped, state and weights untouched, when a gradient is
+inf/nan or (Adam) its square would overflow the second moment; the fused Adam path checks inside its pass
+(no separate read of the gradients), the others check the gradients first. ``skipped_steps`` and
+``last_step_skipped`` report it, and each skip warns.
+
 Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Measured in
-``benchmarks/precision_paths.py``: the same memory and 1.00-1.08x its step time (without the inf/nan check
-that presets add), but optimi's Adam has other hyperparameter semantics than the torch optimizer a user
-hands to ``initialize`` (debiased betas, eps 1e-6, decay outside the compensation), always keeps bf16
-state (which freezes at beta2 = 0.999), overwrites ``.grad`` as workspace, and has no stochastic rounding;
-it stays a benchmark peer, not a dependency.
+``benchmarks/precision_paths.py`` (README): the step time is comparable, but optimi's Adam has other
+hyperparameter semantics than the torch optimizer a user hands to ``initialize`` (debiased betas, eps 1e-6,
+decay outside the compensation), always keeps bf16 state (which freezes at beta2 = 0.999), overwrites
+``.grad`` as workspace, and has no stochastic rounding; it stays a benchmark peer, not a dependency.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +46,8 @@ import torch
 from torch.optim import Optimizer
 
 from mixprec.master import updates
-from mixprec.master.lowp import Workspace
+from mixprec.master.fused_adam import AdamUnit, adam_step
+from mixprec.master.lowp import CHUNK, Workspace
 from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
 
 __all__ = ["METHODS", "CompensatedOptimizer"]
@@ -65,11 +72,19 @@ class CompensatedOptimizer(OptimizerWrapper):
         scratch_numel: most weights stepped at once (consecutive whole tensors), which bounds the fp32
             temporaries: the scratch copies of the generic path, the fp32 values of fp32-state updates;
             None: all at once.
-        state_dtype: None (bf16 where the method allows it, see :func:`mixprec.master.updates.state_dtype`)
-            or ``torch.float32`` (always fp32 state: bit for bit the original scratch-copy algorithm).
+        state_dtype: None (bf16 where the method allows it, see :func:`mixprec.master.updates.moment_dtypes`)
+            or ``torch.float32`` (always fp32 state: bit for bit the torch optimizer stepping an fp32
+            scratch copy of each weight, then rounding it).
+        skip_nonfinite: skip (and warn about) a step whose gradients are inf/nan or would overflow the
+            optimizer state; False steps whatever comes, as torch does.
+
+    Attributes:
+        skipped_steps: steps skipped by ``skip_nonfinite`` so far.
+        last_step_skipped: whether the latest ``step()`` was skipped by it.
 
     Raises:
-        TypeError: ``optimizer`` is not an Optimizer, or ``scratch_numel`` not an int.
+        TypeError: ``optimizer`` is not an Optimizer, ``scratch_numel`` not an int, ``skip_nonfinite`` not
+            a bool.
         ValueError: unknown method, a parameter dtype the method cannot round, a non-positive
             ``scratch_numel``, another ``state_dtype``, or an optimizer that already holds state.
     """
@@ -82,19 +97,25 @@ class CompensatedOptimizer(OptimizerWrapper):
         seed: int | None = None,
         scratch_numel: int | None = 2**24,
         state_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         _check_args(optimizer, method, seed, scratch_numel, state_dtype)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         _check_params(optimizer, method, [p for g in optimizer.param_groups for p in g["params"]])
         super().__init__(optimizer)
         self.method = method
         self.scratch_numel = scratch_numel
         self.state_dtype = state_dtype
         self.seed = torch.initial_seed() if seed is None else seed  # reads, never draws from, torch's RNG
-        self.kind = updates.fast_kind(optimizer)
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.algorithm = updates.fast_algorithm(optimizer)
         self.model_params: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
-        self.workspace = Workspace()
+        self.workspace = Workspace(min(CHUNK, scratch_numel or CHUNK))
         for group in optimizer.param_groups:
             self._adopt(group["params"])
 
@@ -116,7 +137,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         _check_params(self.optimizer, self.method, params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1]["params"])
-        self.kind = updates.fast_kind(self.optimizer)
+        self.algorithm = updates.fast_algorithm(self.optimizer)
 
     def _follow_groups(self) -> None:
         """Adopt low-precision params put into ``param_groups`` by hand (compensation buffers, a check)."""
@@ -130,7 +151,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         _check_unique(held, "param_groups")
         _check_params(self.optimizer, self.method, new)
         self._adopt(new)
-        self.kind = updates.fast_kind(self.optimizer)
+        self.algorithm = updates.fast_algorithm(self.optimizer)
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """One step of the inner optimizer's algorithm, applied with this wrapper's rounding method."""
@@ -138,13 +159,22 @@ class CompensatedOptimizer(OptimizerWrapper):
             raise ValueError("CompensatedOptimizer.step does not take a closure")
         self._follow_groups()
         with torch.no_grad():
-            if self.kind is not None:
-                self._step_fast()
-            else:
-                self._step_generic()
+            stepped = self._step_fast() if self.algorithm is not None else self._step_generic()
+        self.last_step_skipped = not stepped
+        if not stepped:
+            self.skipped_steps += 1
+            warnings.warn(
+                "skipped an optimizer step: a gradient is inf/nan or its square overflows the optimizer "
+                f"state (CompensatedOptimizer's update pass); weights and state unchanged, "
+                f"{self.skipped_steps} such step(s) skipped so far",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
-    def _step_fast(self) -> None:
+    def _step_fast(self) -> bool:
+        """Torch's Adam/AdamW/SGD on the groups' own state; False when ``skip_nonfinite`` skipped it."""
         slots = {id(p): i for i, p in enumerate(self.model_params)}
+        fused, unfused = [], []
         for group in self.param_groups:
             buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for param in group["params"]:
@@ -152,21 +182,57 @@ class CompensatedOptimizer(OptimizerWrapper):
                     buckets.setdefault((param.device, param.dtype), []).append(param)
             for (device, dtype), bucket in buckets.items():
                 low = dtype in LOW_PRECISION_DTYPES
-                sdt = self._state_dtype(dtype, group) if low else dtype
-                generator = self._generator(device) if low and self.method == "stochastic" else None
-                for params in self._chunks(bucket):  # bounds the fp32 temporaries of fp32-state updates
-                    comps = None
-                    if low and self.method == "kahan":
-                        comps = [self.compensation[slots[id(p)]] for p in params]
-                    states = [self.optimizer.state[p] for p in params]
-                    updates.step_group(
-                        self.kind, group, states, params, comps, self.method, sdt, generator, self.workspace
-                    )
+                dtypes = self._moment_dtypes(dtype, group) if low else (dtype,)
+                kahan = None
+                if low and self.method == "kahan":
+                    kahan = [self.compensation[slots[id(p)]] for p in bucket]
+                if self._fusable(dtype, bucket, kahan):
+                    states = [self.optimizer.state[p] for p in bucket]
+                    generator = self._generator(device) if self.method == "stochastic" else None
+                    fused.append(AdamUnit(group, states, bucket, kahan, dtypes, generator))
+                else:
+                    unfused.append((group, bucket, low, torch.float32 if torch.float32 in dtypes else dtype))
+        if self.skip_nonfinite and unfused:
+            if not updates.grads_fit([p for _, bucket, _, _ in unfused for p in bucket]):
+                return False
+        if fused and not adam_step(fused, self.workspace, self.skip_nonfinite):
+            return False
+        for group, bucket, low, state_dtype in unfused:
+            self._step_unfused(group, bucket, low, state_dtype, slots)
+        return True
 
-    def _state_dtype(self, dtype: torch.dtype, group: dict[str, Any]) -> torch.dtype:
-        if self.state_dtype is not None:
-            return self.state_dtype
-        return updates.state_dtype(dtype, self.kind, group)  # type: ignore[arg-type]
+    def _fusable(self, dtype: torch.dtype, params: list[torch.Tensor], kahan: Any) -> bool:
+        return (
+            dtype == torch.bfloat16
+            and self.method != "nearest"
+            and self.algorithm == "adam"
+            and self.state_dtype is None
+            and updates.contiguous(params, [p.grad for p in params], kahan or [])
+        )
+
+    def _step_unfused(self, group, bucket, low, state_dtype, slots) -> None:
+        device = bucket[0].device
+        generator = self._generator(device) if low and self.method == "stochastic" else None
+        for params in self._chunks(bucket):  # bounds the fp32 temporaries of fp32-state updates
+            kahan = None
+            if low and self.method == "kahan":
+                kahan = [self.compensation[slots[id(p)]] for p in params]
+            states = [self.optimizer.state[p] for p in params]
+            updates.step_group(
+                self.algorithm,  # type: ignore[arg-type]
+                group,
+                states,
+                params,
+                kahan,
+                self.method,
+                state_dtype,
+                generator,
+                self.workspace,
+            )
+
+    def _moment_dtypes(self, dtype: torch.dtype, group: dict[str, Any]) -> tuple[torch.dtype, ...]:
+        dtypes = updates.moment_dtypes(dtype, self.algorithm, group)  # type: ignore[arg-type]
+        return dtypes if self.state_dtype is None else tuple(self.state_dtype for _ in dtypes)
 
     def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Consecutive runs of params whose scratch fits ``scratch_numel`` (a bigger param is alone)."""
@@ -182,15 +248,22 @@ class CompensatedOptimizer(OptimizerWrapper):
             size += param.numel()
         return chunks
 
-    def _step_generic(self) -> None:
+    def _step_generic(self) -> bool:
         """Step the inner optimizer chunk by chunk on fp32 scratch copies, then round into the weights.
 
         During a chunk's ``inner.step()`` its groups hold only that chunk's scratch params (and, in the
         first chunk, the fp32 params, which step once), keyed to the same state; both are put back after.
+        Returns False when ``skip_nonfinite`` skipped the step.
         """
         slots = {id(p): i for i, p in enumerate(self.model_params)}
         low = [p for p in self.model_params if p.grad is not None]
         own = {id(p) for g in self.param_groups for p in g["params"] if id(p) not in slots}
+        if self.skip_nonfinite:
+            graded = low + [
+                p for g in self.param_groups for p in g["params"] if id(p) in own and p.grad is not None
+            ]
+            if graded and not updates.grads_fit(graded):
+                return False
         originals = [group["params"] for group in self.param_groups]
         for n, chunk in enumerate(self._chunks(low) if low else [[]]):
             scratch = {id(p): _scratch(p) for p in chunk}
@@ -210,11 +283,12 @@ class CompensatedOptimizer(OptimizerWrapper):
                 for p in chunk:
                     if scratch[id(p)] in state:
                         state[p] = state.pop(scratch[id(p)])
-            comps = [self.compensation[slots[id(p)]] for p in chunk] if self.method == "kahan" else None
+            kahan = [self.compensation[slots[id(p)]] for p in chunk] if self.method == "kahan" else None
             if chunk:
                 device = chunk[0].device
                 generator = self._generator(device) if self.method == "stochastic" else None
-                updates._finish(self.method, chunk, [scratch[id(p)] for p in chunk], comps, generator)
+                updates.round_into(self.method, chunk, [scratch[id(p)] for p in chunk], kahan, generator)
+        return True
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)

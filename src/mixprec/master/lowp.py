@@ -1,14 +1,23 @@
-"""bf16 weights with bf16 state: Adam/AdamW and the Kahan fold, chunk by chunk through a reused workspace.
+"""The low-precision building blocks of the compensated updates: workspace, chunks, Kahan fold, rounding.
 
-Temporaries (Adam's denominator, the Kahan fold's old weights, stochastic rounding's fp32 values and random
-bits) live in a :class:`Workspace` of at most ``CHUNK`` elements per buffer that survives between steps: the
-update allocates nothing per step, and no scratch the size of the model exists. Each chunk is a list of
-consecutive slices of the flattened tensors (a big tensor spans chunks, small ones share one), so the
-foreach ops see the same values as on whole tensors; only the grouping differs.
+Temporaries (fp32 copies of the gradients and moments, Adam's denominator, stochastic rounding's values and
+random bits) live in a :class:`Workspace` of at most ``CHUNK`` elements per buffer that survives between
+steps: an update allocates nothing per step, and no scratch the size of a big model exists. Each chunk is a
+list of consecutive slices of the flattened tensors (a big tensor spans chunks, small ones share one), so
+the foreach ops see the same values as on whole tensors; only the grouping differs.
 
-Stochastic rounding here draws its 16 bits per value from 64-bit draws (four values per draw, ~3x faster
-than one ``randint`` per value); with fp32 state (:mod:`mixprec.master.updates`) it keeps the original
-per-value draws, bit for bit.
+Stochastic rounding (Zamirai et al. 2020; Gupta et al. 2015, "Deep Learning with Limited Numerical
+Precision") adds 16 uniform random bits below bf16's last bit of the fp32 pattern and truncates, so the
+carry into bf16's last bit happens with probability (dropped fraction): unbiased. Where the bits come from:
+
+* :func:`round_stochastic_into` (fp32-state paths): one ``randint`` per value from the generator;
+* :class:`RandomBits` (the fused Adam path): a pool of ``POOL`` int32 values holding every 16-bit pattern
+  equally often, shuffled once from a fixed seed and stored twice over, read at a window that starts at an
+  offset drawn from the generator for every piece of every step. Given a uniform offset each value is
+  exactly uniform over the 2**16 patterns, so each rounding stays unbiased; rounding errors of two weights
+  in one step may be correlated (their windows may overlap), never biased. Drawing the offsets costs one
+  small ``randint`` per chunk instead of 16 bits per weight (measured in ``benchmarks/precision_paths.py``);
+  chunks under ``POOL // 4`` values draw fresh bits (:func:`add_fresh_bits`, four values per int64 draw).
 """
 
 from __future__ import annotations
@@ -18,48 +27,77 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK", "Workspace", "adam_low", "adam_states", "contiguous", "kahan_fold", "kahan_fold_chunked"]
+__all__ = [
+    "CHUNK",
+    "POOL",
+    "RandomBits",
+    "Workspace",
+    "add_fresh_bits",
+    "chunks",
+    "kahan_fold",
+    "round_stochastic_into",
+    "views",
+]
 
-CHUNK = 2**22  # most elements per workspace buffer (8 MiB in bf16); never more than the tensors stepped
-_KEEP_HIGH_16_BITS = -65536
+CHUNK = 2**18  # most elements per workspace buffer (1 MiB in fp32, cache-sized); never more than stepped
+POOL = 2**18  # random-bit pool: every 16-bit pattern 4 times; chunks under POOL // 4 draw fresh bits
+KEEP_HIGH_16_BITS = -65536  # 0xFFFF0000 as int32: clears the low 16 bits of an fp32 pattern
+ROLES = ("grad", "moment", "second", "values", "kahan", "denom", "bits")
 
 
 class Workspace:
-    """Scratch buffers reused across steps, one per (device, dtype, role), at most ``numel`` elements each."""
+    """Scratch buffers reused across steps, one per (device, dtype, role), at most ``numel`` elements each.
+
+    Roles (what the buffer holds during an update): ``"grad"``, ``"moment"``, ``"second"`` (fp32 copies of
+    the gradients and moments), ``"values"`` (the new weights in fp32), ``"kahan"``, ``"denom"`` (bf16
+    temporaries of the unfused paths), ``"bits"``; the random-bit pools live here too (:attr:`pools`).
+    """
 
     def __init__(self, numel: int = CHUNK) -> None:
         self.numel = numel
-        self.buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+        self.pools: dict[str, RandomBits] = {}
+        self.plans: dict[tuple[Any, ...], Any] = {}  # fused_adam's chunk views, keyed by their tensors
+        self.generation = 0  # bumped whenever a buffer is replaced, which makes cached views stale
 
-    def get(self, device: torch.device, dtype: torch.dtype, role: int, numel: int) -> torch.Tensor:
-        """A buffer of at least ``numel`` elements (grown, never shrunk, while the optimizer lives)."""
+    def get(self, device: torch.device, dtype: torch.dtype, role: str, numel: int) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements (grown, never shrunk, while the optimizer lives).
+
+        Raises:
+            ValueError: for a role not in ``ROLES``.
+        """
+        if role not in ROLES:
+            raise ValueError(f"unknown workspace role {role!r}; accepted: {list(ROLES)}")
         key = (str(device), dtype, role)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            self.generation += 1
         return buffer
 
+    def views(self, role: str, dtype: torch.dtype, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Consecutive views of the ``role`` buffer shaped as the tensors ``like`` (one device)."""
+        buffer = self.get(like[0].device, dtype, role, sum(t.numel() for t in like))
+        return views(buffer, like)
+
+    def random_bits(self, device: torch.device) -> RandomBits:
+        key = str(device)
+        if key not in self.pools:
+            self.pools[key] = RandomBits(device)
+        return self.pools[key]
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"numel": self.numel, "buffers": {}}  # scratch, not state: recreated on demand
+        # scratch, not state: recreated on demand
+        return {"numel": self.numel, "buffers": {}, "pools": {}, "plans": {}, "generation": 0}
 
 
-def adam_states(states: list[dict[str, Any]], like: list[torch.Tensor]) -> list[float]:
-    """Create Adam state as torch does (in the dtype of ``like``), count the step; returns step numbers."""
-    for state, grad in zip(states, like, strict=True):
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state[key].dtype != grad.dtype:  # state loaded from elsewhere: continue in this state dtype
-                state[key] = state[key].to(grad.dtype)
-    counters = [s["step"] for s in states]
-    torch._foreach_add_(counters, 1.0)  # torch: step_t += 1 per parameter; one call here
-    return torch.stack(counters).tolist() if counters else []
-
-
-def contiguous(*lists: list[torch.Tensor]) -> bool:
-    return all(t.is_contiguous() for tensors in lists for t in tensors)
+def views(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive slices of the flat ``buffer``, each viewed as the shape of its tensor in ``like``."""
+    out, start = [], 0
+    for t in like:
+        out.append(buffer[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
 
 
 def chunks(
@@ -67,9 +105,12 @@ def chunks(
 ) -> Iterator[tuple[list[list[torch.Tensor]], list[int]]]:
     """Slices of the aligned ``lists`` (same numel per index) with at most ``limit`` elements per chunk.
 
-    Yields ``(views per list, owner index per view)``.
+    Yields ``(views per list, owner index per view)``; when everything fits, the tensors themselves.
     """
-    views: list[list[torch.Tensor]] = [[] for _ in lists]
+    if sum(t.numel() for t in lists[0]) <= limit:
+        yield lists, list(range(len(lists[0])))
+        return
+    pieces: list[list[torch.Tensor]] = [[] for _ in lists]
     owners: list[int] = []
     size = 0
     for i in range(len(lists[0])):
@@ -77,109 +118,58 @@ def chunks(
         numel, start = flats[0].numel(), 0
         while start < numel:
             take = min(numel - start, limit - size)
-            for out, flat in zip(views, flats, strict=True):
+            for out, flat in zip(pieces, flats, strict=True):
                 out.append(flat[start : start + take])
             owners.append(i)
             size, start = size + take, start + take
             if size == limit:
-                yield views, owners
-                views, owners, size = [[] for _ in lists], [], 0
+                yield pieces, owners
+                pieces, owners, size = [[] for _ in lists], [], 0
     if owners:
-        yield views, owners
+        yield pieces, owners
 
 
-def _slices(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, start = [], 0
-    for t in like:
-        out.append(buffer[start : start + t.numel()])
-        start += t.numel()
-    return out
-
-
-def kahan_fold(params: list[torch.Tensor], comps: list[torch.Tensor], temp: list[torch.Tensor]) -> None:
+def kahan_fold(params: list[torch.Tensor], kahan: list[torch.Tensor], temp: list[torch.Tensor]) -> None:
     """``w, c = round(w + c), c + (w - round(w + c))`` in the weights' dtype; ``temp`` is workspace."""
     torch._foreach_copy_(temp, params)
-    torch._foreach_add_(params, comps)
+    torch._foreach_add_(params, kahan)
     torch._foreach_sub_(temp, params)
-    torch._foreach_add_(comps, temp)
+    torch._foreach_add_(kahan, temp)
 
 
-def kahan_fold_chunked(params: list[torch.Tensor], comps: list[torch.Tensor], workspace: Workspace) -> None:
-    """:func:`kahan_fold` over whole tensors, through the workspace."""
-    size = min(workspace.numel, sum(p.numel() for p in params))
-    buffer = workspace.get(params[0].device, params[0].dtype, 0, size)
-    for (p, c), _ in chunks([params, comps], size):
-        kahan_fold(p, c, _slices(buffer, p))
+def round_stochastic_into(weight: torch.Tensor, value: torch.Tensor, generator: torch.Generator) -> None:
+    """``weight = value`` rounded to bf16 stochastically, one ``randint`` per value; ``value`` (fp32) is
+    used as workspace."""
+    bits = value.view(torch.int32)
+    noise = torch.randint(0, 2**16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
+    bits.add_(noise).bitwise_and_(KEEP_HIGH_16_BITS)
+    weight.copy_(value)  # exact: the low 16 bits are zero
 
 
-def _grads(group: dict[str, Any], g: list[torch.Tensor], p: list[torch.Tensor], buffer: Any):
-    """Adam's gradients: negated under ``maximize``, plus ``wd * w`` for L2 decay (into ``buffer()``)."""
-    maximize, wd = group.get("maximize", False), group["weight_decay"]
-    l2 = wd != 0 and not group.get("decoupled_weight_decay", False)
-    if not (maximize or l2):
-        return g
-    out = _slices(buffer(), g)
-    torch._foreach_copy_(out, g)
-    if maximize:
-        torch._foreach_neg_(out)
-    if l2:
-        torch._foreach_add_(out, p, alpha=wd)
-    return out
+class RandomBits:
+    """Uniform 16-bit patterns for stochastic rounding, read from a shuffled pool at random offsets."""
+
+    def __init__(self, device: torch.device) -> None:
+        shuffle = torch.Generator().manual_seed(0x5EED)  # a fixed order: the offsets carry the randomness
+        patterns = torch.arange(POOL, dtype=torch.int32) % 2**16
+        pool = patterns[torch.randperm(POOL, generator=shuffle)].to(device)
+        self.pool = torch.cat([pool, pool])  # any window of up to POOL values is contiguous
+
+    def add_(self, bits: torch.Tensor, generator: torch.Generator) -> None:
+        """Add uniform noise in [0, 2**16) to every value of the flat int32 tensor ``bits``."""
+        starts = range(0, bits.numel(), POOL)
+        offsets = torch.randint(
+            0, POOL, (len(starts),), generator=generator, device=generator.device
+        ).tolist()
+        pieces = [bits[start : start + POOL] for start in starts]
+        windows = [self.pool[o : o + p.numel()] for o, p in zip(offsets, pieces, strict=True)]
+        torch._foreach_add_(pieces, windows)
 
 
-def adam_low(
-    group: dict[str, Any],
-    states: list[dict[str, Any]],
-    params: list[torch.Tensor],
-    comps: list[torch.Tensor] | None,
-    generator: torch.Generator | None,
-    workspace: Workspace,
-) -> None:
-    """Adam/AdamW for bf16 weights and bf16 state: Kahan into ``comps``, or stochastic rounding (None)."""
-    grads = [p.grad for p in params]
-    steps = adam_states(states, grads)
-    (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-    decoupled = wd != 0 and group.get("decoupled_weight_decay", False)
-    roots = [(1 - beta2**step) ** 0.5 for step in steps]
-    scales = [-lr / (1 - beta1**step) * root for step, root in zip(steps, roots, strict=True)]
-    eps = [group["eps"] * root for root in roots]
-    lists = [params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
-    device, dtype = params[0].device, params[0].dtype
-    size = min(workspace.numel, sum(p.numel() for p in params))
-    temp_buffer = workspace.get(device, dtype, 0, size)
-    for views, owners in chunks([*lists, comps] if comps is not None else lists, size):
-        p, g, m, v = views[:4]
-        g = _grads(group, g, p, lambda: workspace.get(device, dtype, 1, size))
-        torch._foreach_lerp_(m, g, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-        denom = _slices(temp_buffer, p)
-        for out, second in zip(denom, v, strict=True):
-            torch.sqrt(second, out=out)  # one pass instead of copy + sqrt_ (foreach has no out=)
-        torch._foreach_add_(denom, [eps[i] for i in owners])
-        if comps is not None:
-            c = views[4]
-            if decoupled:
-                torch._foreach_add_(c, p, alpha=-lr * wd)
-            torch._foreach_addcdiv_(c, m, denom, [scales[i] for i in owners])
-            kahan_fold(p, c, denom)
-        else:
-            _stochastic(group, p, m, denom, [scales[i] for i in owners], generator, workspace, size)
-
-
-def _stochastic(group, p, m, denom, scales, generator, workspace, size) -> None:
-    """``w = round_stochastic(w * (1 - lr * wd) + scale * m / denom)`` with the update in fp32."""
-    total = sum(t.numel() for t in p)
-    flat = workspace.get(p[0].device, torch.float32, 2, size)[:total]
-    values = _slices(flat, p)
-    torch._foreach_copy_(values, p)
-    wd = group["weight_decay"]
-    if wd != 0 and group.get("decoupled_weight_decay", False):
-        torch._foreach_mul_(values, 1 - group["lr"] * wd)
-    torch._foreach_addcdiv_(values, m, denom, scales)
-    draws = workspace.get(p[0].device, torch.int64, 3, size // 4 + 1)[: (total + 3) // 4]
+def add_fresh_bits(bits: torch.Tensor, generator: torch.Generator, draws: torch.Tensor) -> None:
+    """Add new uniform noise in [0, 2**16) from the generator to the flat int32 ``bits``; ``draws`` is an
+    int64 buffer of at least a quarter of their number (four 16-bit values per draw)."""
+    total = bits.numel()
+    draws = draws[: (total + 3) // 4]
     draws.random_(-(2**63), 2**63 - 1, generator=generator)
-    noise = draws.view(torch.int16)[:total]  # uniform in [-2**15, 2**15)
-    bits = flat.view(torch.int32)
-    bits.add_(noise).add_(2**15).bitwise_and_(_KEEP_HIGH_16_BITS)  # carry with the dropped fraction
-    torch._foreach_copy_(p, values)  # exact: the low 16 bits are zero
+    bits.add_(draws.view(torch.int16)[:total]).add_(2**15)  # int16 is [-2**15, 2**15)

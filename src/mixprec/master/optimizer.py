@@ -196,16 +196,21 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     @property
     def skipped_steps(self) -> int:
         """Steps skipped so far because a gradient was inf/nan (as the scaler counts them; 0 for a scaler
-        that does not count) or so large that its square would overflow the optimizer state (the guard)."""
+        that does not count) or so large that its square would overflow the optimizer state (the guard, or a
+        :class:`~mixprec.master.compensated.CompensatedOptimizer` inside that checks in its update pass)."""
         guard = self._scaler_view.guard
-        return int(getattr(self.scaler, "skipped_steps", 0)) + (guard.skipped_steps if guard else 0)
+        inner = int(getattr(self.optimizer, "skipped_steps", 0))
+        return int(getattr(self.scaler, "skipped_steps", 0)) + (guard.skipped_steps if guard else 0) + inner
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the latest ``step()`` was skipped: step LR schedulers only when it was not."""
         guard = self._scaler_view.guard
-        return bool(getattr(self.scaler, "last_step_skipped", False)) or bool(
-            guard and guard.last_step_skipped
+        inner = bool(getattr(self.optimizer, "last_step_skipped", False))
+        return (
+            bool(getattr(self.scaler, "last_step_skipped", False))
+            or bool(guard and guard.last_step_skipped)
+            or inner
         )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

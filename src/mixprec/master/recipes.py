@@ -15,7 +15,10 @@ O3     ``dtype``            no         ``dtype``        no              static 1
 
 A static scale of 1 does not scale, but a step whose gradients hold inf/nan is still skipped: that is the
 default of every preset without dynamic scaling, so a NaN never reaches the weights, the masters or the
-Kahan buffers. ``loss_scale=None`` opts out (no check, no skip, as torch).
+Kahan buffers. With ``weight_update="kahan"``/``"stochastic"`` at that scale the check runs inside the
+compensated update pass instead of the scaler (:class:`~mixprec.master.compensated.CompensatedOptimizer`'s
+``skip_nonfinite``, which also skips a gradient whose square would overflow Adam's second moment); under
+any other scale it runs in both. ``loss_scale=None`` opts out (no check, no skip, as torch).
 
 Casting never touches modules kept in fp32 (BatchNorm under ``keep_batchnorm_fp32``) and refuses a cast
 that would turn a finite value into inf. fp16 weights without masters (O3, "16-true") are stepped through
@@ -239,6 +242,10 @@ def _weight_update(level: OptLevel, half: torch.dtype) -> str | None:
     return None
 
 
+def _unit_scale(spec: Any) -> bool:
+    return isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec == 1
+
+
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -292,7 +299,12 @@ def initialize(
         )
     undo = cast_with_undo(model, half, level.keep_batchnorm_fp32) if level.cast_model else None
     try:
-        inner = optimizer if method is None else CompensatedOptimizer(optimizer, method)
+        inner = optimizer
+        if method is not None:
+            guard = level.weight_update != "nearest" and level.loss_scale is not None
+            inner = CompensatedOptimizer(optimizer, method, skip_nonfinite=guard)
+            if guard and _unit_scale(level.loss_scale):  # the update pass checks: no separate read
+                scaler = resolve_scaler(None, device_type)
         wrapped = MixedPrecisionOptimizer(inner, scaler=scaler, master_weights=level.master_weights)
     except Exception:
         if undo is not None:

@@ -68,8 +68,16 @@ def load_inner_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
 
 
 def check_scaler_state(scaler: Any, state_dict: Any) -> None:
-    """Load ``state_dict`` into a copy of ``scaler``: raises what the real load would, changes nothing."""
-    copy.deepcopy(scaler).load_state_dict(state_dict)
+    """Raise what ``scaler.load_state_dict(state_dict)`` would, changing nothing.
+
+    mixprec's GradScaler validates without loading (``validate_state_dict``); a scaler without that method
+    (torch's own, handed to ``initialize``) is checked by loading into a copy of it.
+    """
+    validate = getattr(scaler, "validate_state_dict", None)
+    if callable(validate):
+        validate(state_dict)
+    else:
+        copy.deepcopy(scaler).load_state_dict(state_dict)
 
 
 def check_compensated_state(optimizer: Any, state_dict: Any) -> dict[str, torch.Generator]:

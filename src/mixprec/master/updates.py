@@ -5,24 +5,25 @@
 ``param_groups`` hold the model's own low-precision parameters, its ``state`` the moments under torch's key
 names, so LR schedulers, ``state_dict`` and hooks see a plain torch optimizer. Only ``step`` is replaced.
 
-The math is torch's single-tensor algorithm (``torch/optim/adam.py``, ``sgd.py``), per parameter, on whole
-lists at once (``torch._foreach_*``). How the update ``u`` reaches a low-precision weight ``w`` depends on the
-dtype its optimizer state is kept in (:func:`state_dtype`)::
+Adam/AdamW on bf16 weights with Kahan or stochastic rounding take the fused path
+(:mod:`mixprec.master.fused_adam`: bf16 first moment, second moment in bf16 or fp32 per
+:func:`moment_dtypes`, fp32 arithmetic in the workspace, the non-finite check inside the pass). The rest is
+torch's single-tensor algorithm (``torch/optim/adam.py``, ``sgd.py``), per parameter, on whole lists at
+once (``torch._foreach_*``). How the update ``u`` reaches a low-precision weight ``w`` depends on the dtype
+its optimizer state is kept in::
 
-    fp32 state ("exact"):   t = fp32(w); t <- t + u exactly as torch steps an fp32 copy; then
+    fp32 state ("fp32_copy"):  t = fp32(w); t <- t + u exactly as torch steps an fp32 copy; then
         kahan:       t += c; w = round(t); c = round(t - w)        # c: bf16/fp16 buffer per weight
         stochastic:  w = round_stochastic(t)                         # 16 random bits per value
         nearest:     w = round(t)
-    bf16 state ("low"):     the moments, the update and the Kahan fold in bf16 (torch-optimi's sequence;
-                            Adam's second bias correction folded into the scalars):
+    bf16 state ("kahan_low"):  the moments, the update and the Kahan fold in bf16 (torch-optimi's sequence):
         kahan:       c = round(c + u); old = w; w = round(w + c); c = round(c + (old - w))
         stochastic:  t = fp32(w) + u; w = round_stochastic(t)
         nearest:     w = round(w + u)
 
-With fp32 state the result is bit for bit what the original scratch-copy wrapper computed (test:
-``tests/master/test_master_equivalence.py``). With bf16 state every state operation rounds its result to
-bf16 once (``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, ... each round to nearest), which is the documented
-difference: 4 instead of 8 bytes of Adam state per weight, and no fp32 pass over the model.
+With fp32 state the result is bit for bit what stepping an fp32 scratch copy of each weight with the torch
+optimizer and rounding it back computes (test: ``tests/master/test_master_equivalence.py``). With bf16 state
+every state operation rounds its result to bf16 once (``lerp_``, ``mul_``, ``addcmul_``, ...).
 
 Sources: Adam (Kingma & Ba 2015) and SGD as torch implements them; Kahan-compensated bf16 updates (Zamirai
 et al. 2020, "Revisiting BFloat16 Training"; torchdistx AnyPrecisionAdamW; torch-optimi's ``kahan_sum``).
@@ -34,9 +35,17 @@ from typing import Any
 
 import torch
 
-from mixprec.master.lowp import Workspace, adam_low, adam_states, contiguous, kahan_fold_chunked
+from mixprec.master.lowp import Workspace, chunks, kahan_fold, round_stochastic_into, views
 
-__all__ = ["FAST_OPTIMIZERS", "fast_kind", "round_stochastic_into", "state_dtype", "step_group"]
+__all__ = [
+    "FAST_OPTIMIZERS",
+    "contiguous",
+    "fast_algorithm",
+    "grads_fit",
+    "moment_dtypes",
+    "round_into",
+    "step_group",
+]
 
 FAST_OPTIMIZERS: dict[type, str] = {
     torch.optim.Adam: "adam",
@@ -49,95 +58,128 @@ _LOW = (torch.float16, torch.bfloat16)
 # A bf16 value moves under x <- (1 - d) x only if d exceeds half its ulp: at most 2**-8 of x. An average
 # decaying by less (Adam's beta2 = 0.999) would freeze in bf16, so its state stays fp32.
 BF16_HALF_ULP = 2.0**-8
-_KEEP_HIGH_16_BITS = -65536  # 0xFFFF0000 as int32: clears the low 16 bits of an fp32 pattern
 
 
-def fast_kind(optimizer: torch.optim.Optimizer) -> str | None:
+def fast_algorithm(optimizer: torch.optim.Optimizer) -> str | None:
     """ "adam" or "sgd" when :func:`step_group` can step ``optimizer`` exactly as torch would, else None.
 
     Only these exact classes qualify (a subclass may change ``step``), with float hyperparameters and
     without amsgrad, differentiable or capturable.
     """
-    kind = FAST_OPTIMIZERS.get(type(optimizer))
-    if kind is None:
+    algorithm = FAST_OPTIMIZERS.get(type(optimizer))
+    if algorithm is None:
         return None
     for group in optimizer.param_groups:
-        if any(group.get(key, False) for key in _UNSUPPORTED[kind]):
+        if any(group.get(key, False) for key in _UNSUPPORTED[algorithm]):
             return None
         values = [group.get(key) for key in _SCALAR_KEYS]
         if any(torch.is_tensor(v) or (isinstance(v, tuple) and any(map(torch.is_tensor, v))) for v in values):
             return None
-    return kind
+    return algorithm
 
 
-def state_dtype(param_dtype: torch.dtype, kind: str, group: dict[str, Any]) -> torch.dtype:
-    """The dtype the optimizer state of a ``param_dtype`` weight is kept in, when not forced.
+def moment_dtypes(param_dtype: torch.dtype, algorithm: str, group: dict[str, Any]) -> tuple[torch.dtype, ...]:
+    """The dtype each moving average of a ``param_dtype`` weight is kept in, when not forced.
 
-    bf16 for bf16 weights when every moving average of the method moves by more than half a bf16 ulp per
-    step (Adam: ``1 - beta1`` and ``1 - beta2`` > 2**-8; SGD: ``1 - momentum`` > 2**-8), else fp32. fp16
-    weights always get fp32 state: fp16's range cannot hold squared gradients (1e-4**2 flushes to 0).
+    Adam: ``(exp_avg, exp_avg_sq)``; SGD: ``(momentum_buffer,)``. For bf16 weights an average is bf16 when it
+    moves by more than half a bf16 ulp per step (``1 - beta`` > 2**-8), else fp32: at torch's default Adam
+    betas (0.9, 0.999), ``exp_avg`` bf16 and ``exp_avg_sq`` fp32. fp16 weights always get fp32 state:
+    fp16's range cannot hold squared gradients (1e-4**2 flushes to 0).
     """
-    if param_dtype != torch.bfloat16:
-        return torch.float32
-    if kind == "adam":
+    if algorithm == "adam":
         rates = [1 - group["betas"][0], 1 - group["betas"][1]]
     else:
-        rates = [1 - group["momentum"]] if group["momentum"] else []
-    return torch.bfloat16 if all(rate > BF16_HALF_ULP for rate in rates) else torch.float32
+        rates = [1 - group["momentum"] if group["momentum"] else 1.0]
+    if param_dtype != torch.bfloat16:
+        return tuple(torch.float32 for _ in rates)
+    return tuple(torch.bfloat16 if rate > BF16_HALF_ULP else torch.float32 for rate in rates)
+
+
+def contiguous(*lists: list[torch.Tensor]) -> bool:
+    return all(t.is_contiguous() for tensors in lists for t in tensors)
+
+
+def grads_fit(params: list[torch.Tensor]) -> bool:
+    """Whether every gradient of ``params`` is finite and its square fits fp32/bf16 optimizer state.
+
+    One ``_foreach_norm`` per device and dtype (a tensor's L2 norm bounds each of its values, and is inf or
+    nan when one is), compared with ``sqrt(max / 2)`` of fp32 (about 1.3e19); one host sync.
+    """
+    found: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad.numel():
+            found.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+    limit = (torch.finfo(torch.float32).max / 2) ** 0.5
+    norms = [torch.stack(torch._foreach_norm(grads, 2)).max().float().cpu() for grads in found.values()]
+    return all(bool(norm <= limit) for norm in norms)  # nan compares False
 
 
 def step_group(
-    kind: str,
+    algorithm: str,
     group: dict[str, Any],
     states: list[dict[str, Any]],
     params: list[torch.Tensor],
-    comps: list[torch.Tensor] | None,
+    kahan: list[torch.Tensor] | None,
     method: str,
-    sdt: torch.dtype,
+    state_dtype: torch.dtype,
     generator: torch.Generator | None,
     workspace: Workspace,
 ) -> None:
-    """One optimizer step for ``params`` (one group, device and dtype; each has a ``.grad``).
+    """One optimizer step for ``params`` (one group, device and dtype; each has a ``.grad``), unfused.
 
     Args:
-        kind: "adam" or "sgd" (from :func:`fast_kind`).
+        algorithm: "adam" or "sgd" (from :func:`fast_algorithm`).
         group: the torch param group (hyperparameters).
         states: ``optimizer.state[p]`` per param, created here on the first step in torch's layout.
         params: the weights, updated in place; fp32 weights are stepped exactly as torch steps them.
-        comps: Kahan buffers (param dtype, same shapes) for method "kahan", else None.
+        kahan: Kahan buffers (param dtype, same shapes) for method "kahan", else None.
         method: "kahan", "stochastic" or "nearest".
-        sdt: dtype of the optimizer state (fp32, or bf16 for bf16 weights).
+        state_dtype: dtype of the optimizer state (fp32, or bf16 for bf16 weights).
         generator: draws the stochastic-rounding bits (method "stochastic").
-        workspace: reused scratch for the bf16-state paths (:mod:`mixprec.master.lowp`).
+        workspace: reused scratch for the Kahan fold of bf16-state updates.
     """
     low = params[0].dtype in _LOW
-    grads = [p.grad for p in params]
-    if (
-        low
-        and sdt == params[0].dtype
-        and method != "nearest"
-        and kind == "adam"
-        and contiguous(params, grads)
-    ):
-        adam_low(group, states, params, comps if method == "kahan" else None, generator, workspace)
-        return
-    exact = low and sdt == torch.float32
-    if not low or (not exact and method == "nearest"):
-        mode, target = "direct", params  # fp32 weights, or bf16 weights rounded once per step
-    elif exact or method == "stochastic":
-        mode, target = ("exact" if exact else "stochastic"), [p.float() for p in params]
+    fp32_copy = low and state_dtype == torch.float32
+    if not low or (not fp32_copy and method == "nearest"):
+        mode, target = "in_place", params  # fp32 weights, or bf16 weights rounded once per step
+    elif fp32_copy or method == "stochastic":
+        mode, target = ("fp32_copy" if fp32_copy else "stochastic"), [p.float() for p in params]
     else:
-        mode, target = "kahan", comps  # bf16 state and weights: the update accumulates in the buffer
-    decay_base = target if mode in ("direct", "exact") else params
-    grads = [p.grad if p.grad.dtype == sdt else p.grad.to(sdt) for p in params]
-    step = _adam if kind == "adam" else _sgd
-    temp = step(group, states, grads, target, decay_base, additive=mode == "kahan", fold=sdt in _LOW)
-    if mode == "kahan" and contiguous(params, comps):  # type: ignore[arg-type]
-        kahan_fold_chunked(params, comps, workspace)  # type: ignore[arg-type]
-    elif mode == "kahan":
-        _kahan_fold_low(params, comps, temp)  # type: ignore[arg-type]
-    elif mode != "direct":
-        _finish(method, params, target, comps, generator)
+        mode, target = "kahan_low", kahan  # bf16 state and weights: the update accumulates in the buffer
+    decay_base = target if mode in ("in_place", "fp32_copy") else params
+    grads = [p.grad if p.grad.dtype == state_dtype else p.grad.to(state_dtype) for p in params]
+    step = _adam if algorithm == "adam" else _sgd
+    step(group, states, grads, target, decay_base, additive=mode == "kahan_low", fold=state_dtype in _LOW)
+    if mode == "kahan_low":
+        _kahan_fold_through(params, kahan, workspace)  # type: ignore[arg-type]
+    elif mode != "in_place":
+        round_into(method, params, target, kahan, generator)
+
+
+def _kahan_fold_through(params: list[torch.Tensor], kahan: list[torch.Tensor], workspace: Workspace) -> None:
+    """:func:`~mixprec.master.lowp.kahan_fold` over whole tensors, its temporary in the workspace."""
+    if not contiguous(params, kahan):
+        kahan_fold(params, kahan, [torch.empty_like(p) for p in params])
+        return
+    limit = min(workspace.numel, sum(p.numel() for p in params))
+    buffer = workspace.get(params[0].device, params[0].dtype, "denom", limit)
+    for (p, c), _ in chunks([params, kahan], limit):
+        kahan_fold(p, c, views(buffer, p))
+
+
+def adam_states(states: list[dict[str, Any]], like: list[torch.Tensor]) -> list[float]:
+    """Create Adam state as torch does (in the dtype of ``like``), count the step; returns step numbers."""
+    for state, grad in zip(states, like, strict=True):
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].dtype != grad.dtype:  # state loaded from elsewhere: continue in this state dtype
+                state[key] = state[key].to(grad.dtype)
+    counters = [s["step"] for s in states]
+    torch._foreach_add_(counters, 1.0)  # torch: step_t += 1 per parameter; one call here
+    return torch.stack(counters).tolist() if counters else []
 
 
 def _decay_and_grads(group, grads, target, decay_base, additive):
@@ -182,7 +224,6 @@ def _adam(group, states, grads, target, decay_base, additive, fold):
         torch._foreach_div_(denom, roots)
         torch._foreach_add_(denom, group["eps"])
         torch._foreach_addcdiv_(target, exp_avgs, denom, [-a for a in step_sizes])
-    return denom
 
 
 def _sgd(group, states, grads, target, decay_base, additive, fold):
@@ -203,40 +244,17 @@ def _sgd(group, states, grads, target, decay_base, additive, fold):
         grads = torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"] else buffers
     del fold  # no bias correction to fold
     torch._foreach_add_(target, grads, alpha=-group["lr"])
-    return None
 
 
-def _kahan_fold_low(params, comps, temp) -> None:
-    """``w, c = round(w + c), c + (w - round(w + c))``, all in the weights' dtype (``temp``: workspace)."""
-    if temp is None:
-        temp = [torch.empty_like(p) for p in params]
-    torch._foreach_copy_(temp, params)
-    torch._foreach_add_(params, comps)
-    torch._foreach_sub_(temp, params)
-    torch._foreach_add_(comps, temp)
-
-
-def _finish(method, params, values, comps, generator) -> None:
+def round_into(method, params, values, kahan, generator) -> None:
     """Round the fp32 ``values`` (``w + u``) into the weights; ``values`` is used as workspace."""
     if method == "kahan":
-        torch._foreach_add_(values, comps)  # v = w + update + what earlier roundings dropped
+        torch._foreach_add_(values, kahan)  # v = w + update + what earlier roundings dropped
         torch._foreach_copy_(params, values)  # new = round-to-nearest(v)
         torch._foreach_sub_(values, params)  # v - new, exact in fp32: new is v's neighbour
-        torch._foreach_copy_(comps, values)
+        torch._foreach_copy_(kahan, values)
     elif method == "stochastic":
         for weight, value in zip(params, values, strict=True):
             round_stochastic_into(weight, value, generator)
     else:
         torch._foreach_copy_(params, values)
-
-
-def round_stochastic_into(weight: torch.Tensor, value: torch.Tensor, generator: torch.Generator) -> None:
-    """``weight = value`` rounded to bf16 stochastically; ``value`` (fp32) is used as workspace.
-
-    Adds 16 uniform random bits below bf16's last bit of the fp32 pattern and truncates: the carry into
-    bf16's last bit happens with probability (dropped fraction), so the rounding is unbiased.
-    """
-    bits = value.view(torch.int32)
-    noise = torch.randint(0, 2**16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
-    bits.add_(noise).bitwise_and_(_KEEP_HIGH_16_BITS)
-    weight.copy_(value)  # exact: the low 16 bits are zero

@@ -1,0 +1,229 @@
+"""Adam/AdamW on bf16 weights through torch's fused CPU/GPU Adam kernel, chunk by chunk: :func:`adam_step`.
+
+The state a bf16 weight needs to train like fp32 state, in the fewest bytes and passes: the first moment in
+bf16, the second moment in bf16 where its average can move (``1 - beta2 > 2**-8``) and in fp32 otherwise
+(torch's default beta2 = 0.999: 12 bytes per parameter with the weight, gradient and Kahan buffer). Each
+chunk of at most ``CHUNK`` elements is copied into fp32 buffers of a reused :class:`Workspace` (small enough
+to stay in cache), stepped there by torch's own fused Adam/AdamW kernel (``torch._fused_adamw_``, the kernel
+behind ``torch.optim.AdamW(fused=True)``: one pass for decay, both moments, bias corrections and the update),
+and written back rounded::
+
+    t = fp32(w) + fp32(c)                    # kahan: what the weight tracks; stochastic: fp32(w)
+    g, m = fp32(grad), fp32(exp_avg)         # exp_avg_sq used in place when fp32, else copied too
+    torch._fused_adamw_(t, g, m, v, step)    # (_fused_adam_ for Adam): torch's AdamW on the fp32 copies
+    exp_avg = bf16(m)  [exp_avg_sq = bf16(v)]
+    kahan:       w = round(t);  c = round(t - w)          # t - w is exact in fp32
+    stochastic:  w = round_stochastic(t)                  # lowp.RandomBits
+
+One step from fresh state is therefore bit for bit torch's fused AdamW stepping an fp32 copy of ``w + c``;
+later steps differ only by the moments' storage rounding. Seven copies and one kernel replace the dozen
+bf16 foreach passes of torch-optimi's Kahan AdamW (measured in ``benchmarks/precision_paths.py``).
+
+The guard (``guard=True``) reads every gradient once before anything is written (one multi-tensor
+``_foreach_norm`` call) and skips the whole step when a gradient is inf/nan or a tensor's norm exceeds
+``sqrt(max / 2)`` of v's dtype (about 1.3e19), so that no square can overflow the second moment: either
+would make ``exp_avg_sq`` inf or nan and freeze the weight for good (``m / inf = 0`` every later step).
+
+Sources: Adam (Kingma & Ba 2015) and torch's fused kernel; Kahan-compensated bf16 weights (Zamirai et al.
+2020, "Revisiting BFloat16 Training"; torch-optimi's ``kahan_sum``); bf16 state that freezes when
+``1 - beta`` is below half an ulp (the rule in ``updates.moment_dtypes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits
+
+__all__ = ["AdamUnit", "adam_step", "grads_fit"]
+
+_F32 = torch.float32
+ALIGN = 64  # elements: a multiple of every vector width torch's kernels use
+
+
+@dataclass
+class AdamUnit:
+    """The params of one group, device and dtype, stepped together: what :func:`adam_step` takes a list of.
+
+    ``kahan`` holds the Kahan buffers (bf16, shaped as the params) or is None for stochastic rounding, whose
+    bits ``generator`` draws; ``moment_dtypes`` the dtypes of ``exp_avg`` and ``exp_avg_sq`` (from
+    ``updates.moment_dtypes``).
+    """
+
+    group: dict[str, Any]
+    states: list[dict[str, Any]]
+    params: list[torch.Tensor]
+    kahan: list[torch.Tensor] | None
+    moment_dtypes: tuple[torch.dtype, ...]
+    generator: torch.Generator | None = None
+
+
+def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
+    """One Adam/AdamW step of every unit (contiguous bf16 params with a bf16 ``exp_avg``, each with a grad).
+
+    Args:
+        units: the groups to step.
+        workspace: the scratch buffers (its ``numel`` bounds every buffer).
+        guard: skip the step when a gradient is non-finite or too large (see the module docstring).
+
+    Returns:
+        False when the guard skipped the step: weights, Kahan buffers and state unchanged (none created).
+    """
+    if guard and not grads_fit(units):
+        return False
+    used: dict[tuple[Any, ...], list[_Chunk]] = {}
+    for unit in units:
+        _prepare(unit)
+        flat_grads = [p.grad.view(-1) for p in unit.params]
+        for chunk in _plan(unit, workspace, used):
+            grads = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
+            _update(unit, chunk, grads, workspace)
+    workspace.plans = used  # plans of replaced tensors go, and with them their views
+    return True
+
+
+@dataclass
+class _Chunk:
+    """Flat views of one chunk: ``segments`` (param index, start, stop), the state's views and the
+    workspace's (by role), and the step counters of the params the segments belong to."""
+
+    segments: list[tuple[int, int, int]]
+    state: list[list[torch.Tensor]]  # params, exp_avg, exp_avg_sq, [kahan]
+    work: dict[str, list[torch.Tensor]]
+    values: torch.Tensor  # the flat fp32 "values" buffer of this chunk (stochastic rounding's bits)
+    steps: list[torch.Tensor]
+
+
+def _plan(unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], list[_Chunk]]) -> list[_Chunk]:
+    """The chunks of ``unit``, built once and reused while its tensors and the workspace stay the same
+    (the plan holds views of them, so a tensor it names cannot be freed and its address reused)."""
+    tensors = [unit.params, [s["exp_avg"] for s in unit.states], [s["exp_avg_sq"] for s in unit.states]]
+    tensors += [unit.kahan] if unit.kahan is not None else []
+    key = (workspace.generation, *((t.data_ptr(), t.numel()) for ts in tensors for t in ts))
+    key += tuple(id(s["step"]) for s in unit.states)
+    if key in workspace.plans:
+        used[key] = workspace.plans[key]
+        return used[key]
+    total = sum(p.numel() for p in unit.params)
+    limit = min(max(workspace.numel, ALIGN), total)
+    roles = ["values", "grad", "moment"] + (["kahan"] if unit.kahan is not None else [])
+    roles += ["second"] if unit.moment_dtypes[1] != _F32 else []
+    buffers = {role: workspace.get(unit.params[0].device, _F32, role, limit) for role in roles}
+    key = (workspace.generation, *key[1:])  # a buffer that grew starts a new generation
+    plan = []
+    for segments in _segments([p.numel() for p in unit.params], limit):
+        size = sum(stop - start for _, start, stop in segments)
+        flat = [[ts[i].view(-1)[a:b] for i, a, b in segments] for ts in tensors]
+        work = {role: _consecutive(buffer, segments) for role, buffer in buffers.items()}
+        steps = [unit.states[i]["step"] for i, _, _ in segments]
+        plan.append(_Chunk(segments, flat, work, buffers["values"][:size], steps))
+    used[key] = plan
+    return plan
+
+
+def _segments(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """``(index, start, stop)`` pieces of tensors of ``sizes``, grouped into chunks of at most ``limit``.
+
+    A tensor is cut only ``ALIGN`` elements from its start: the kernel's vector lanes then see every element
+    where they see it in the whole tensor, and the result is bit for bit the unchunked one.
+    """
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = limit
+    for i, numel in enumerate(sizes):
+        start = 0
+        while start < numel:
+            take = min(numel - start, room)
+            if take < numel - start:
+                take -= take % ALIGN
+            if take:
+                out[-1].append((i, start, start + take))
+                start, room = start + take, room - take
+            if room == 0 or (room < ALIGN and start < numel):
+                out.append([])
+                room = limit
+    return [chunk for chunk in out if chunk]
+
+
+def _consecutive(buffer: torch.Tensor, segments: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for _, a, b in segments:
+        out.append(buffer[start : start + b - a])
+        start += b - a
+    return out
+
+
+def grads_fit(units: list[AdamUnit]) -> bool:
+    """Whether every gradient is finite and small enough that its square fits the second moment's dtype.
+
+    One ``_foreach_norm`` per device: a tensor's L2 norm bounds each of its values, is nan or inf when one
+    is, and must stay below ``sqrt(max / 2)`` of the narrowest second-moment dtype.
+    """
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for unit in units:
+        for param in unit.params:
+            if param.numel():
+                per_device.setdefault(param.device, []).append(param.grad)
+    limit = min((torch.finfo(unit.moment_dtypes[1]).max / 2) ** 0.5 for unit in units)
+    largest = [
+        torch.stack(torch._foreach_norm(grads, 2)).max().float().cpu() for grads in per_device.values()
+    ]
+    return all(bool(norm <= limit) for norm in largest)  # nan compares False
+
+
+def _prepare(unit: AdamUnit) -> None:
+    """Create missing state in torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``) and count the step."""
+    for state, param in zip(unit.states, unit.params, strict=True):
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=_F32)
+            for key, dtype in zip(("exp_avg", "exp_avg_sq"), unit.moment_dtypes, strict=True):
+                state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        for key, dtype in zip(("exp_avg", "exp_avg_sq"), unit.moment_dtypes, strict=True):
+            if state[key].dtype != dtype:  # state loaded from elsewhere: continue in this state dtype
+                state[key] = state[key].to(dtype)
+    torch._foreach_add_([state["step"] for state in unit.states], 1.0)  # torch: step_t += 1 first
+
+
+def _update(unit: AdamUnit, chunk: _Chunk, g: list[torch.Tensor], workspace: Workspace) -> None:
+    """The whole step for one chunk of one unit, through fp32 workspace copies and torch's fused kernel."""
+    group, work = unit.group, chunk.work
+    p, m, v = chunk.state[:3]
+    t, g32, m32 = work["values"], work["grad"], work["moment"]
+    torch._foreach_copy_(t, p)
+    if unit.kahan is not None:
+        torch._foreach_copy_(work["kahan"], chunk.state[3])
+        torch._foreach_add_(t, work["kahan"])
+    torch._foreach_copy_(g32, g)
+    torch._foreach_copy_(m32, m)
+    v32 = work.get("second", v)
+    if v32 is not v:
+        torch._foreach_copy_(v32, v)
+    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+    (beta1, beta2), options = group["betas"], {"maximize": group.get("maximize", False)}
+    kernel(t, g32, m32, v32, [], chunk.steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+           weight_decay=group["weight_decay"], amsgrad=False, **options)  # fmt: skip
+    torch._foreach_copy_(m, m32)
+    if v32 is not v:
+        torch._foreach_copy_(v, v32)
+    if unit.kahan is not None:
+        torch._foreach_copy_(p, t)  # w = round(t)
+        torch._foreach_copy_(work["kahan"], p)
+        torch._foreach_sub_(t, work["kahan"])  # t - w, exact in fp32: w is t's neighbour
+        torch._foreach_copy_(chunk.state[3], t)
+    else:
+        _round_stochastic(p, t, chunk.values, unit.generator, workspace)
+
+
+def _round_stochastic(p, values, flat, generator, workspace) -> None:
+    """``p = round_stochastic(values)``; ``flat`` is the fp32 buffer the ``values`` views cover."""
+    bits = flat.view(torch.int32)
+    if flat.numel() < POOL // 4:  # small chunks: fresh bits cost little, and no pool is made
+        add_fresh_bits(
+            bits, generator, workspace.get(p[0].device, torch.int64, "bits", (flat.numel() + 3) // 4)
+        )
+    else:
+        workspace.random_bits(p[0].device).add_(bits, generator)
+    bits.bitwise_and_(KEEP_HIGH_16_BITS)  # carry into bf16's last bit with the dropped fraction
+    torch._foreach_copy_(p, values)  # exact: the low 16 bits are zero
