@@ -161,3 +161,35 @@ def test_moved_op_lands_in_its_list_and_nowhere_else(policy: Policy, name: str, 
         assert moved.category(canonical, family) == category
         lists = moved.ops(family)
         assert sum(canonical in members for members in lists.values()) == (category != "none")
+
+
+def test_pins_round_trip_through_the_string_form() -> None:
+    policy = Policy(compute_dtype=torch.bfloat16).with_modules(
+        {"encoder.*.norm": torch.float32, nn.LayerNorm: "fp32", "head": torch.bfloat16}
+    )
+    text = str(policy)
+    assert "pins=encoder.*.norm:float32|nn.LayerNorm:float32|head:bfloat16" in text
+    assert Policy.parse(text) == policy
+    assert Policy.parse("c=bf16,pins=head:fp32") == Policy(compute_dtype=torch.bfloat16).with_modules(
+        {"head": torch.float32}
+    )
+
+
+def test_pins_without_a_text_form_are_counted_and_refused_by_parse() -> None:
+    policy = Policy().with_modules({"head": torch.float32, (lambda module, name: False): torch.float32})
+    assert str(policy).endswith("pins=head:float32,unprintable=1")
+    with pytest.raises(ValueError, match="unprintable=1.*with_modules"):
+        Policy.parse(str(policy))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("pins=head", "not NAME:DTYPE"),
+        ("pins=nn.NoSuchLayer:fp32", "no module class 'NoSuchLayer'"),
+        ("pins=head:int8", "head"),
+    ],
+)
+def test_bad_pins_are_refused_by_name(text: str, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        Policy.parse(text)

@@ -8,6 +8,11 @@ String form (round-trips through :meth:`Policy.parse` and ``str``)::
 
     params=float32,compute=bfloat16,output=float32
     p=f32,c=bf16,o=f32,device=cuda,fp32+=gelu|softmax,lower+=einsum
+    c=bf16,pins=encoder.*.norm:float32|nn.LayerNorm:float32
+
+Module pins keyed by a qualified name or glob, or by a ``torch.nn`` class, with a dtype, print as
+``pins=``; pins keyed by a filter function or another class, or valued by a Policy, have no text form:
+``str`` counts them as ``unprintable=N`` and :meth:`Policy.parse` refuses that string.
 
 Presets: ``"bf16-mixed"``, ``"fp16-mixed"``, ``"conservative"`` (softmax, log_softmax,
 layer_norm, group_norm and sum kept in fp32 on every device).
@@ -196,6 +201,7 @@ class Policy:
             return cls.preset(text, device_type)
         fields: dict[str, object] = {}
         edits: list[tuple[str, list[str]]] = []
+        pins: dict[ModuleKey, torch.dtype] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key, value = key.strip().lower(), value.strip()
@@ -206,6 +212,14 @@ class Policy:
                 if category not in _EDITABLE:
                     raise ValueError(f"unknown op list {category!r} in {part!r}; accepted: {list(_EDITABLE)}")
                 edits.append((category, [v.strip() for v in value.split("|") if v.strip()]))
+            elif key == "pins":
+                pins.update(_parse_pins(value))
+            elif key == "unprintable":
+                raise ValueError(
+                    f"{part!r}: the policy this string was printed from had {value} module override(s) "
+                    "keyed by a filter function or a class outside torch.nn, or valued by a Policy; those "
+                    "have no text form: add them with Policy.with_modules"
+                )
             elif key in _KEY_NAMES:
                 name = _KEY_NAMES[key]
                 fields[name] = _family(value) if name == "device_type" else _dtype(value, name)
@@ -219,7 +233,7 @@ class Policy:
         policy = cls(**fields)  # type: ignore[arg-type]
         for category, names in edits:
             policy = policy._moved(names, category)
-        return policy
+        return policy.with_modules(pins) if pins else policy
 
     # ----------------------------------------------------------------- edits
     def with_ops(
@@ -333,7 +347,41 @@ class Policy:
             names = [_op_label(op) for op, cat in self.op_overrides if cat == category]
             if names:
                 parts.append(f"{category}+={'|'.join(names)}")
+        pins = [_pin_text(key, value) for key, value in self.module_overrides]
+        if any(pins):
+            parts.append(f"pins={'|'.join(p for p in pins if p)}")
+        if not all(pins):
+            parts.append(f"unprintable={pins.count(None)}")
         return ",".join(parts)
+
+
+def _pin_text(key: ModuleKey, value: torch.dtype | Policy) -> str | None:
+    """``name:dtype`` or ``nn.Class:dtype`` for a pin with a text form, else None."""
+    if not isinstance(value, torch.dtype):
+        return None
+    if isinstance(key, str) and key and not set(key) & set(",|:= "):
+        return f"{key}:{_dtype_name(value)}"
+    if isinstance(key, type) and getattr(nn, key.__name__, None) is key:
+        return f"nn.{key.__name__}:{_dtype_name(value)}"
+    return None
+
+
+def _parse_pins(text: str) -> dict[ModuleKey, torch.dtype]:
+    """``encoder.*.norm:float32|nn.LayerNorm:fp32`` -> ``{"encoder.*.norm": float32, nn.LayerNorm: ...}``."""
+    pins: dict[ModuleKey, torch.dtype] = {}
+    for item in filter(None, (i.strip() for i in text.split("|"))):
+        name, sep, dtype = item.rpartition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"pin {item!r} is not NAME:DTYPE (a qualified name or glob, or nn.Class)")
+        name = name.strip()
+        key: ModuleKey = name
+        if name.startswith("nn."):
+            cls = getattr(nn, name[3:], None)
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise ValueError(f"pin {item!r}: torch.nn has no module class {name[3:]!r}")
+            key = cls
+        pins[key] = _dtype(dtype.strip(), f"pin {name!r}")
+    return pins
 
 
 def check_policy(policy: object) -> Policy | None:
