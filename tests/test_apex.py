@@ -246,3 +246,13 @@ def test_param_group_edits_reach_the_masters_and_state_round_trips() -> None:
         torch.equal(a, b)
         for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True)
     )
+
+
+def test_several_losses_accumulate_with_update_master_grads_false_and_the_naive_form_is_refused() -> None:
+    model, opt = fp16_optimizer(static_loss_scale=128.0)
+    opt.backward(half_loss(model, 0), update_master_grads=False)
+    opt.backward(half_loss(model, 1))
+    for master, param in zip(opt.master_params, opt.model_params, strict=True):
+        assert torch.equal(master.grad, param.grad.float() / 128.0)  # both losses
+    with pytest.raises(RuntimeError, match="update_master_grads=False"):
+        opt.backward(half_loss(model, 2))

@@ -286,7 +286,17 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
     def backward(
         self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
     ) -> None:
-        """``(loss.float() * loss_scale).backward()``; then :meth:`update_master_grads` unless told not to."""
+        """``(loss.float() * loss_scale).backward()``; then :meth:`update_master_grads` unless told not to.
+
+        Raises:
+            RuntimeError: the master gradients were already updated in this iteration (several losses:
+                pass ``update_master_grads=False`` to every backward but the last, as apex advises).
+        """
+        if self.grads_unscaled:
+            raise RuntimeError(
+                "FP16_Optimizer.backward: the master gradients were already updated since the last step; "
+                "pass update_master_grads=False to every backward of the iteration but the last"
+            )
         super().backward(loss.float(), retain_graph=retain_graph)
         if update_master_grads:
             self.update_master_grads()
