@@ -111,7 +111,7 @@ def _fp(obj: Any, seen: set[int], depth: int) -> Any:
     if isinstance(obj, torch.Tensor):
         return _tensor_fp(obj)
     if isinstance(obj, torch.Generator):
-        return ("Generator", id(obj), _tensor_fp(obj.get_state()))
+        return ("Generator", id(obj), obj.get_state().numpy().tobytes())  # get_state() is a new tensor
     if id(obj) in seen:
         return ("seen", type(obj).__name__, id(obj))
     seen = seen | {id(obj)}

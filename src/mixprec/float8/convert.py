@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Iterable
 
 from torch import nn
 
 from mixprec.float8.config import Float8Config
-from mixprec.float8.linear import Float8Linear, _check_config
+from mixprec.float8.linear import Float8Linear, _check_config, check_float8_state
 
 __all__ = ["ModuleFilter", "convert_to_float8_training", "float8_linears", "skip_fqns"]
 
@@ -18,12 +20,13 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 def convert_to_float8_training(
     model: nn.Module, *, config: Float8Config | None = None, module_filter_fn: ModuleFilter | None = None
 ) -> nn.Module:
-    """Swap every ``nn.Linear`` of ``model`` (itself included) for a :class:`Float8Linear`, in place.
+    """Swap every exact ``nn.Linear`` of ``model`` (itself included) for a :class:`Float8Linear`, in place.
 
     The same name and filter contract as ``torchao.float8.convert_to_float8_training``, so code can
     switch between them. The new modules share the old ones' parameter objects, so an optimizer built
     before conversion keeps working; ``state_dict`` keys stay the same (delayed scaling adds
-    ``<fqn>.amax_history``). Modules that already are :class:`Float8Linear` are left alone.
+    ``<fqn>.amax_history``), and ``model.load_state_dict`` checks every amax history before any tensor
+    loads. Modules that already are :class:`Float8Linear` are left alone.
 
     Args:
         model: the model to convert.
@@ -36,21 +39,36 @@ def convert_to_float8_training(
         ``model`` (or a new :class:`Float8Linear` when ``model`` itself is an ``nn.Linear``).
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, ``config`` not a :class:`Float8Config` or
-            ``module_filter_fn`` not callable; nothing is converted then.
+        TypeError: if ``model`` is not an ``nn.Module``, ``config`` not a :class:`Float8Config`,
+            ``module_filter_fn`` not callable with ``(module, fqn)`` or returning a non-bool; nothing is
+            converted then.
+
+    Warns:
+        UserWarning: naming the subclasses of ``nn.Linear`` that were kept as they are (only exact
+            ``nn.Linear`` modules are converted: a subclass's own parameters and forward would be lost).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = _check_config(config)
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError(f"module_filter_fn must be callable (module, fqn) -> bool, got {module_filter_fn!r}")
-    if _wanted(model, "", module_filter_fn):
+    _check_filter(module_filter_fn)
+    skipped: dict[str, str] = {}
+    if _wanted(model, "", module_filter_fn, skipped):
         return Float8Linear.from_linear(model, config)
     swaps = [
         (fqn, module)
         for fqn, module in model.named_modules(remove_duplicate=False)
-        if fqn and _wanted(module, fqn, module_filter_fn)
+        if fqn and _wanted(module, fqn, module_filter_fn, skipped)
     ]
+    if skipped:
+        warnings.warn(
+            "convert_to_float8_training converts exact nn.Linear modules only; kept as they are: "
+            + ", ".join(f"{fqn!r} ({name})" for fqn, name in skipped.items())
+            + ": a Float8Linear in their place would drop their own parameters, buffers and forward",
+            UserWarning,
+            stacklevel=2,
+        )
+    if not any(hook is check_float8_state_hook for hook in _load_pre_hooks(model)):
+        model.register_load_state_dict_pre_hook(check_float8_state_hook)
     replacements: dict[int, Float8Linear] = {}
     for fqn, module in swaps:  # a module shared by several parents is swapped once, everywhere
         new = replacements.setdefault(id(module), Float8Linear.from_linear(module, config))
@@ -59,10 +77,58 @@ def convert_to_float8_training(
     return model
 
 
-def _wanted(module: nn.Module, fqn: str, module_filter_fn: ModuleFilter | None) -> bool:
-    if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
+def _wanted(
+    module: nn.Module, fqn: str, module_filter_fn: ModuleFilter | None, skipped: dict[str, str]
+) -> bool:
+    """Whether to swap ``module``; a subclass of nn.Linear the filter lets through goes to ``skipped``."""
+    if not isinstance(module, nn.Linear) or isinstance(module, (Float8Linear, NonDynamicallyQuantizable)):
         return False
-    return module_filter_fn is None or bool(module_filter_fn(module, fqn))
+    if module_filter_fn is not None:
+        chosen = module_filter_fn(module, fqn)
+        if not isinstance(chosen, bool):
+            raise TypeError(
+                f"module_filter_fn must return True or False, got {type(chosen).__name__} {chosen!r:.40} "
+                f"for {fqn or 'the model itself'!r}; nothing was converted"
+            )
+        if not chosen:
+            return False
+    if type(module) is not nn.Linear:
+        skipped[fqn] = type(module).__name__
+        return False
+    return True
+
+
+# nn.MultiheadAttention's out_proj: attention reads its weight directly and never calls its forward, so
+# there is nothing to convert and nothing to warn about.
+NonDynamicallyQuantizable = nn.modules.linear.NonDynamicallyQuantizableLinear
+
+
+def _check_filter(module_filter_fn: object) -> None:
+    if module_filter_fn is None:
+        return
+    if not callable(module_filter_fn):
+        raise TypeError(f"module_filter_fn must be callable (module, fqn) -> bool, got {module_filter_fn!r}")
+    try:
+        signature = inspect.signature(module_filter_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called as is
+        return
+    try:
+        signature.bind(nn.Identity(), "")
+    except TypeError:
+        raise TypeError(
+            f"module_filter_fn must take two arguments (module, fqn) and return a bool; "
+            f"{getattr(module_filter_fn, '__name__', module_filter_fn)!r} takes {signature}"
+        ) from None
+
+
+def _load_pre_hooks(model: nn.Module) -> list[object]:
+    return [getattr(hook, "hook", hook) for hook in model._load_state_dict_pre_hooks.values()]
+
+
+def check_float8_state_hook(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+    """``load_state_dict`` pre-hook of a converted model: every amax history is checked before the model's
+    own tensors load, so a refused checkpoint leaves every weight as it was."""
+    check_float8_state(module, state_dict, prefix)
 
 
 def float8_linears(model: nn.Module) -> list[tuple[str, Float8Linear]]:

@@ -8,7 +8,7 @@ from torch import nn
 from mixprec.float8.config import Float8Config
 from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
 
-__all__ = ["ROLES", "Float8Linear"]
+__all__ = ["ROLES", "AmaxHistoryError", "Float8Linear", "check_amax_history", "check_float8_state"]
 
 #: The tensors of a linear layer that are cast to fp8, in the order of the rows of its amax buffers.
 ROLES = ("input", "weight", "grad_output")
@@ -84,6 +84,9 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(input) or not input.is_floating_point():
+            got = input.dtype if torch.is_tensor(input) else type(input).__name__
+            raise TypeError(f"Float8Linear input must be a floating-point tensor, got {got}")
         device_type = input.device.type
         if torch.is_autocast_enabled(device_type):
             input = input.to(torch.get_autocast_dtype(device_type))
@@ -98,6 +101,8 @@ class Float8Linear(nn.Linear):
         # Checkpoints move between nn.Linear, dynamic and delayed modules: a missing history starts empty,
         # a history is ignored by a dynamic module. (state_dict is torch's per-module copy.)
         key = prefix + "amax_history"
+        if self.amax_history is not None and key in state_dict:
+            check_amax_history(self, state_dict[key], key)  # before any of this module's tensors change
         if self.amax_history is not None and key not in state_dict:
             state_dict[key] = torch.zeros_like(self.amax_history)
         elif self.amax_history is None:
@@ -114,6 +119,44 @@ class Float8Linear(nn.Linear):
     def last_scale(self) -> dict[str, float]:
         """The scale used at the last cast of input, weight and grad_output (0.0 before any); host sync."""
         return dict(zip(ROLES, self.fp8_stats[1].tolist(), strict=True))
+
+
+class AmaxHistoryError(ValueError, RuntimeError):
+    """A refused ``amax_history``: a ValueError as mixprec's bad input is, and the RuntimeError that
+    ``nn.Module.load_state_dict`` raises for a tensor that does not fit."""
+
+
+def check_amax_history(module: Float8Linear, value: object, key: str) -> None:
+    """Refuse a loaded ``amax_history`` that does not fit ``module`` or would poison its scales.
+
+    Raises:
+        AmaxHistoryError: (a ValueError and a RuntimeError) not a tensor of ``module.amax_history``'s
+            shape (another ``amax_history_len``), or holding a negative, inf or nan entry (an inf amax
+            gives every later scale 0, a nan every output nan).
+    """
+    expected = tuple(module.amax_history.shape)
+    if not torch.is_tensor(value) or tuple(value.shape) != expected or not value.is_floating_point():
+        got = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+        raise AmaxHistoryError(
+            f"{key} is {got}, this module's is float32 {expected} "
+            f"(amax_history_len={module.config.amax_history_len}); load it into a module of that length"
+        )
+    bad = ~torch.isfinite(value) | (value < 0)
+    if bool(bad.any()):
+        raise AmaxHistoryError(
+            f"{key} holds {int(bad.sum())} entries that are not finite amaxes >= 0 "
+            f"(first: {value[bad][0].item()}); an amax history must be finite and non-negative"
+        )
+
+
+def check_float8_state(model: nn.Module, state_dict: dict[str, object], prefix: str = "") -> None:
+    """Check every delayed-scaling ``amax_history`` of ``state_dict`` meant for ``model``'s Float8Linear
+    modules, so that a load which would fail changes nothing (see :func:`check_amax_history`)."""
+    for fqn, module in model.named_modules(prefix=prefix.rstrip(".")):
+        if isinstance(module, Float8Linear) and module.amax_history is not None:
+            key = f"{fqn}.amax_history" if fqn else "amax_history"
+            if key in state_dict:
+                check_amax_history(module, state_dict[key], key)
 
 
 def _check_config(config: Float8Config | None) -> Float8Config:

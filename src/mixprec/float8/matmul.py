@@ -26,6 +26,8 @@ __all__ = ["scaled_mm"]
 
 E4M3 = formats.FP8_E4M3FN
 E5M2 = formats.FP8_E5M2
+# Output dtypes torch._scaled_mm writes; any other (float64) goes through the emulation.
+_SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 # Rows of a Float8Linear's amax buffers.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
@@ -45,7 +47,7 @@ def scaled_mm(
     ``emulate`` or the shapes are ones it rejects; the emulation is torchao's: a float32 ``torch.mm`` of
     the dequantized operands, cast to ``out_dtype``.
     """
-    if not emulate and _scaled_mm_accepts(a, b):
+    if not emulate and out_dtype in _SCALED_MM_OUT and _scaled_mm_accepts(a, b):
         return torch._scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),  # column-major, as cuBLASLt wants it
@@ -58,6 +60,8 @@ def scaled_mm(
 
 def _scaled_mm_accepts(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not hasattr(torch, "_scaled_mm"):
+        return False
+    if a.numel() == 0 or b.numel() == 0:
         return False
     if a.device.type == "cpu":
         return True
@@ -81,7 +85,7 @@ def _scale_for(
         scale = amax_to_scale(amax, fmt, config.margin)
     else:
         scale = delayed_scale(history[row], amax, fmt, config.margin, config.amax_compute_algo)
-        if update:
+        if update and x.numel():  # an empty tensor says nothing about the next step's range
             push_amax(history[row], amax)
     stats[0, row] = amax
     stats[1, row] = scale

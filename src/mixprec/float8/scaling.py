@@ -13,9 +13,19 @@ Delayed scaling (Transformer Engine, ``DelayedScaling`` recipe)::
         past   = max(history)  (or history[0] for amax_compute_algo="most_recent")
         scale  = format.max / (past if past > 0 else amax) / 2**margin      # first use: dynamic
         x_fp8  = saturate(x * scale)            # values beyond past * 2**margin saturate this step
-        if amax is finite: history = [amax, history[0], ..., history[L-2]]
+        if amax is finite: history = [min(amax, max(history) * 2**8), history[0], ..., history[L-2]]
         else: scale = nan (the non-finite values reach the gradients, so a GradScaler skips the step)
                 and the history is left as it was
+        (an empty x has no amax: the history is left as it was)
+
+One step's influence is bounded: the amax pushed is at most :data:`AMAX_GROWTH_LIMIT` (2**8) times the
+history's largest entry (no bound while the history is all zeros). Transformer Engine pushes every
+finite amax (``amax_and_scale_update`` in ``common/recipe/delayed_scaling.cu``), so one outlier input of
+1e30 makes the scale ``448 / 1e30`` for ``amax_history_len`` steps: every ordinary value then rounds to
+zero in fp8 and the layer gets no gradient for that long. Under the bound the layer's usual values keep
+landing within e4m3's normal range (which spans about 2**15), so training goes on; a genuine jump of the
+amax is followed by a factor of 256 per step (the values beyond saturate meanwhile, as the jump's own
+step does under delayed scaling anyway).
 
 Everything is tensor math without host synchronisation (``torch.where``, no ``.item()``), so it runs
 under ``torch.compile`` and CUDA graphs.
@@ -27,15 +37,19 @@ import torch
 
 from mixprec import formats
 
-__all__ = ["EPS", "amax_of", "amax_to_scale", "delayed_scale", "push_amax", "to_float8"]
+__all__ = ["AMAX_GROWTH_LIMIT", "EPS", "amax_of", "amax_to_scale", "delayed_scale", "push_amax", "to_float8"]
 
 #: Smallest amax a scale is computed from (torchao's value), so an all-zero tensor gets a finite scale.
 EPS = 1e-12
+#: Most an amax pushed to a history may exceed the history's largest entry by (see the module doc).
+AMAX_GROWTH_LIMIT = 2.0**8
 
 
 @torch.no_grad()
 def amax_of(x: torch.Tensor) -> torch.Tensor:
-    """``max|x|`` as a float32 scalar tensor (nan if ``x`` has a nan, inf if it has an inf)."""
+    """``max|x|`` as a float32 scalar tensor (nan if ``x`` has a nan, inf if it has an inf; 0 if empty)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.max(torch.abs(x)).to(torch.float32)
 
 
@@ -72,8 +86,11 @@ def delayed_scale(
 
 @torch.no_grad()
 def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
-    """Push ``amax`` to the front of ``history`` in place (oldest dropped); a non-finite amax is skipped."""
-    shifted = torch.cat([amax.reshape(1).to(history.dtype), history[:-1]])
+    """Push ``amax`` to the front of ``history`` in place (oldest dropped); a non-finite amax is skipped,
+    and one larger than :data:`AMAX_GROWTH_LIMIT` times the history's largest entry is pushed as that."""
+    past = history.max()
+    bounded = torch.where(past > 0, torch.minimum(amax.to(history.dtype), past * AMAX_GROWTH_LIMIT), amax)
+    shifted = torch.cat([bounded.reshape(1).to(history.dtype), history[:-1]])
     history.copy_(torch.where(torch.isfinite(amax), shifted, history))
 
 

@@ -111,15 +111,32 @@ class CompensatedOptimizer(OptimizerWrapper):
             raise TypeError(f"param_group must be a dict with 'params', got {param_group!r}")
         params = param_group["params"]
         params = [params] if torch.is_tensor(params) else list(params)
+        held = [p for group in self.param_groups for p in group["params"]]
+        _check_unique(held + params, "param_group")
         _check_params(self.optimizer, self.method, params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1]["params"])
+        self.kind = updates.fast_kind(self.optimizer)
+
+    def _follow_groups(self) -> None:
+        """Adopt low-precision params put into ``param_groups`` by hand (compensation buffers, a check)."""
+        held = [p for group in self.param_groups for p in group["params"]]
+        known = {id(p) for p in self.model_params}
+        new = [
+            p for p in held if id(p) not in known and torch.is_tensor(p) and p.dtype in LOW_PRECISION_DTYPES
+        ]
+        if not new and len(held) == len({id(p) for p in held}):
+            return
+        _check_unique(held, "param_groups")
+        _check_params(self.optimizer, self.method, new)
+        self._adopt(new)
         self.kind = updates.fast_kind(self.optimizer)
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """One step of the inner optimizer's algorithm, applied with this wrapper's rounding method."""
         if closure is not None:
             raise ValueError("CompensatedOptimizer.step does not take a closure")
+        self._follow_groups()
         with torch.no_grad():
             if self.kind is not None:
                 self._step_fast()
@@ -262,6 +279,15 @@ def _check_args(optimizer: Any, method: Any, seed: Any, scratch_numel: Any, stat
         raise ValueError(f"state_dtype must be None (automatic) or torch.float32, got {state_dtype!r}")
 
 
+def _check_unique(params: list[Any], where: str) -> None:
+    """torch.optim's rule: a parameter is in one group, once."""
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(
+            f"{where}: some parameters appear in more than one parameter group (or twice in one), "
+            "as torch.optim refuses; each parameter may be added once"
+        )
+
+
 def _check_params(optimizer: Optimizer, method: str, params: list[Any]) -> None:
     for param in params:
         if not torch.is_tensor(param):
@@ -272,4 +298,7 @@ def _check_params(optimizer: Optimizer, method: str, params: list[Any]) -> None:
                 f"dtypes it supports: {sorted(str(d) for d in METHODS[method])}"
             )
         if optimizer.state.get(param):
-            raise ValueError("wrap the optimizer before its first step: it already holds state for a param")
+            raise ValueError(
+                f"the optimizer already holds state for a param of shape {tuple(param.shape)}: "
+                "wrap the optimizer before its first step"
+            )

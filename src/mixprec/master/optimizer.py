@@ -11,6 +11,7 @@ the optimizer step the masters. One iteration::
         master.grad <- fp32(param.grad)                  # exists during step() only
         scaler.unscale_(inner)                           # master.grad /= scale, found_inf recorded
         scaler.step(inner)                               # inner.step() on the masters unless found_inf
+                                                         # or a |g| whose square overflows the state
         scaler.update()                                  # back off after inf/nan, grow after a clean run
         param <- half(master)                            # one foreach copy (a no-op after a skipped step)
 
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from mixprec.master.guard import HugeGradientGuard
 from mixprec.master.wrapper import (
     LOW_PRECISION_DTYPES,
     OptimizerWrapper,
@@ -51,7 +53,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     The masters follow the model: when a model weight changes outside this optimizer (``load_state_dict``,
     an in-place edit under ``no_grad``, ``param.data = ...``), the elements that no longer equal their
     master's rounding are copied to the master before the next step or ``state_dict``. An in-place edit of
-    ``param.data`` bypasses the tensor's version counter; call :meth:`sync_masters` after one.
+    ``param.data`` bypasses the tensor's version counter; call :meth:`sync_masters` after one. The groups
+    may be edited as a torch optimizer's: a half-precision param given to :meth:`add_param_group`, or
+    appended to ``param_groups[i]["params"]`` by hand, gets its master at once or before the next step.
+
+    With a scaler, a step whose unscaled gradients hold a value whose square overflows the optimizer
+    state's dtype (``|g| > 1.8e19`` for fp32 state) is skipped and counted in :attr:`skipped_steps`, with a
+    ``RuntimeWarning`` (:mod:`mixprec.master.guard`); Kahan/stochastic inner updates are not guarded here.
 
     Args:
         optimizer: a torch optimizer built on the model's parameters.
@@ -81,15 +89,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.model_params: list[torch.Tensor] = []
         self.master_params: list[torch.Tensor] = []
         self.scaler = resolved
-        self._scaler_view = ScalerView(optimizer)
+        self._scaler_view = ScalerView(optimizer, _guard_for(optimizer, resolved))
         self._grads_ready = False
         self._seen: list[tuple[int, int]] = []
+        self._stepped: list[torch.Tensor] = []  # what the groups held at the last adoption
         for group in optimizer.param_groups:
             self._adopt(group)
 
     def _adopt(self, group: dict[str, Any]) -> None:
         group["params"] = [self._master_for(p) for p in group["params"]]
         self._record()
+        self._stepped = self._held()
+
+    def _held(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _master_for(self, param: torch.Tensor) -> torch.Tensor:
         if not (self.master_weights and param.dtype in LOW_PRECISION_DTYPES):
@@ -105,9 +118,45 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         return master
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the inner optimizer, with fp32 masters for its half-precision params."""
-        self.optimizer.add_param_group(param_group)
+        """Add a group to the inner optimizer, with fp32 masters for its half-precision params.
+
+        As in torch, a parameter may be in one group only: a model parameter that already has a master
+        (or a master itself) is refused, before anything changes.
+
+        Raises:
+            TypeError: ``param_group`` is not a dict with ``"params"``, or holds a non-tensor.
+            ValueError: a parameter is already in a group, or given twice.
+        """
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(f"param_group must be a dict with 'params', got {param_group!r:.80}")
+        self._follow_groups()
+        params = param_group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        _check_new_params(params, self.model_params, self._held())
+        self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1])
+
+    def _follow_groups(self) -> None:
+        """Give half-precision params put into ``param_groups`` by hand their masters (before a step).
+
+        Raises:
+            ValueError: a parameter is in two groups (or twice in one), or a model parameter that has a
+                master was put in beside it; nothing changes then.
+        """
+        held = self._held()
+        if len(held) == len(self._stepped) and all(a is b for a, b in zip(held, self._stepped, strict=True)):
+            return
+        known = {id(p) for p in self._stepped}
+        _check_new_params(
+            [p for p in held if id(p) not in known],
+            self.model_params,
+            [p for p in held if id(p) in known],
+            "param_groups",
+        )
+        for group in self.param_groups:
+            group["params"] = [p if id(p) in known else self._master_for(p) for p in group["params"]]
+        self._record()
+        self._stepped = self._held()
 
     def _record(self) -> None:
         self._seen = [(p._version, p.data_ptr()) for p in self.model_params]
@@ -146,13 +195,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped so far because a gradient was inf/nan (0 for a scaler that does not count)."""
-        return int(getattr(self.scaler, "skipped_steps", 0))
+        """Steps skipped so far because a gradient was inf/nan (as the scaler counts them; 0 for a scaler
+        that does not count) or so large that its square would overflow the optimizer state (the guard)."""
+        guard = self._scaler_view.guard
+        return int(getattr(self.scaler, "skipped_steps", 0)) + (guard.skipped_steps if guard else 0)
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the latest ``step()`` was skipped: step LR schedulers only when it was not."""
-        return bool(getattr(self.scaler, "last_step_skipped", False))
+        guard = self._scaler_view.guard
+        return bool(getattr(self.scaler, "last_step_skipped", False)) or bool(
+            guard and guard.last_step_skipped
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale ``loss`` and run backward; ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``)."""
@@ -197,6 +251,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             raise ValueError(
                 "MixedPrecisionOptimizer.step does not take a closure; call backward(loss) first"
             )
+        self._follow_groups()
         self._follow_model()
         try:
             self._prepare_grads()
@@ -220,6 +275,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, fp32 masters (references, as torch does) and scaler state."""
+        self._follow_groups()
         self._follow_model()
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -242,3 +298,39 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         load_mixed_precision_state(self, state_dict)
         self._grads_ready = False
         self._record()
+
+
+def _check_new_params(
+    params: list[Any], model_params: list[torch.Tensor], held: list[torch.Tensor], where: str = "param_group"
+) -> None:
+    """Refuse what torch refuses (a param in two groups), counting a model param with a master as held."""
+    ids = [id(p) for p in held]
+    for param in params:
+        if not torch.is_tensor(param):
+            raise TypeError(f"{where}: optimizer params must be tensors, got {type(param).__name__}")
+        ids.append(id(param))
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            f"{where}: some parameters appear in more than one parameter group (or twice in one), "
+            "as torch.optim refuses; each parameter may be added once"
+        )
+    mastered = {id(p) for p in model_params}
+    for param in params:
+        if id(param) in mastered:
+            raise ValueError(
+                f"{where}: some parameters appear in more than one parameter group: a model parameter "
+                f"of shape {tuple(param.shape)} already has an fp32 master in this optimizer"
+            )
+
+
+def _guard_for(optimizer: Optimizer, scaler: Any) -> HugeGradientGuard | None:
+    """The huge-gradient guard of a wrapper, or None: without a scaler (``loss_scale=None``, as torch), and
+    for Kahan/stochastic updates (their own update pass checks the gradients)."""
+    from mixprec.master.compensated import CompensatedOptimizer
+
+    enabled = getattr(scaler, "is_enabled", None)
+    if callable(enabled) and not enabled():
+        return None
+    if isinstance(optimizer, CompensatedOptimizer):
+        return None if optimizer.method in ("kahan", "stochastic") else HugeGradientGuard(torch.float32)
+    return HugeGradientGuard()

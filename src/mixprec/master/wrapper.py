@@ -130,10 +130,13 @@ class ScalerView:
 
     For a plain optimizer these are its params (the fp32 masters among them). A wrapper such as
     CompensatedOptimizer reads the model's gradients while its groups hold gradient-less scratch params.
+    ``guard`` (:class:`~mixprec.master.guard.HugeGradientGuard`) may skip the inner step after the scaler
+    decided to take it.
     """
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, guard: Any = None) -> None:
         self.optimizer = optimizer
+        self.guard = guard  # a HugeGradientGuard, or None
         self.param_groups: list[dict[str, Any]] = []
 
     def refresh(self) -> list[torch.Tensor]:
@@ -146,4 +149,11 @@ class ScalerView:
         return params
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The inner step, unless the guard finds a gradient that would overflow the optimizer state."""
+        if (
+            self.guard is not None
+            and self.param_groups
+            and not self.guard.allows(self.param_groups[0]["params"])
+        ):
+            return None
         return self.optimizer.step(*args, **kwargs)

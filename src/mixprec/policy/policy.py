@@ -73,7 +73,13 @@ def _module_value(value: object, key: object) -> torch.dtype | Policy:
     if isinstance(value, Policy):
         return value
     if isinstance(value, str) and value.strip().lower().removeprefix("torch.") not in _DTYPE_NAMES:
-        return Policy.parse(value)
+        try:
+            return Policy.parse(value)
+        except ValueError as error:
+            raise ValueError(
+                f"module override for {key!r}: {value!r} is neither a dtype name {sorted(_DTYPE_NAMES)} "
+                f"nor a policy ({error})"
+            ) from None
     if isinstance(value, (torch.dtype, str)):
         return _dtype(value, f"module override for {key!r}")
     raise TypeError(f"module override for {key!r} must be a dtype or a Policy, got {type(value).__name__}")
@@ -126,10 +132,12 @@ class Policy:
     module_overrides: tuple[tuple[ModuleKey, torch.dtype | Policy], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        # Dtype names ("bf16", "torch.float16") become dtypes here, as in Policy.parse, so the value
+        # prints, compares and hashes as the dtype it names; anything else is refused now, not in a region.
+        dtypes = {"param_dtype": _dtype(self.param_dtype, "param_dtype")}
+        dtypes["output_dtype"] = _dtype(self.output_dtype, "output_dtype")
         if self.compute_dtype is not None:
-            _dtype(self.compute_dtype, "compute_dtype")
-        _dtype(self.param_dtype, "param_dtype")
-        _dtype(self.output_dtype, "output_dtype")
+            dtypes["compute_dtype"] = _dtype(self.compute_dtype, "compute_dtype")
         if self.device_type is not None and self.device_type not in _FAMILY_OPS:
             raise ValueError(
                 f"device_type must be one of {sorted(_FAMILY_OPS)} or None, got {self.device_type!r}"
@@ -140,10 +148,15 @@ class Policy:
                     f"unknown op category {category!r} for {op!r}; accepted: {list(_ALL_CATEGORIES)}"
                 )
             canonical_op(op)  # raises for an unknown op name
+        modules = []
         for key, value in _pairs("module_overrides", self.module_overrides):
             _module_key(key)
-            if not isinstance(value, (torch.dtype, Policy)):
+            if not isinstance(value, (torch.dtype, Policy, str)):
                 raise TypeError(f"module override for {key!r} must be a dtype or a Policy, got {value!r}")
+            modules.append((key, _module_value(value, key)))
+        for name, value in dtypes.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "module_overrides", tuple(modules))
 
     # ----------------------------------------------------------------- constructors
     @classmethod
