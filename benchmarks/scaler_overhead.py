@@ -9,6 +9,7 @@ mixprec / torch.
     python benchmarks/scaler_overhead.py --repeats 50
     python benchmarks/scaler_overhead.py --optimizer adam-fused --no-unscale --dtype bfloat16
     python benchmarks/scaler_overhead.py --clock cpu --threads 1 --json scaler.json
+    python benchmarks/scaler_overhead.py --optimizer adamw-fused --no-unscale --no-underflow-restart
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared machine a
 preempted phase then costs what it computed, not how long it waited. The spread printed is the
@@ -32,6 +33,7 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
     "adam-fused": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
 }
 
 
@@ -50,6 +52,11 @@ def parse_args() -> argparse.Namespace:
         "--clock", choices=["wall", "cpu"], default="wall", help="perf_counter or process_time"
     )
     parser.add_argument("--json", help="write the samples and medians here")
+    parser.add_argument(
+        "--no-underflow-restart",
+        action="store_true",
+        help="mixprec's DynamicScale(underflow_restart=False): torch's rule exactly, no amax to measure",
+    )
     parser.add_argument(
         "--no-unscale",
         action="store_true",
@@ -101,7 +108,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     """Seconds per phase per iteration, for each scaler; the two alternate going first."""
     scalers = {
         "torch": torch.amp.GradScaler("cpu", growth_interval=10**9),
-        "mixprec": mixprec.scaling.GradScaler("cpu", growth_interval=10**9),
+        "mixprec": mixprec.scaling.GradScaler(
+            "cpu",
+            rule=mixprec.DynamicScale(growth_interval=10**9, underflow_restart=not args.no_underflow_restart),
+        ),
     }
     setups = {name: make_setup(args) for name in scalers}
     loss = torch.tensor(1.5)

@@ -78,8 +78,9 @@ def main() -> None:
         logs = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
         last = logs[STEPS]
         print(f"fp16: skipped_steps {last['skipped_steps']:g}, loss_scale {last['loss_scale']:g}")
-        rates = ", ".join(f"{logs[step]['learning_rate']:g}" for step in (12, 13, 14))
-        print(f"  learning_rate at steps 12, 13, 14: {rates}")
+        rates = ", ".join(f"{logs[step]['learning_rate']:g}" for step in (11, 12, 13, 14))
+        print(f"  learning_rate at steps 11, 12, 13, 14: {rates}")  # 4.x logs it after the step's update
+        print(f"  scheduler steps {trainer.lr_scheduler.last_epoch} of {STEPS}")
         print("  diagnosis:", *trainer.mixprec_diagnoses)
 
 

@@ -11,10 +11,10 @@ from mixprec import distributed, float8, formats
 from mixprec.autocast import autocast, get_autocast_dtype, is_autocast_enabled
 from mixprec.autocast.checkpoint import autocast_context_fn, checkpoint
 from mixprec.autocast.custom_function import custom_bwd, custom_fwd
-from mixprec.compensated import CompensatedOptimizer
 from mixprec.master import MixedPrecisionOptimizer
+from mixprec.master.compensated import CompensatedOptimizer
+from mixprec.master.recipes import OPT_LEVELS, PRESETS, initialize
 from mixprec.policy import Policy
-from mixprec.recipes import OPT_LEVELS, PRESETS, initialize
 from mixprec.scaling import DynamicScale, GradScaler, HeadroomScale, NoScale, StaticScale
 
 __version__ = "0.1.0"

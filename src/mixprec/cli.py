@@ -1,8 +1,8 @@
 """The ``mixprec`` command: subcommands register from the ``SUBCOMMANDS`` table.
 
-Each entry maps a subcommand to a module exposing ``HELP: str``, ``add_arguments(parser)`` and
-``run(args) -> int``. A module is imported only when the parser is built, so adding ``report`` or
-``inspect`` is one line here and one module there.
+Each entry maps a subcommand to a module and the names of its help text (``str``), its
+``add_arguments(parser)`` and its ``run(args) -> int`` there. A module is imported only when the parser is
+built, so a subcommand is one line here and three names in its module.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: dict[str, str] = {
-    "bench": "mixprec.bench.command",
-    "report": "mixprec.inspect.report_command",
-    "inspect": "mixprec.inspect.inspect_command",
+SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "bench": ("mixprec.bench.command", "HELP", "add_arguments", "run"),
+    "report": ("mixprec.inspect.cli", "REPORT_HELP", "add_report_arguments", "run_report"),
+    "inspect": ("mixprec.inspect.cli", "INSPECT_HELP", "add_inspect_arguments", "run_inspect"),
 }
 
 
@@ -28,11 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in SUBCOMMANDS.items():
+    for name, (module_name, help_name, add_name, run_name) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
-        sub = subparsers.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(sub)
-        sub.set_defaults(handler=module.run, subparser=sub)
+        text = getattr(module, help_name)
+        sub = subparsers.add_parser(name, help=text, description=text)
+        getattr(module, add_name)(sub)
+        sub.set_defaults(handler=getattr(module, run_name), subparser=sub)
     return parser
 
 

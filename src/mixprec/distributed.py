@@ -1,7 +1,7 @@
 """mixprec under torch.distributed: helpers for DDP and FSDP training with mixprec's scaler.
 
 Nothing here is needed to train: ``mixprec.GradScaler`` agrees on skipping by itself (see
-:class:`mixprec.scaling.sync.RankSync`), and ``mixprec.autocast`` and ``MixedPrecisionOptimizer`` are
+:class:`mixprec.scaling.skip.RankSync`), and ``mixprec.autocast`` and ``MixedPrecisionOptimizer`` are
 per-process and unaffected by the wrappers. What is here:
 
 - :func:`compression_hook`: torch's DDP gradient-compression hooks by format name, and what they do to the

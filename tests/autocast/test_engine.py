@@ -76,7 +76,7 @@ def test_weight_cast_is_cached_for_the_region_and_dropped_on_exit(lin: nn.Linear
 
 
 def test_cache_disabled_casts_every_time(lin: nn.Linear, x: torch.Tensor) -> None:
-    from mixprec.autocast import _state
+    from mixprec.autocast.engine import _state
 
     with mixprec.autocast("cpu", cache_enabled=False):
         lin(x)
@@ -187,7 +187,7 @@ def test_exception_inside_region_restores_state(lin: nn.Linear, x: torch.Tensor)
         lin(x)
         1 / 0  # noqa: B018
     assert lin(x).dtype == FP32
-    from mixprec.autocast import _state
+    from mixprec.autocast.engine import _state
 
     assert not _state.frames and _state.mode is None and not _state.cache
 
@@ -287,10 +287,19 @@ def test_module_override_by_class_and_by_policy(x: torch.Tensor) -> None:
     pinned = Policy.for_device("cpu").with_modules({nn.Linear: torch.float32})
     with mixprec.autocast("cpu", policy=pinned):
         assert net(x).dtype == FP32
-    # hooks are only installed while a region with overrides is active
-    from mixprec.autocast.pins import _global_handles as _hooks
+    # the global hooks are only installed while a region with overrides is active; the pinned modules'
+    # hooks are listed, and disarm() removes them
+    from mixprec.autocast.pins import HOOKS
 
-    assert not _hooks
+    assert not HOOKS.root_handles and HOOKS.users == 0
+    hooked = [m for m in net.modules() if m._forward_pre_hooks]
+    assert hooked and all(m in HOOKS.armed for m in hooked)
+    with mixprec.autocast("cpu", policy=pinned), pytest.raises(RuntimeError, match="1 region"):
+        HOOKS.disarm()
+    HOOKS.disarm()
+    assert len(HOOKS.armed) == 0 and not any(m._forward_pre_hooks or m._forward_hooks for m in net.modules())
+    with mixprec.autocast("cpu", policy=pinned):
+        assert net(x).dtype == FP32  # armed again on the next run
 
 
 def test_module_override_output_dtype(x: torch.Tensor) -> None:
@@ -389,3 +398,35 @@ def test_cuda_lists_applied_on_cpu_tensors() -> None:
         assert F.binary_cross_entropy(torch.rand(4).bfloat16(), torch.rand(4).bfloat16()).dtype == FP32
     with mixprec.autocast("cuda"):  # banned only for tensors on the region's device
         F.binary_cross_entropy(torch.rand(4), torch.rand(4))
+
+
+@pytest.mark.parametrize("policy", [None, "p=f32,c=bf16,o=f32,fp32+=linear"])
+def test_region_exited_in_another_thread_says_so_and_changes_nothing(policy):
+    """torch's autocast state is per thread: a region handed to another thread to exit cannot restore it.
+    The exit raises a RuntimeError naming both threads, and both threads' states are as they were."""
+    region = mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy)
+    region.__enter__()
+    errors = []
+
+    def exit_elsewhere():
+        try:
+            region.__exit__(None, None, None)
+        except RuntimeError as error:
+            errors.append((str(error), torch.is_autocast_enabled("cpu"), mixprec.is_autocast_enabled("cpu")))
+
+    worker = threading.Thread(target=exit_elsewhere)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1
+    message, torch_on_there, mixprec_on_there = errors[0]
+    assert f"entered in thread {threading.get_ident()} and exited in thread" in message
+    assert "same thread" in message
+    assert not torch_on_there and not mixprec_on_there
+    assert torch.is_autocast_enabled("cpu") and mixprec.is_autocast_enabled("cpu")  # still open here
+    region.__exit__(None, None, None)  # the right thread closes it
+    assert not torch.is_autocast_enabled("cpu") and not mixprec.is_autocast_enabled("cpu")
+
+
+def test_region_exited_without_entry_says_so():
+    with pytest.raises(RuntimeError, match="exited without being entered"):
+        mixprec.autocast("cpu").__exit__(None, None, None)

@@ -11,7 +11,7 @@ import torch
 from dist_harness import requires_gloo, run_ranks
 
 import mixprec
-from mixprec.scaling.sync import RankSync
+from mixprec.scaling.skip import RankSync
 
 pytestmark = requires_gloo
 

@@ -8,16 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec._files import jsonl_text
 from mixprec.inspect import (
     Log2Histogram,
     cli,
     demo,
-    inspect_command,
     load_log,
     plot_gradient_histogram,
     plot_scale_history,
     plot_underflow,
-    report_command,
     underflow_report,
     write_report,
 )
@@ -52,7 +51,7 @@ def _bench_log(path: Path) -> Path:
                 {"step": step, "workload": "cnn", "mode": mode, "loss": 2.0 - 0.1 * step, "scale": scale_now,
                  "skipped": skipped, "step_time_ms": 3.0 + step}
             )  # fmt: skip
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text(jsonl_text(records, runs=2, runs_planned=2))  # as the bench writes it
     return path
 
 
@@ -132,7 +131,7 @@ def test_report_from_a_scaler_log_with_histograms(tmp_path):
         },
     ]
     log = tmp_path / "scaler.jsonl"
-    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log.write_text(jsonl_text(records))  # with the trailer ScalerLog.close() writes
     written = write_report(log, tmp_path / "out")
     assert [p.name for p in written] == ["scale_history.png", "grad_histogram.png", "summary.md"]
     for png in written[:2]:
@@ -170,14 +169,19 @@ def test_inspect_command_end_to_end(tmp_path, capsys):
     assert cli.inspect_main(["--steps", "0"]) == 2
 
 
-def test_subcommand_modules_have_the_cli_table_shape():
+def test_subcommand_table_points_to_real_commands():
     import argparse
+    import importlib
 
-    for module in (report_command, inspect_command):
+    from mixprec import cli as top_cli
+
+    for module_name, help_name, add_name, run_name in top_cli.SUBCOMMANDS.values():
+        module = importlib.import_module(module_name)
         parser = argparse.ArgumentParser()
-        module.add_arguments(parser)
-        assert isinstance(module.HELP, str) and callable(module.run)
-    assert report_command.run is cli.run_report and inspect_command.run is cli.run_inspect
+        getattr(module, add_name)(parser)
+        assert isinstance(getattr(module, help_name), str) and callable(getattr(module, run_name))
+    assert top_cli.SUBCOMMANDS["report"][1:] == ("REPORT_HELP", "add_report_arguments", "run_report")
+    assert top_cli.build_parser().parse_args(["report", "x.jsonl"]).handler is cli.run_report
 
 
 @pytest.mark.parametrize("name", ["inspect_find_nonfinite.py", "inspect_scaler_log.py"])

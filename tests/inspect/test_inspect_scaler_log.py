@@ -42,7 +42,8 @@ def test_log_records_scale_skips_amax_and_culprits(kind, tmp_path):
     path = tmp_path / "run.jsonl"
     with ScalerLog(scaler, path, optimizer=optimizer, model=model, histogram_every=5) as log:
         _train(log, scaler, model, optimizer)
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    *lines, trailer = [json.loads(line) for line in path.read_text().splitlines()]
+    assert trailer == {"end_of_log": {"records": 12}}  # written by close(): the log is complete
     assert lines == log.records and [r["step"] for r in lines] == list(range(12))
     assert {"step", "scale", "skipped", "grad_amax", "loss"} <= set(lines[0])
     # 2^24 overflows fp16 gradients: the first steps are skipped and the scale halves each time.

@@ -111,12 +111,12 @@ def test_fp16_inf_batches_are_skipped_counted_logged_and_diagnosed(
     # skipped steps leave the weights and the LR schedule where they were
     assert torch.equal(snapshots.weights[5], snapshots.weights[4])
     assert torch.equal(snapshots.weights[8], snapshots.weights[7])
+    assert trainer.lr_scheduler.last_epoch == tiny.STEPS - 2  # 18 scheduler steps for 20 steps
     lrs = [entry["learning_rate"] for entry in logs]
-    for step in range(1, tiny.STEPS):
-        if step in (6, 9):
-            assert lrs[step] == lrs[step - 1]
-        else:
-            assert lrs[step] < lrs[step - 1]
+    held = [step for step in range(1, tiny.STEPS) if lrs[step] == lrs[step - 1]]
+    # 5.x logs the LR a step ran with, 4.x the one after its scheduler step: the held pair shifts by one
+    assert held in ([6, 9], [5, 8])
+    assert all(lrs[step] < lrs[step - 1] for step in range(1, tiny.STEPS) if step not in held)
     # gradients are unscaled before the Trainer clips and measures them (scaled, the norm would be ~1000x)
     assert 0 < logs[0]["grad_norm"] < 50
     # training went on
@@ -144,7 +144,14 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         MixprecTrainer(model=model, args=args, max_diagnoses=-1)
 
 
-def test_checkpoints_hold_the_scaler_and_resume_bitwise(tmp_path: Path) -> None:
+def test_checkpoints_hold_the_scaler_and_resume_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not hasattr(transformers.Trainer, "_save_scaler"):
+        # transformers 4.x loads its own rng_state.pth with torch.load's default, which torch >= 2.6 made
+        # weights_only=True: the Trainer alone cannot resume there without torch's documented escape hatch
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+
     def run(out: Path, inf_steps: tuple[int, ...], resume: str | None = None, **args) -> tuple:
         scaler = mixprec.GradScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
         model = tiny.make_model()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.compensated import CompensatedOptimizer
+from mixprec.master.compensated import CompensatedOptimizer
 
 
 def small_updates(method, steps=200, size=4096, grad=1e-4):

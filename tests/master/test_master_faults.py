@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.compensated import CompensatedOptimizer
-from mixprec.recipes import initialize
+from mixprec.master.compensated import CompensatedOptimizer
+from mixprec.master.recipes import initialize
 
 
 def net(seed=0, batchnorm=False):

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.compensated import CompensatedOptimizer
 from mixprec.master import MixedPrecisionOptimizer
-from mixprec.recipes import OPT_LEVELS, PRESETS, cast_model, initialize, resolve_level
+from mixprec.master.casting import cast_model
+from mixprec.master.compensated import CompensatedOptimizer
+from mixprec.master.recipes import OPT_LEVELS, PRESETS, initialize, resolve_level
 
 
 def bn_model(seed=0):

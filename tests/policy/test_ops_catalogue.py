@@ -178,7 +178,7 @@ def test_aliases_and_composites_are_consistent() -> None:
             assert fam in ops.FAMILIES
     everything = set(ops.ALIASES)
     for fam in ops.FAMILIES:
-        everything |= listed[fam] | set(ops.COMPOSITES[fam]) | set(ops.CONDITIONAL[fam]) | ops.BANNED[fam]
+        everything |= listed[fam] | set(ops.COMPOSITES[fam]) | set(ops.CONDITIONAL[fam]) | ops.BANNED_OPS[fam]
     assert everything == ops.ALL_OP_NAMES
     assert isinstance(ops.ALL_OP_NAMES, frozenset)
 
@@ -244,7 +244,7 @@ def _registered(key: str) -> set[str]:
 def test_lists_equal_torch_registrations(family: str, key: str) -> None:
     """The union of a family's lists (plus banned ops) is exactly the set of ops torch 2.13 registers an
     autocast kernel for (this works in CPU-only builds: the CUDA autocast kernels are registered too)."""
-    ours = frozenset().union(*ops.ops_for(family).values()) | ops.BANNED[family]
+    ours = frozenset().union(*ops.ops_for(family).values()) | ops.BANNED_OPS[family]
     theirs = _registered(key)
     if family == "cuda" and not torch.backends.cudnn.is_available():
         theirs |= CUDNN_BUILD_ONLY  # AutocastRNN.cpp is compiled into cuDNN builds only

@@ -1,8 +1,7 @@
 """The bad-input battery as tests: each case must raise clearly and leave its object unchanged.
 
 ``python -m tests.reliability.count`` prints the same cases as counts (tried / clear / obscure / silent /
-crash / half-changed). Cases that fail because of code outside this branch's files are expected failures
-with the owner in the reason; the lead re-enables them when those branches merge.
+crash / half-changed).
 """
 
 from __future__ import annotations

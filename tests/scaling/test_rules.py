@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec.scaling import DynamicScale, HeadroomScale, NoScale, StaticScale
-from mixprec.scaling.dynamic import FLOAT32_TINY
+from mixprec.scaling.rules import FLOAT32_TINY
 
 from .helpers import f32, found, no_host_sync
 
@@ -256,3 +256,16 @@ def test_loads_torch_keys():
     assert state["_growth_tracker"] == 5 and state["hysteresis"] == 2
     with pytest.raises(ValueError, match=r"state_dict\['scale'\]"):
         rule.load_state_dict({**torch_keys, "_growth_tracker": 0, "scale": 0.0})
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_the_floor_applies_on_back_off_only(hysteresis):
+    """A scale set below min_scale stays until an overflow backs off, which then lands on the floor."""
+    rule = DynamicScale(4.0, min_scale=2.0, hysteresis=hysteresis)
+    rule.ensure_state(torch.device("cpu"))
+    rule.set_scale(1.0)
+    rule.update(found(False))
+    assert rule.get_scale() == 1.0
+    for _ in range(hysteresis):
+        rule.update(found(True))
+    assert rule.get_scale() == 2.0

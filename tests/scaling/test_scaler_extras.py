@@ -103,3 +103,39 @@ def test_scaler_state_dict_round_trips_field_by_field(growth):
             assert fresh.state_dict()[key] == value, key
     lazy.scale(torch.ones(()))
     assert lazy.state_dict() == saved
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_without_underflow_restart_the_rule_is_torchs_on_all_zero_gradients(fused):
+    """All-zero gradients at a scale below 1: the default rule restarts at init_scale, and
+    ``underflow_restart=False`` follows torch's scaler bit for bit instead (no amax measured at all)."""
+    results = {}
+    for name, scaler in {
+        "torch": torch.amp.GradScaler("cpu", growth_interval=3),
+        "off": GradScaler(rule=DynamicScale(growth_interval=3, underflow_restart=False)),
+        "on": GradScaler(rule=DynamicScale(growth_interval=3)),
+    }.items():
+        scaler.scale(torch.ones(()))
+        scaler.update(0.25)  # as after a long run of overflows
+        param = torch.nn.Parameter(torch.ones(4))
+        optimizer = torch.optim.Adam([param], lr=0.1, fused=fused)
+        scales = []
+        for _ in range(4):
+            optimizer.zero_grad()
+            scaler.scale((param * 0.0).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        results[name] = scales
+    assert results["off"] == results["torch"] == [0.25, 0.25, 0.5, 0.5]
+    assert results["on"][0] == 2.0**16  # restarted: zeros under a finite loss are underflow
+
+
+def test_underflow_restart_is_checked_and_round_trips():
+    with pytest.raises(TypeError, match="underflow_restart must be True or False"):
+        DynamicScale(underflow_restart="no")
+    rule = DynamicScale(underflow_restart=False)
+    assert rule.amax_use == "none" and DynamicScale().amax_use == "when_free"
+    restored = DynamicScale()
+    restored.load_state_dict(rule.state_dict())
+    assert restored.underflow_restart is False

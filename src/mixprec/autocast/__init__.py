@@ -2,10 +2,10 @@
 ``custom_fwd``/``custom_bwd`` and :func:`checkpoint`.
 
 Files: ``region.py`` (the public region), ``engine.py`` (per-thread state, the deviation mode),
-``pins.py`` (module pins), ``custom_function.py``, ``checkpoint.py``.
+``pins.py`` (module pins, and ``pins.HOOKS``, the owner of the engine's only process-wide state),
+``custom_function.py``, ``checkpoint.py``.
 """
 
-from mixprec.autocast.engine import _state  # noqa: F401  (tests and diagnostics read it)
 from mixprec.autocast.region import autocast, get_autocast_dtype, is_autocast_enabled
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._tree import map_tensors
 from mixprec.policy import ops as _ops
 from mixprec.policy.policy import BANNED, PASSTHROUGH, ResolvedPolicy
 
@@ -109,23 +110,8 @@ def cast_floating(value: Any, dtype: torch.dtype, device_type: str, cache: bool 
     Eligible: floating, not float64, on ``device_type`` (torch.autocast's rule). One tensor passed
     twice stays one tensor (``query is key`` decides code paths; torch casts a shared input once too).
     """
-    if memo is None:
-        memo = {}
-    if isinstance(value, torch.Tensor):
-        hit = memo.get(id(value))
-        if hit is None:
-            hit = memo[id(value)] = _cast_tensor(value, dtype, device_type, cache)
-        return hit
-    if isinstance(value, (list, tuple)) and value:
-        items = [cast_floating(v, dtype, device_type, cache, memo) for v in value]
-        if all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes fields
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict) and value:
-        return {k: cast_floating(v, dtype, device_type, cache, memo) for k, v in value.items()}
-    return value
+    memo = {} if memo is None else memo
+    return map_tensors(value, lambda tensor: _cast_tensor(tensor, dtype, device_type, cache), memo=memo)
 
 
 def _eligible_dtypes(value: Any, device_type: str, out: set[torch.dtype]) -> None:

@@ -8,10 +8,8 @@ that dtype; pinned to a Policy it runs that policy's rules and its outputs are c
 backward, the pinned state.
 
 Which module is which: qualified names are relative to the first module called in the region (the
-root). Process-wide forward hooks find the root; they are installed while any thread has a region with
-pins (a lock-protected count) and read only this thread's state, so one thread's region never removes
-hooks another thread relies on. The pinned modules get per-module hooks (installed once, weakly
-tracked) that act only while the calling thread's region pins them.
+root). Process-wide forward hooks find the root, and the pinned modules get per-module hooks; both read
+only the calling thread's state. All of it is the process-wide state of :data:`HOOKS`, its one owner.
 """
 
 from __future__ import annotations
@@ -27,11 +25,86 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mixprec.autocast.engine import _PinScope, _state, cast_floating
 from mixprec.policy.policy import Policy
 
-_lock = threading.Lock()
-_users = 0
-_global_handles: list[Any] = []
-_armed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-_optimizer_hook: list[Any] = []
+
+class _ProcessHooks:
+    """The autocast engine's process-wide state: the hooks torch calls for every module and optimizer.
+
+    Everything else the engine keeps is per thread (``engine._state``). This object holds, under one lock:
+
+    - ``users``: how many regions with module pins are open, in any thread;
+    - the root hooks (torch's global module forward pre/post hooks): installed when ``users`` goes from 0
+      to 1, removed when it returns to 0, so one thread's region never removes hooks another relies on;
+    - ``armed``: every user module given pin hooks, with those hooks (weakly keyed: a module that is
+      garbage-collected drops out). A module is armed the first time a region with pins runs it, and
+      keeps its two hooks afterwards: a recompute under ``torch.utils.checkpoint`` replays a region from
+      inside the root, where the root hook cannot arm it again. The hooks act only while the calling
+      thread's region pins the module; :meth:`disarm` removes them all (no region with pins may be open);
+    - one optimizer step post-hook, installed by the first region and kept for the process (torch offers
+      no per-thread hook): after a step inside a region it drops that thread's cast cache, so the next
+      forward sees the new weights; outside a mixprec region it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.root_handles: list[Any] = []
+        self.armed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+        self.optimizer_handle: Any = None
+
+    def acquire(self) -> None:
+        """Count one more region with pins; install the root hooks for the first."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        with self.lock:
+            self.users += 1
+            if self.users == 1:
+                self.root_handles.append(register_module_forward_pre_hook(_root_pre_hook))
+                self.root_handles.append(register_module_forward_hook(_root_post_hook, always_call=True))
+
+    def release(self) -> None:
+        """Count one region fewer; with the last, remove the root hooks."""
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                while self.root_handles:
+                    self.root_handles.pop().remove()
+
+    def disarm(self) -> None:
+        """Remove every module's pin hooks, e.g. before pickling a model or handing it elsewhere.
+
+        Raises:
+            RuntimeError: while a region with pins is open in any thread (it relies on them).
+        """
+        with self.lock:
+            if self.users:
+                raise RuntimeError(f"{self.users} region(s) with module pins are open; exit them first")
+            for handles in list(self.armed.values()):
+                for handle in handles:
+                    handle.remove()
+            self.armed.clear()
+
+    def arm(self, module: nn.Module) -> bool:
+        """Give ``module`` its pin hooks unless it has them; whether this call added them."""
+        with self.lock:
+            if module in self.armed:
+                return False
+            self.armed[module] = [
+                module.register_forward_pre_hook(_pin_pre_hook, with_kwargs=True),
+                module.register_forward_hook(_pin_post_hook, always_call=True),
+            ]
+            return True
+
+    def watch_optimizers(self) -> None:
+        """Install (once) the optimizer-step hook."""
+        if self.optimizer_handle is not None:
+            return
+        with self.lock:
+            if self.optimizer_handle is None:
+                self.optimizer_handle = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+#: The one owner of the engine's process-wide state.
+HOOKS = _ProcessHooks()
 
 
 def has_policy_pins(policy: Policy) -> bool:
@@ -39,40 +112,18 @@ def has_policy_pins(policy: Policy) -> bool:
     return any(isinstance(value, Policy) for _, value in policy.module_overrides)
 
 
-def acquire() -> None:
-    """Count one more region with pins; install the process-wide root hooks for the first."""
-    global _users
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-    with _lock:
-        _users += 1
-        if _users == 1:
-            _global_handles.append(register_module_forward_pre_hook(_root_pre_hook))
-            _global_handles.append(register_module_forward_hook(_root_post_hook, always_call=True))
-
-
-def release() -> None:
-    global _users
-    with _lock:
-        _users -= 1
-        if _users == 0:
-            while _global_handles:
-                _global_handles.pop().remove()
-
-
-def watch_optimizers() -> None:
-    """Install (once) an optimizer-step hook that drops this thread's cast cache inside a region."""
-    if _optimizer_hook:
-        return
-    with _lock:
-        if not _optimizer_hook:
-            hook = register_optimizer_step_post_hook(_after_optimizer_step)
-            _optimizer_hook.append(hook)
-
-
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if _state.frames:  # plain torch.autocast users (no mixprec frame) keep torch's behaviour
+    """An optimizer step inside a mixprec region: from here to the region's exit every use of a weight
+    casts afresh, bitwise as ``cache_enabled=False`` would (a second use of one cached cast sums its
+    gradients in the low dtype before the cast back; separate casts sum them in fp32).
+
+    torch's cast cache cannot drop single tensors, so it is cleared and switched off for the rest of the
+    region (torch.autocast's exit restores the flag); casts before the step stay cached, as torch does.
+    Threads without a mixprec frame, plain torch.autocast users, keep torch's behaviour.
+    """
+    if _state.frames:
         torch.clear_autocast_cache()
+        torch.set_autocast_cache_enabled(False)
         _state.cache.clear()
 
 
@@ -112,15 +163,9 @@ def _arm(root: nn.Module, policy: Policy) -> bool:
     if not policy.module_overrides:
         return False
     for name, module in root.named_modules():
-        if module in _armed or policy.module_override(module, name) is None:
-            continue
-        with _lock:
-            if module not in _armed:
-                _armed[module] = [
-                    module.register_forward_pre_hook(_pin_pre_hook, with_kwargs=True),
-                    module.register_forward_hook(_pin_post_hook, always_call=True),
-                ]
-                root_armed = root_armed or module is root
+        if module not in HOOKS.armed and policy.module_override(module, name) is not None:
+            added = HOOKS.arm(module)
+            root_armed = root_armed or (added and module is root)
     return root_armed
 
 

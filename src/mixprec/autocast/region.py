@@ -6,6 +6,7 @@ engine (:mod:`mixprec.autocast.engine`) adds what a policy changes. See docs/arc
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -13,19 +14,9 @@ import torch
 from mixprec.autocast import pins
 from mixprec.autocast.engine import _DeviationMode, _Frame, _state
 from mixprec.policy.names import has_catalogue
-from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family
+from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family, check_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
-
-
-def _check_policy(policy: object) -> Policy | None:
-    if isinstance(policy, str):
-        return Policy.parse(policy)
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(
-            f"policy must be a Policy, a preset name or a policy string, got {type(policy).__name__}"
-        )
-    return policy
 
 
 def _settings(
@@ -41,7 +32,7 @@ def _settings(
             f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}: {cache_enabled!r}"
         )
     family = _family(device_type)
-    policy = _check_policy(policy)
+    policy = check_policy(policy)
     lists = family if has_catalogue(family) else None  # elsewhere: torch's own lists and dtype rules
     if not enabled:
         return family, False, policy or Policy(device_type=lists), None
@@ -77,7 +68,8 @@ class autocast(torch.amp.autocast_mode.autocast):
     a dtype) is applied on top. With the default policy a region is exactly ``torch.autocast``.
 
     Beyond torch.autocast: a nested region of another dtype never gets a cast cached by the outer one,
-    and an optimizer step inside a region drops the cast cache, so the next forward sees new weights.
+    and after an optimizer step inside a region every later use of a weight casts afresh until the
+    region exits (bitwise as ``cache_enabled=False``), so the next forward sees new weights.
 
     Args:
         device_type: "cpu" or "cuda" (a ``torch.device`` or "cuda:0" is accepted too), or any other
@@ -141,7 +133,8 @@ class autocast(torch.amp.autocast_mode.autocast):
         self._rules = rules if self.enabled else None
         self.fast_dtype = dtype if self.enabled and dtype is not None else self.fast_dtype
         self.cache_enabled = self._cache_enabled
-        self._entries: list[tuple[Any, Any, Any]] = []  # torch's saved state per entry: re-entrant
+        # torch's saved state and the entering thread, per entry: re-entrant
+        self._entries: list[tuple[Any, Any, Any, int]] = []
         self._replay_names: dict[int, str] | None = None  # a replayed region keeps its root's names
 
     @classmethod
@@ -168,7 +161,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         outer_dtype, outer_on = torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev)
         # (a region inside a pinned or disabled part still shares torch's cache with the outer region)
         super().__enter__()
-        self._entries.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled))
+        self._entries.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled, threading.get_ident()))
         frame = _Frame(dev, self.enabled, self._rules, self._cache_enabled)
         # torch keys its cast cache by tensor only: a nested region of another dtype must not be served
         # the outer region's casts (torch raises "expected ... same dtype" there).
@@ -189,12 +182,13 @@ class autocast(torch.amp.autocast_mode.autocast):
             frame.saved_rules = mode.rules
             mode.set_rules(rules)
         if rules is not None and rules.policy.module_overrides:
-            pins.acquire()
+            pins.HOOKS.acquire()
             frame.holds_pins = True
-        pins.watch_optimizers()
+        pins.HOOKS.watch_optimizers()
         return self
 
     def __exit__(self, *exc: object) -> None:  # type: ignore[override]
+        self._check_same_thread()
         frame = _state.frames.pop()
         mode = _state.mode
         if frame.pushed_mode and mode is not None:
@@ -203,15 +197,31 @@ class autocast(torch.amp.autocast_mode.autocast):
         elif mode is not None:
             mode.set_rules(frame.saved_rules)
         if frame.holds_pins:
-            pins.release()
+            pins.HOOKS.release()
         if not _state.frames:
             _state.cache.clear()
             _state.names.clear()
             _state.depth = 0
         if frame.cleared_cache:
             torch.clear_autocast_cache()
-        self.prev, self.prev_fastdtype, self.prev_cache_enabled = self._entries.pop()
+        self.prev, self.prev_fastdtype, self.prev_cache_enabled, _ = self._entries.pop()
         super().__exit__(*exc)
+
+    def _check_same_thread(self) -> None:
+        """RuntimeError, changing nothing, unless this thread entered the region and has not exited it.
+
+        A region's state (mixprec's frames and torch's autocast state alike) belongs to the thread that
+        entered it; another thread cannot restore it.
+        """
+        if not self._entries:
+            raise RuntimeError(f"{self!r} exited without being entered")
+        entered, here = self._entries[-1][3], threading.get_ident()
+        if entered != here or not _state.frames:
+            raise RuntimeError(
+                f"{self!r} was entered in thread {entered} and exited in thread {here}: a region's state "
+                "(torch's autocast state too) belongs to the thread that entered it, so enter and exit it "
+                "in the same thread (one region per thread, each inside its own thread's code)"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -243,8 +253,3 @@ def get_autocast_dtype(device_type: str = "cpu") -> torch.dtype:
         family = _family(device_type)
         return DEFAULT_DTYPES[family] if has_catalogue(family) else torch.get_autocast_dtype(family)
     return frame.rules.compute_dtype
-
-
-def _suspended(device_type: str) -> Any:
-    """A region that switches mixprec and torch autocast off for ``device_type`` (custom_fwd's cast)."""
-    return autocast(device_type, enabled=False)

@@ -2,8 +2,9 @@
 
 Order of work: every input and output is checked first (one clear error, before any training); the time
 estimate is printed; the workloads run with their modes interleaved (:mod:`mixprec.bench.schedule`);
-after each workload the JSON (and the step log) are rewritten with everything so far, so an interrupt
-or a failure later keeps what was measured; then the table; the plots come last.
+after each workload the JSON (and the step log) are replaced, complete, with everything so far (see
+:mod:`mixprec._files`), so an interrupt or a failure later keeps what was measured; then the table;
+the plots and the results folder's ``summary.md`` come last.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import argparse
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from mixprec._files import write_atomic
 from mixprec.bench import checks
 from mixprec.bench.machine import choose_threads
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
@@ -25,13 +28,17 @@ from mixprec.bench.runner import RunResult
 from mixprec.bench.schedule import run_plan
 from mixprec.bench.workloads import SIZES, WORKLOADS
 
+DEFAULT_FOLDER = "mixprec-bench-%Y%m%d-%H%M%S"  # time.strftime pattern, in the current directory
 HELP = "train real workloads in each precision mode; compare step time, memory and accuracy"
 DESCRIPTION = """\
 Trains each workload in each precision mode from the same seed and data order, the modes interleaved a
 few steps at a time (each run in a process of its own), then prints the median step time and its spread,
 the speedup over fp32 with a 90% interval, peak memory, held-out loss and metric, skipped steps and the
-final loss scale. A row marked NOISY had timings too spread out to trust (a busy machine); rerun then.
-Default: about 3 minutes on a quiet 2-core CPU; --full: the longer study (about 10 minutes).
+final loss scale. The 'fp32 (A/A)' row is a second fp32 process: how far it lands from 1.00x widens
+every interval. A row marked NOISY had timings too spread out to trust (a busy machine); rerun then.
+Default: about 3-4 minutes on a quiet 2-core CPU; --full: the longer study (about 10 minutes). The
+results go into a new folder ./mixprec-bench-DATE-TIME (or --out DIR) unless --json, --log or --plot
+names single outputs; `mixprec report DIR` redraws them.
 
 workloads:
 {workloads}
@@ -99,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="IDX image files for the cnn workload (e.g. /usr/share/datasets/fashion-mnist; default: "
         "scikit-learn's digits)",
     )
+    add(
+        "--out",
+        metavar="DIR",
+        help="results folder: bench.json, steps.jsonl, plots/ and summary.md (default, unless --json, --log "
+        "or --plot is given: ./mixprec-bench-DATE-TIME)",
+    )
+    add("--mkdir", action="store_true", help="create missing parent directories of the outputs")
     add("--json", metavar="FILE", help="write one JSON record per workload x mode (rewritten as runs end)")
     add("--log", metavar="FILE", help="write a JSONL line per training step (for mixprec report)")
     add("--plot", metavar="DIR", help="write loss-vs-fp32 and step-time pictures (PNG) into DIR")
@@ -124,12 +138,47 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Fail before training, not after it, when an output cannot be written."""
     checks.distinct({"--json": args.json, "--log": args.log})
     if args.json:
-        checks.output_file(args.json, "--json")
+        checks.output_file(args.json, "--json", args.mkdir)
     if args.log:
-        checks.output_file(args.log, "--log")
+        checks.output_file(args.log, "--log", args.mkdir)
     if args.plot:
-        checks.output_dir(args.plot, "--plot")
+        checks.output_dir(args.plot, "--plot", args.mkdir)
         checks.matplotlib_available()
+    if args.out:
+        checks.output_dir(args.out, "--out", args.mkdir)
+
+
+def _results_folder(args: argparse.Namespace, notes: list[str]) -> Path | None:
+    """The results folder (``--out``, or a new dated one when no output was named), its files put into
+    ``args``; None when the user named only single outputs."""
+    if args.out is None and (args.json or args.log or args.plot):
+        return None
+    folder = Path(args.out or time.strftime(DEFAULT_FOLDER))
+    for number in range(2, 100):  # a dated folder is new: another run started in the same second
+        if args.out is not None or not folder.exists():
+            break
+        folder = Path(f"{time.strftime(DEFAULT_FOLDER)}-{number}")
+    checks.output_dir(folder, "--out", args.mkdir)
+    args.json = args.json or str(folder / "bench.json")
+    args.log = args.log or str(folder / "steps.jsonl")
+    if args.plot is None:
+        try:
+            checks.matplotlib_available()
+            args.plot = str(folder / "plots")
+        except ValueError:
+            notes.append("no plots in the results folder: pip install 'mixprec[plot]' for matplotlib")
+    return folder
+
+
+def _summary(table: str, folder: Path, written: list[str], wall: str) -> str:
+    """``summary.md`` of a results folder: the table as printed, the files beside it."""
+    files = "\n".join(
+        f"- `{Path(p).relative_to(folder) if Path(p).is_relative_to(folder) else p}`" for p in written
+    )
+    return (
+        f"# mixprec bench results\n\nTotal wall time {wall}.\n\n```text\n{table}\n```\n\n"
+        f"Files:\n\n{files}\n\n`mixprec report {folder}` redraws the pictures and tables from them.\n"
+    )
 
 
 def _announce(plan: Plan, factor: float | None) -> None:
@@ -148,14 +197,33 @@ def _announce(plan: Plan, factor: float | None) -> None:
     )
 
 
-def _save(results: list[RunResult], args: argparse.Namespace) -> list[str]:
+def _save(results: list[RunResult], args: argparse.Namespace, planned: int) -> list[str]:
     """Write the JSON and the log from everything so far; returns the paths written."""
     written = []
     if args.json:
-        written.append(str(write_json(results, args.json)))
+        written.append(str(write_json(results, args.json, planned)))
     if args.log:
-        written.append(str(write_log(results, args.log)))
+        written.append(str(write_log(results, args.log, planned)))
     return written
+
+
+def _finish(results: list[RunResult], args: argparse.Namespace, plan: Plan, table: str, wall: str) -> None:
+    """The last writes (JSON, log, plots, the folder's summary), each file named on stderr."""
+    written = _save(results, args, len(plan.jobs))
+    if args.plot:
+        from mixprec.bench.plots import write_plots
+
+        written += [str(p) for p in write_plots(results, make_records(results, len(plan.jobs)), args.plot)]
+    if args.folder is not None:
+        summary = args.folder / "summary.md"
+        written.append(str(write_atomic(summary, _summary(table, args.folder, written, wall))))
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+    if args.folder is not None:
+        print(
+            f"results in {args.folder}/ (`mixprec report {args.folder}` redraws them)",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         images=args.images,
         threads=threads,
     )
+    args.folder = _results_folder(args, plan.notes)
     if why != "torch's default":
         plan.notes.append(f"{threads} thread(s) per run: {why}")
     if not plan.device.startswith("cuda"):
@@ -182,26 +251,30 @@ def run(args: argparse.Namespace) -> int:
     _announce(plan, factor)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
-    progress = Progress(plan.jobs, factor, bar=sys.stderr.isatty())
+    progress = Progress(plan.jobs, factor, bar=True)
     try:
         results, failures = run_plan(
             plan.jobs,
             isolated=not args.in_process,
             progress=progress,
-            on_workload_done=lambda r: _save(r, args),
+            on_workload_done=lambda r: _save(r, args, len(plan.jobs)),
         )
     finally:
         progress.close()
+    wall = format_duration(time.perf_counter() - started)
     if results:
-        print(format_table(results, plan.notes, header=_header(plan, threads)), flush=True)
-        written = _save(results, args)
-        if args.plot:
-            from mixprec.bench.plots import write_plots
-
-            written += [str(p) for p in write_plots(results, make_records(results), args.plot)]
-        for path in written:
-            print(f"wrote {path}", file=sys.stderr)
-    print(f"total wall time {format_duration(time.perf_counter() - started)}", file=sys.stderr)
+        table = format_table(results, plan.notes, header=_header(plan, threads))
+        print(table, flush=True)
+        _finish(results, args, plan, table, wall)
+    print(f"total wall time {wall}{_estimates(progress)}", file=sys.stderr)
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0
+
+
+def _estimates(progress: Progress) -> str:
+    first = f"estimated {format_duration(progress.total)}"
+    if not progress.corrections:
+        return f" ({first})"
+    at, total = progress.corrections[-1]
+    return f" ({first}, corrected to {format_duration(total)} after {format_duration(at)})"

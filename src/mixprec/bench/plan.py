@@ -143,6 +143,9 @@ def make_plan(
                 fp16_skipped.append(f"{workload}/{name}")
                 continue
             plan.jobs.append(Job(workload, name, size, steps, seed, device, data, images, threads))
+        mine = [job.mode for job in plan.jobs if job.workload == workload]
+        if "fp32" in mine and len(mine) > 1:  # the A/A run: see mixprec.bench.stats
+            plan.jobs.append(Job(workload, "fp32", size, steps, seed, device, data, images, threads, 1))
     if any(MODES[name].dtype == torch.float16 for name in runnable) and device_type == "cpu":
         plan.notes.append(
             CPU_FP16_NOTE + (f"; left out at size {size}: {', '.join(fp16_skipped)}" if fp16_skipped else "")

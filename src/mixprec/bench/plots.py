@@ -12,10 +12,13 @@ from ``mixprec bench --log`` and ``--json`` files.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from mixprec._files import write_atomic
 
 __all__ = ["plot_loss_difference", "plot_step_times", "smooth", "write_plots"]
 
@@ -33,8 +36,9 @@ def _save(figure: Any, path: Path, rect: tuple[float, float, float, float] = (0,
 
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout(rect=rect)
-    FigureCanvasAgg(figure).print_png(str(path))
-    return path
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return write_atomic(path, buffer.getvalue())  # complete or absent, see mixprec._files
 
 
 def smooth(values: Sequence[float | None], window: int) -> list[float]:

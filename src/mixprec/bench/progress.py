@@ -5,16 +5,19 @@ this project's 2-core CPU, one thread per run) plus the start of its worker proc
 scaled by how fast this machine does a fixed fp32 matmul right now, with the threads the runs will use,
 against the reference (so a busy machine gets a longer estimate). It is rough (the probe is all matmul,
 the steps are not); the time left that the bar and the lines show adapts to the real pace.
-On a terminal a tqdm bar spans the whole plan (work measured in estimated seconds, so its "left" adapts
-to the real pace); elsewhere a plain line goes to stderr after a round when 10 s have passed, and at
-least every 15 s while a round is running.
+Once the first rounds have run, the projected total is compared with the estimate and a line says so
+when they differ by more than 25% (:class:`Progress`). On a terminal a tqdm bar spans the whole plan
+(work measured in estimated seconds, so its "left" adapts to the real pace); elsewhere, and on a
+terminal too small to draw it (0x0 under ``script``), a plain line goes to stderr after a round when
+10 s have passed, and at least every 15 s while a round is running.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import torch
@@ -26,6 +29,9 @@ START_S = 3.5  # one worker process: spawn, import torch, load data, probe step 
 EVAL_S = {"lm": 2.0, "cnn": 0.7}
 LINE_EVERY_S = 10.0
 HEARTBEAT_S = 14.0  # + up to 1 s of polling: a line at least every 15 s
+MIN_BAR_COLUMNS = 40  # narrower (or a 0x0 terminal): plain lines instead of a bar
+REESTIMATE_OFF = 0.25  # say so when the projected total is off the announced one by more than this
+MEASURE_MIN_S = 10.0  # estimated seconds of training rounds before the pace is trusted
 
 
 def _probe_seconds() -> float:
@@ -64,26 +70,56 @@ def format_duration(seconds: float) -> str:
     return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s"
 
 
+def can_draw_bar(stream: IO[str]) -> bool:
+    """Whether a bar can be drawn on ``stream``: a terminal at least ``MIN_BAR_COLUMNS`` wide.
+
+    A terminal of size 0x0 (``script`` without a size, some CI runners) is a tty on which tqdm draws
+    nothing at all, so it gets the plain lines instead.
+    """
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns >= MIN_BAR_COLUMNS
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 class Progress:
     """Progress over the whole plan: ``advance`` by estimated seconds, ``where`` names what is running.
+
+    The estimate is checked against the real pace once the first rounds have run (``measured`` work of
+    at least ``MEASURE_MIN_S`` estimated seconds), and from then on at every step of progress and every
+    wait: when the projected total
+    (elapsed + what is left at the pace so far) differs from the last one announced by more than
+    ``REESTIMATE_OFF`` (25%), a line says so and gives the corrected total.
 
     Args:
         jobs: the plan's runs (their order numbers the "run i of N").
         factor: the machine factor (None: unknown; work is then counted in reference seconds).
-        bar: draw a tqdm bar (on a terminal) instead of plain lines.
+        bar: draw a tqdm bar if ``stream`` can show one (see :func:`can_draw_bar`), else plain lines.
         stream: where plain lines and the bar go (default stderr).
+        clock: seconds, monotonic (default ``time.perf_counter``; tests pass a fake one).
     """
 
-    def __init__(self, jobs: Sequence[Job], factor: float | None, bar: bool, stream: IO[str] | None = None):
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        factor: float | None,
+        bar: bool,
+        stream: IO[str] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.jobs = list(jobs)
         self.factor = factor or 1.0
         self.total = estimate_s(self.jobs, self.factor)
+        self.announced_total = self.total
+        self.corrections: list[tuple[float, float]] = []  # (elapsed s, corrected total s)
         self.stream = stream or sys.stderr
+        self.clock = clock
         self.done = 0.0
-        self.started = time.perf_counter()
+        self.measured = 0.0
+        self.started = clock()
         self.last_line = self.started
         self.label = "starting"
-        self._bar = self._make_bar() if bar else None
+        self._bar = self._make_bar() if bar and can_draw_bar(self.stream) else None
 
     def _make_bar(self) -> Any:
         try:
@@ -102,37 +138,74 @@ class Progress:
     ) -> None:
         """Say what runs now: ``lm O2-bf16 (run 4 of 18), round 3 of 16`` or ``starting lm fp32 (...)``."""
         number = self.jobs.index(job) + 1 if job in self.jobs else 0
-        label = f"{phase + ' ' if phase else ''}{job.workload} {job.mode} (run {number} of {len(self.jobs)})"
+        label = f"{phase + ' ' if phase else ''}{job.workload} {job.label} (run {number} of {len(self.jobs)})"
         if round_index is not None:
             label += f", round {round_index + 1} of {rounds}"
         self.label = label
         if self._bar is not None:
             self._bar.set_description_str(label, refresh=True)
 
-    def advance(self, estimated_s: float) -> None:
-        """Count ``estimated_s`` (reference seconds x factor) of the plan as done."""
+    def advance(self, estimated_s: float, measured: bool = False) -> None:
+        """Count ``estimated_s`` (reference seconds x factor) of the plan as done.
+
+        ``measured``: the work was training rounds (not process starts or evaluation), whose pace is
+        what the estimate is checked against.
+        """
         self.done = min(self.done + estimated_s * self.factor, self.total)
+        if measured:
+            self.measured += estimated_s * self.factor
+        self._check_estimate()
+        if self._bar is not None and not can_draw_bar(self.stream):
+            self._bar.close()  # the terminal shrank to nothing: plain lines from now on
+            self._bar = None
         if self._bar is not None:
             self._bar.n = round(self.done, 1)
             self._bar.refresh()
-        elif time.perf_counter() - self.last_line >= LINE_EVERY_S:
+        elif self.clock() - self.last_line >= LINE_EVERY_S:
             self._line()
 
+    def projected_total_s(self) -> float:
+        """Elapsed seconds plus :meth:`left_s`: the whole run's wall time at the pace so far."""
+        return self.clock() - self.started + self.left_s()
+
+    def _check_estimate(self) -> None:
+        if self.measured < min(MEASURE_MIN_S, 0.05 * self.total) or self.done >= self.total:
+            return
+        projected = self.projected_total_s()
+        if abs(projected - self.announced_total) <= REESTIMATE_OFF * self.announced_total:
+            return
+        elapsed = self.clock() - self.started
+        pace = projected / self.announced_total
+        self.announced_total = projected
+        self.corrections.append((elapsed, projected))
+        self._say(
+            f"estimate corrected: the rounds so far ran at {pace:.2f}x the pace of the last estimate; "
+            f"now about {format_duration(projected)} in all, {format_duration(self.left_s())} left"
+        )
+
+    def _say(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
     def heartbeat(self) -> None:
-        """Called while waiting on a run: keep the bar's clock moving, or print a line every 15 s."""
+        """Called while waiting on a run: check the estimate, keep the bar's clock moving, or print a
+        line every 15 s."""
+        self._check_estimate()
         if self._bar is not None:
             self._bar.refresh()
-        elif time.perf_counter() - self.last_line >= HEARTBEAT_S:
+        elif self.clock() - self.last_line >= HEARTBEAT_S:
             self._line()
 
     def left_s(self) -> float:
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.clock() - self.started
         if self.done <= 0:
             return self.total
         return (self.total - self.done) * elapsed / self.done
 
     def _line(self) -> None:
-        self.last_line = time.perf_counter()
+        self.last_line = self.clock()
         elapsed = self.last_line - self.started
         percent = 100.0 * self.done / self.total if self.total else 100.0
         print(

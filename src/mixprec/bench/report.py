@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mixprec._files import jsonl_text, write_atomic
 from mixprec.bench.memory import DESCRIPTIONS
-from mixprec.bench.stats import NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
+from mixprec.bench.stats import AA_LABEL, NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
 from mixprec.bench.workloads import WORKLOADS
 
 RECORD_KEYS = (
@@ -33,6 +35,7 @@ RECORD_KEYS = (
     "skipped_steps",
     "final_scale",
     "round_medians_ms",
+    "runs_planned",
 )
 LOG_KEYS = ("step", "round", "workload", "mode", "loss", "scale", "skipped", "step_time_ms")
 LOSS_MEANING = {
@@ -40,16 +43,16 @@ LOSS_MEANING = {
     "cnn": "test cross-entropy",
     "tabular-regression": "validation MSE (standardised target)",
 }
+WIDTH = 100  # the table, its footnotes and notes fit a terminal this wide
 _COLUMNS = (
-    ("workload", "<"),
     ("mode", "<"),
     ("step ms", ">"),
     ("IQR ms", ">"),
     ("speedup [90% CI]", ">"),
-    ("peak MiB", ">"),
+    ("MiB", ">"),
     ("loss", ">"),
     ("metric", ">"),
-    ("skipped", ">"),
+    ("skip", ">"),
     ("scale", ">"),
     ("", "<"),
 )
@@ -60,9 +63,14 @@ def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
-def make_records(results: Sequence[Any]) -> list[dict[str, Any]]:
-    """One record per run with exactly ``RECORD_KEYS`` (times in ms; see :mod:`mixprec.bench.stats`)."""
+def make_records(results: Sequence[Any], runs_planned: int | None = None) -> list[dict[str, Any]]:
+    """One record per run with exactly ``RECORD_KEYS`` (times in ms; see :mod:`mixprec.bench.stats`).
+
+    ``runs_planned`` (default: ``len(results)``) is how many runs the bench set out to do, so that a
+    reader of an interrupted run's file can say that it is incomplete.
+    """
     records = []
+    planned = len(results) if runs_planned is None else runs_planned
     for r, t in zip(results, timings(results), strict=True):
         rounds = round_medians(r.history, r.warmup)
         values = {
@@ -86,6 +94,7 @@ def make_records(results: Sequence[Any]) -> list[dict[str, Any]]:
             "skipped_steps": r.skipped_steps,
             "final_scale": r.final_scale,
             "round_medians_ms": [round(rounds[k], 4) for k in sorted(rounds)],
+            "runs_planned": planned,
         }
         records.append({key: values[key] for key in RECORD_KEYS})
     return records
@@ -95,6 +104,13 @@ def _number(value: float | None, spec: str, suffix: str = "") -> str:
     if value is None:
         return "-"
     return "nan" if not math.isfinite(value) else f"{value:{spec}}{suffix}"
+
+
+def _ms(value: float | None) -> str:
+    """Milliseconds to about four digits: 5408, 311.5, 15.0, 1.03."""
+    if value is None or not math.isfinite(value):
+        return "-" if value is None else "nan"
+    return f"{value:.0f}" if value >= 1000 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
 def _speedup(record: dict[str, Any]) -> str:
@@ -107,45 +123,59 @@ def _speedup(record: dict[str, Any]) -> str:
 def _row(record: dict[str, Any]) -> list[str]:
     metric = WORKLOADS[record["workload"]].metric
     metric_spec = ".2%" if metric == "accuracy" else ".3f"
-    spec = ".2f" if (record["step_time_ms"] or 0) < 10 else ".1f"
     return [
-        record["workload"],
         record["mode"],
-        _number(record["step_time_ms"], spec),
-        f"{_number(record['step_time_q25_ms'], spec)}-{_number(record['step_time_q75_ms'], spec)}",
+        _ms(record["step_time_ms"]),
+        f"{_ms(record['step_time_q25_ms'])}-{_ms(record['step_time_q75_ms'])}",
         _speedup(record),
         _number(record["peak_memory_mb"], ".1f"),
         _number(record["final_loss"], ".4f"),
-        f"{metric} {_number(record['final_metric'], metric_spec)}",
+        _number(record["final_metric"], metric_spec),
         str(record["skipped_steps"]),
         _number(record["final_scale"], ".0f"),
         "NOISY" if record["noisy"] else "",
     ]
 
 
-def format_table(results: Sequence[Any], notes: Iterable[str] = (), header: str = "") -> str:
-    """The comparison table, a NOISY mark on rows whose timing spread is wide, and what each column means."""
-    records = make_records(results)
-    rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in records]
+def _layout(rows: list[list[str]]) -> list[str]:
+    """Aligned lines, two spaces between columns (one where two would pass ``WIDTH``)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = [header] if header else []
+    gap = "  " if sum(widths) + 2 * (len(widths) - 1) <= WIDTH else " "
+    lines = []
     for index, row in enumerate(rows):
-        cells = [
-            f"{cell:{align}{width}}" for cell, (_, align), width in zip(row, _COLUMNS, widths, strict=True)
-        ]
-        lines.append("  ".join(cells).rstrip())
+        cells = [f"{cell:{a}{w}}" for cell, (_, a), w in zip(row, _COLUMNS, widths, strict=True)]
+        lines.append(gap.join(cells).rstrip())
         if index == 0:
-            lines.append("  ".join("-" * width for width in widths).rstrip())
+            lines.append(gap.join("-" * width for width in widths).rstrip())
+    return lines
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False) or [""]
+
+
+def format_table(results: Sequence[Any], notes: Iterable[str] = (), header: str = "") -> str:
+    """The comparison table, one section per workload, NOISY rows flagged, every line <= ``WIDTH``."""
+    records = make_records(results)
+    lines = [*_wrap(header)] if header else []
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        spec = WORKLOADS[workload]
+        better = "higher" if spec.metric_higher_is_better else "lower"
+        rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in records if r["workload"] == workload]
+        lines += ["", f"{workload} (metric: {spec.metric}, {better} is better)", *_layout(rows)]
     noisy = [f"{r['workload']}/{r['mode']}" for r in records if r["noisy"]]
-    lines += ["", *footer(results)]
+    lines.append("")
+    for line in footer(results):
+        lines += _wrap(line)
     if noisy:
-        lines.append(f"NOISY ({', '.join(noisy)}): {NOISY_ADVICE}")
-    lines += [f"note: {note}" for note in notes]
+        lines += _wrap(f"NOISY ({', '.join(noisy)}): {NOISY_ADVICE}")
+    for note in notes:
+        lines += _wrap(f"note: {note}")
     return "\n".join(lines)
 
 
 def footer(results: Sequence[Any]) -> list[str]:
-    """What each column measures, and each workload's data, loss and metric."""
+    """What each column measures, and each workload's data and loss (unwrapped lines)."""
     if not results:
         return []
     warmups = "/".join(map(str, sorted({r.warmup for r in results})))
@@ -155,40 +185,37 @@ def footer(results: Sequence[Any]) -> list[str]:
         "transfer, forward, loss, backward, loss scaling, optimizer and scheduler step; IQR: 25th-75th "
         "percentile",
         "speedup: median over rounds of fp32's step time / this mode's in the same round (modes run "
-        "interleaved, a few steps each per round); [90% CI] of that median; NOISY: CI wider than "
-        f"{NOISY_WIDTH:.0%} of the speedup (fp32: IQR over {NOISY_IQR:.0%} of the median)",
-        "peak MiB: " + "; ".join(DESCRIPTIONS[m] for m in methods),
+        "interleaved, a few steps each per round); [90% CI] of that median, widened by the variation "
+        f"between processes that the '{AA_LABEL}' run (a second fp32 process) shows; NOISY: CI wider "
+        f"than {NOISY_WIDTH:.0%} of the speedup (fp32: IQR over {NOISY_IQR:.0%} of the median)",
+        "MiB: peak memory, " + "; ".join(DESCRIPTIONS[m] for m in methods),
         "scale: final loss scale ('-': the mode does not scale the loss); "
-        "skipped: optimizer steps skipped on inf/nan gradients",
+        "skip: optimizer steps skipped on inf/nan gradients",
     ]
     for name in dict.fromkeys(r.workload for r in results):
-        spec = WORKLOADS[name]
-        better = "higher" if spec.metric_higher_is_better else "lower"
         source = next(r.data_source for r in results if r.workload == name)
-        lines.append(
-            f"{name}: {source}; loss = {LOSS_MEANING[name]}; "
-            f"{spec.metric} on held-out data ({better} is better)"
-        )
+        lines.append(f"{name}: {source}; loss = {LOSS_MEANING[name]}; metric on held-out data")
     return lines
 
 
-def write_json(results: Sequence[Any], path: str | Path) -> Path:
-    """A JSON list with one record per run (keys ``RECORD_KEYS``); ``mixprec report`` reads it."""
-    path = Path(path)
-    text = json.dumps(make_records(results), indent=1, allow_nan=False) + "\n"
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)  # never leave a half-written file where a complete one was
-    return path
+def write_json(results: Sequence[Any], path: str | Path, runs_planned: int | None = None) -> Path:
+    """A JSON list with one record per run (keys ``RECORD_KEYS``), written complete or not at all."""
+    text = json.dumps(make_records(results, runs_planned), indent=1, allow_nan=False) + "\n"
+    return write_atomic(path, text)
 
 
-def write_log(results: Sequence[Any], path: str | Path) -> Path:
-    """JSON Lines, one object per training step with keys ``LOG_KEYS`` (the input of ``mixprec report``)."""
-    path = Path(path)
-    with path.open("w") as handle:
-        for r in results:
-            for entry in r.history:
-                record = {"workload": r.workload, "mode": r.mode, **entry}
-                record["loss"] = _finite(record["loss"])
-                handle.write(json.dumps({key: record.get(key) for key in LOG_KEYS}, allow_nan=False) + "\n")
-    return path
+def write_log(results: Sequence[Any], path: str | Path, runs_planned: int | None = None) -> Path:
+    """JSON Lines, one object per training step with keys ``LOG_KEYS``, then the end-of-log trailer.
+
+    The whole file is replaced atomically (see :mod:`mixprec._files`); its trailer
+    ``{"end_of_log": {"records": N, "runs": R, "runs_planned": P}}`` tells ``mixprec report`` whether
+    the bench had finished (``R == P``).
+    """
+    lines = []
+    for r in results:
+        for entry in r.history:
+            record = {"workload": r.workload, "mode": r.mode, **entry}
+            record["loss"] = _finite(record["loss"])
+            lines.append({key: record.get(key) for key in LOG_KEYS})
+    planned = len(results) if runs_planned is None else runs_planned
+    return write_atomic(path, jsonl_text(lines, runs=len(results), runs_planned=planned))

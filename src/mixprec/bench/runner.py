@@ -25,6 +25,7 @@ import torch
 
 from mixprec.bench.memory import PeakMemory
 from mixprec.bench.modes import MODES
+from mixprec.bench.stats import AA_LABEL
 from mixprec.bench.workloads import WORKLOADS
 
 
@@ -38,7 +39,8 @@ class Job:
 
     ``steps`` overrides the preset's step count; ``data`` is the lm workload's text file,
     ``images`` the cnn workload's directory of IDX files (None: the built-in data), ``threads`` torch's
-    CPU thread count for the run (None: leave it as it is).
+    CPU thread count for the run (None: leave it as it is). ``replica`` 1 is a second run of the same
+    mode in a process of its own (the fp32 A/A run that measures the variation between processes).
     """
 
     workload: str
@@ -50,6 +52,14 @@ class Job:
     data: str | None = None
     images: str | None = None
     threads: int | None = None
+    replica: int = 0
+
+    @property
+    def label(self) -> str:
+        """The name results carry: the mode, or ``AA_LABEL`` for the fp32 A/A run."""
+        if self.replica == 0:
+            return self.mode
+        return AA_LABEL if self.mode == "fp32" else f"{self.mode} (replica {self.replica})"
 
     @property
     def preset(self) -> Any:
@@ -174,7 +184,7 @@ class Trainer:
         timed = [h["step_time_ms"] for h in self.history[self.job.warmup :]] or [math.nan]
         return RunResult(
             workload=self.job.workload,
-            mode=self.job.mode,
+            mode=self.job.label,
             device=str(self.device),
             dtype=str(self.mode_spec.dtype).removeprefix("torch."),
             steps=len(self.history),

@@ -39,7 +39,7 @@ def rotation(items: Sequence[object], round_index: int) -> list[object]:
 def _failure(job: Job, exc: BaseException) -> str:
     if isinstance(exc, RunFailed):
         return str(exc)
-    return f"{job.workload}/{job.mode} failed:\n{''.join(traceback.format_exception(exc))}"
+    return f"{job.workload}/{job.label} failed:\n{''.join(traceback.format_exception(exc))}"
 
 
 def run_workload(
@@ -70,7 +70,7 @@ def run_workload(
                 except Exception as exc:
                     failures.append(_failure(job, exc))
                     active.remove(job)
-                progress.advance(size * job.preset.cost_ms / 1e3)
+                progress.advance(size * job.preset.cost_ms / 1e3, measured=True)
         results = []
         for job in active:
             progress.where(job, phase="evaluating")

@@ -9,8 +9,14 @@ of any), so a change in the machine's load hits every mode alike. From each run'
   the median of these paired ratios and its interval the distribution-free ~90% confidence interval of
   that median (order statistics of the binomial; Hollander & Wolfe, *Nonparametric Statistical Methods*,
   section 3.6). Pairing by round cancels slow drift; the interval widens when the load changes faster;
-* **noisy**: the interval is wider than ``NOISY_WIDTH`` (15%) of the speedup, or (for fp32 itself, or
-  with too few rounds for an interval) the step times' IQR is over ``NOISY_IQR`` (30%) of their median.
+* **between processes**: each run is a process of its own, and processes running the same kernels still
+  differ by a few percent (memory placement, which core they land on), which round-to-round noise does
+  not show. So each workload also runs fp32 a second time (``AA_LABEL``, an A/A pair): its speedup over
+  fp32 should be 1, and the factor ``f >= 1`` by which its interval's far end misses 1 widens every
+  other row's interval to ``[low / f, high * f]`` (:func:`process_factor`);
+* **noisy**: the (widened) interval is wider than ``NOISY_WIDTH`` (15%) of the speedup, or (for fp32
+  itself, or with too few rounds for an interval) the step times' IQR is over ``NOISY_IQR`` (30%) of
+  their median.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+AA_LABEL = "fp32 (A/A)"
 NOISY_WIDTH = 0.15
 NOISY_IQR = 0.30
 CONFIDENCE = 0.90
@@ -116,7 +123,30 @@ def timing(result: Any, reference: Any | None) -> Timing:
     return Timing(median, q25, q75, len(mine), speedup, low, high, (high - low) / speedup > NOISY_WIDTH)
 
 
+def process_factor(aa: Timing | None) -> float:
+    """How far the A/A run's speedup interval (or, without one, its speedup) reaches from 1, as a factor."""
+    if aa is None or aa.speedup is None:
+        return 1.0
+    ends = [aa.speedup] + ([aa.speedup_low, aa.speedup_high] if aa.speedup_low is not None else [])
+    return max(max(e, 1.0 / e) for e in ends if e and e > 0)  # type: ignore[operator]
+
+
+def widen(t: Timing, factor: float) -> Timing:
+    """``t`` with its speedup interval widened to ``[low / factor, high * factor]`` and NOISY re-judged."""
+    if t.speedup_low is None or t.speedup is None or factor <= 1.0:
+        return t
+    low, high = t.speedup_low / factor, t.speedup_high * factor  # type: ignore[operator]
+    noisy = (high - low) / t.speedup > NOISY_WIDTH
+    return Timing(t.median_ms, t.q25_ms, t.q75_ms, t.rounds, t.speedup, low, high, noisy)
+
+
 def timings(results: Sequence[Any]) -> list[Timing]:
-    """:func:`timing` for each result, paired with the fp32 run of its workload when there is one."""
+    """:func:`timing` for each result, paired with the fp32 run of its workload when there is one, its
+    interval widened by the :func:`process_factor` of the workload's A/A run (``AA_LABEL``) if any."""
     fp32 = {r.workload: r for r in results if r.mode == "fp32"}
-    return [timing(r, fp32.get(r.workload)) for r in results]
+    raw = [timing(r, fp32.get(r.workload)) for r in results]
+    aa = {r.workload: t for r, t in zip(results, raw, strict=True) if r.mode == AA_LABEL}
+    return [
+        t if r.mode in ("fp32", AA_LABEL) else widen(t, process_factor(aa.get(r.workload)))
+        for r, t in zip(results, raw, strict=True)
+    ]

@@ -49,7 +49,9 @@ class LocalWorker:
         try:
             return call()
         except Exception as exc:
-            raise RunFailed(f"{self.job.workload}/{self.job.mode} failed:\n{traceback.format_exc()}") from exc
+            raise RunFailed(
+                f"{self.job.workload}/{self.job.label} failed:\n{traceback.format_exc()}"
+            ) from exc
 
 
 def _worker_main(job: Job, conn: Any) -> None:
@@ -128,7 +130,7 @@ class ProcessWorker:
         except EOFError:
             raise self._died() from None
         if status != "ok":
-            raise RunFailed(f"{self.job.workload}/{self.job.mode} failed:\n{payload}")
+            raise RunFailed(f"{self.job.workload}/{self.job.label} failed:\n{payload}")
         return payload
 
     def _died(self) -> RunFailed:
@@ -137,7 +139,7 @@ class ProcessWorker:
         why = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         hint = " (out of memory?)" if code == -9 else ""
         return RunFailed(
-            f"{self.job.workload}/{self.job.mode}: the run's process {why} without a result{hint}"
+            f"{self.job.workload}/{self.job.label}: the run's process {why} without a result{hint}"
         )
 
 

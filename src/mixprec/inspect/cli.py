@@ -1,8 +1,7 @@
 """``mixprec report`` and ``mixprec inspect``: argument parsing and the runs behind them.
 
-Each command is ``add_*_arguments(parser)`` + ``run_*(args) -> int``, the shape ``mixprec.cli``'s
-``SUBCOMMANDS`` table expects (through :mod:`mixprec.inspect.report_command` and
-:mod:`mixprec.inspect.inspect_command`), plus a standalone ``*_main(argv) -> int``.
+Each command is ``*_HELP``, ``add_*_arguments(parser)`` + ``run_*(args) -> int``, the names
+``mixprec.cli``'s ``SUBCOMMANDS`` table points to, plus a standalone ``*_main(argv) -> int``.
 """
 
 from __future__ import annotations
@@ -20,18 +19,27 @@ INSPECT_HELP = "show mixprec's precision diagnostics end to end on small models 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``mixprec report`` options on ``parser``."""
-    parser.add_argument("log", metavar="LOG", help="JSON Lines run log")
     parser.add_argument(
-        "--out", metavar="DIR", help="output directory (default: LOG without suffix + '_report')"
+        "log",
+        metavar="LOG",
+        help="JSON Lines run log, `mixprec bench --json` file, or a `mixprec bench` results folder",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="output directory (default: LOG without suffix + '_report'; for a folder: FOLDER/report)",
     )
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Write the report; print the paths and the summary. Returns the exit code."""
-    from mixprec.inspect.report import write_report
+    """Write the report; print the paths and the summary. Returns the exit code: 0, 1 when what it read
+    is an unfinished run (the report covers what it holds) or matplotlib is missing, 2 for a truncated
+    or unreadable file (nothing written)."""
+    from mixprec.inspect.report import incomplete, write_report
 
     log = Path(args.log)
-    out = Path(args.out) if args.out else log.with_name(log.stem + "_report")
+    default = log / "report" if log.is_dir() else log.with_name(log.stem + "_report")
+    out = Path(args.out) if args.out else default
     try:
         written = write_report(log, out)
     except ImportError as exc:  # matplotlib missing: not a usage error
@@ -40,6 +48,10 @@ def run_report(args: argparse.Namespace) -> int:
     print(written[-1].read_text())
     for path in written:
         print(f"wrote {path}")
+    unfinished = incomplete(log)
+    if unfinished:
+        print(f"mixprec report: {unfinished}", file=sys.stderr)
+        return 1
     return 0
 
 

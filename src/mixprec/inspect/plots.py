@@ -10,12 +10,14 @@ matplotlib is imported when a plot is drawn, never at import time, and only thro
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mixprec import formats
+from mixprec._files import write_atomic
 from mixprec.inspect._modules import display_name
 from mixprec.inspect.summaries import Log2Histogram
 from mixprec.inspect.underflow_report import UnderflowReport, format_scale
@@ -40,8 +42,9 @@ def _save(figure: Any, path: str | Path, top: float = 1.0) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout(rect=(0, 0, 1, top))
-    FigureCanvasAgg(figure).print_png(str(path))
-    return path
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return write_atomic(path, buffer.getvalue())  # complete or absent, see mixprec._files
 
 
 def _histograms(source: Any) -> dict[str, Log2Histogram]:

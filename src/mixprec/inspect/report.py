@@ -20,11 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mixprec._files import TruncatedFile, read_jsonl, write_atomic
 from mixprec.inspect.plots import group_runs, plot_gradient_histogram, plot_scale_history
 from mixprec.inspect.summaries import Log2Histogram
 from mixprec.inspect.underflow_report import format_scale
 
-__all__ = ["load_log", "summarize", "write_report"]
+__all__ = ["incomplete", "load_log", "summarize", "write_report"]
 
 
 ACCEPTED = (
@@ -32,6 +33,8 @@ ACCEPTED = (
     "list `mixprec bench --json FILE` writes"
 )
 BENCH_KEYS = ("workload", "mode", "step_time_ms")
+BENCH_FILE, BENCH_LOG = "bench.json", "steps.jsonl"  # in a `mixprec bench` results folder
+UNFINISHED = "the bench was interrupted or some runs failed; the rest of this report covers what it holds"
 
 
 def load_bench_json(path: str | Path) -> list[dict[str, Any]] | None:
@@ -39,14 +42,20 @@ def load_bench_json(path: str | Path) -> list[dict[str, Any]] | None:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
+        TruncatedFile: the JSON list is cut off (a ValueError).
         ValueError: a JSON list whose items are not bench records (naming the keys they lack).
     """
-    text = Path(path).read_text()
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
     if not text.lstrip().startswith("["):
         return None
     try:
         records = json.loads(text)
     except json.JSONDecodeError as exc:
+        if exc.pos >= len(text.rstrip()) or not text.rstrip().endswith("]"):
+            raise TruncatedFile(
+                f"{path}: truncated: the JSON list is cut off after {len(text)} characters (the program "
+                "writing it was stopped mid-write, or the file was copied incompletely)"
+            ) from exc
         raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno}); {ACCEPTED}") from exc
     for index, record in enumerate(records):
         missing = [k for k in BENCH_KEYS if not isinstance(record, dict) or k not in record]
@@ -61,33 +70,56 @@ def load_bench_json(path: str | Path) -> list[dict[str, Any]] | None:
 
 
 def load_log(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSON Lines run log (blank lines skipped).
+    """The records of a JSON Lines run log (blank lines and the end-of-log trailer skipped).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
+        TruncatedFile: the log is cut off (see :func:`mixprec._files.read_jsonl`; a ValueError).
         ValueError: naming the line that is not a JSON object with an integer ``step``, or for an empty log.
     """
-    path = Path(path)
-    records = []
-    with path.open() as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{path}:{number}: not valid JSON ({exc.msg}): {line.strip()[:80]!r}; {ACCEPTED}"
-                ) from exc
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError(
-                    f"{path}:{number}: expected a JSON object with an integer 'step', "
-                    f"got {line.strip()[:80]!r}"
-                )
-            records.append(record)
+    try:
+        records, _ = read_jsonl(path)
+    except TruncatedFile:
+        raise
+    except ValueError as exc:
+        raise ValueError(f"{exc}; {ACCEPTED}") from exc
+    for number, record in enumerate(records, 1):
+        if not isinstance(record.get("step"), int):
+            raise ValueError(
+                f"{path}:{number}: expected a JSON object with an integer 'step', "
+                f"got {json.dumps(record)[:80]!r}"
+            )
     if not records:
         raise ValueError(f"{path}: the log holds no records")
     return records
+
+
+def incomplete(path: str | Path) -> str | None:
+    """Why ``path`` (a bench JSON, a JSON Lines log, or a results folder) holds an unfinished run, or None.
+
+    A bench JSON holds fewer records than its ``runs_planned``; a log has no end-of-log trailer (its
+    writer was stopped, or is still writing), or its trailer counts fewer runs than were planned.
+    """
+    path = Path(path)
+    if path.is_dir():
+        reasons = [incomplete(f) for f in (path / BENCH_FILE, path / BENCH_LOG) if f.exists()]
+        return "; ".join(r for r in reasons if r) or None
+    bench = load_bench_json(path)
+    if bench is not None:
+        planned = bench[0].get("runs_planned")
+        if isinstance(planned, int) and len(bench) < planned:
+            return f"{path}: incomplete: {len(bench)} of {planned} planned runs ({UNFINISHED})"
+        return None
+    records, trailer = read_jsonl(path)
+    if trailer is None:
+        return (
+            f"{path}: incomplete: no end-of-log record after {len(records)} records (the program writing "
+            "it was stopped before closing the log, or is still running)"
+        )
+    runs, planned = trailer.get("runs"), trailer.get("runs_planned")
+    if isinstance(runs, int) and isinstance(planned, int) and runs < planned:
+        return f"{path}: incomplete: {runs} of {planned} planned runs ({UNFINISHED})"
+    return None
 
 
 def _run_row(label: str, run: Sequence[Mapping[str, Any]]) -> str:
@@ -138,39 +170,78 @@ def summarize(records: Sequence[Mapping[str, Any]], images: Sequence[Path] = ())
 
 
 def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write the pictures and ``summary.md`` for a run log or a ``mixprec bench --json`` file.
+    """Write the pictures and ``summary.md`` for a run log, a ``mixprec bench --json`` file, or a
+    ``mixprec bench`` results folder (its ``bench.json`` and, when present, ``steps.jsonl``).
+
+    An unfinished run (see :func:`incomplete`) is reported on what it holds, and its summary says so
+    first.
 
     Args:
-        log: a JSON Lines run log, or the JSON list of ``mixprec bench --json``.
+        log: a JSON Lines run log, the JSON list of ``mixprec bench --json``, or a results folder.
         out_dir: the directory to write into (created if missing).
 
     Returns:
         The files written, the Markdown summary last.
 
     Raises:
-        FileNotFoundError: ``log`` does not exist. ValueError: it is none of the accepted kinds (the
-        message says which file is wanted). ImportError: matplotlib is missing.
+        FileNotFoundError: ``log`` does not exist (for a folder: it has no ``bench.json``).
+        TruncatedFile: a file is cut off. ValueError: it is none of the accepted kinds (the message says
+        which file is wanted). ImportError: matplotlib is missing.
     """
+    log = Path(log)
+    if log.is_dir():
+        return _write_folder_report(log, Path(out_dir))
     bench = load_bench_json(log)
+    records = None if bench is not None else load_log(log)
+    note = incomplete(log)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if bench is not None:
         from mixprec.inspect.bench_report import bench_summary, plot_bench_records
 
         images = [plot_bench_records(bench, out_dir / "step_time.png")]
-        summary = out_dir / "summary.md"
-        summary.write_text(bench_summary(bench, Path(log).name, images))
-        return [*images, summary]
-    records = load_log(log)
+        return [*images, _write_summary(out_dir, bench_summary(bench, log.name, images), note)]
+    images = _log_images(records, out_dir, log.name)  # type: ignore[arg-type]
+    return [*images, _write_summary(out_dir, summarize(records, images), note)]  # type: ignore[arg-type]
+
+
+def _write_summary(out_dir: Path, text: str, note: str | None) -> Path:
+    if note:
+        title, _, rest = text.partition("\n")
+        text = f"{title}\n\n**{note}.**\n{rest}"
+    return write_atomic(out_dir / "summary.md", text)
+
+
+def _write_folder_report(folder: Path, out_dir: Path) -> list[Path]:
+    """A results folder: the bench records' table and step times, plus the log's loss pictures."""
+    from mixprec.inspect.bench_report import bench_summary, plot_bench_records
+
+    if not (folder / BENCH_FILE).exists():
+        raise FileNotFoundError(
+            f"{folder} is a directory without {BENCH_FILE}, so not a `mixprec bench` results folder; "
+            f"{ACCEPTED}, or such a folder"
+        )
+    bench = load_bench_json(folder / BENCH_FILE)
+    if bench is None:
+        raise ValueError(f"{folder / BENCH_FILE}: not a JSON list; {ACCEPTED}")
+    records = load_log(folder / BENCH_LOG) if (folder / BENCH_LOG).exists() else []
+    note = incomplete(folder)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    images = [p for p in _log_images(records, out_dir, BENCH_LOG) if p.name != "step_time.png"]
+    images.insert(0, plot_bench_records(bench, out_dir / "step_time.png"))
+    return [*images, _write_summary(out_dir, bench_summary(bench, folder.name, images), note)]
+
+
+def _log_images(records: list[dict[str, Any]], out_dir: Path, name: str) -> list[Path]:
+    if not records:
+        return []
     is_bench_log = any(r.get("workload") is not None and r.get("mode") is not None for r in records)
     if is_bench_log:
         from mixprec.inspect.bench_report import plot_bench_log
 
-        images = plot_bench_log(records, out_dir, Path(log).name)
+        images = plot_bench_log(records, out_dir, name)
     else:
-        images = [
-            plot_scale_history(records, out_dir / "scale_history.png", title=f"{Path(log).name}: loss scale")
-        ]
+        images = [plot_scale_history(records, out_dir / "scale_history.png", title=f"{name}: loss scale")]
     with_histogram = [r for r in records if r.get("grad_log2_hist")]
     if with_histogram:
         last = with_histogram[-1]
@@ -182,6 +253,4 @@ def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
                 title=f"parameter gradients at step {last['step']} against format ranges",
             )
         )
-    summary = out_dir / "summary.md"
-    summary.write_text(summarize(records, images))
-    return [*images, summary]
+    return images

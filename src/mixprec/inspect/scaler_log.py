@@ -19,25 +19,33 @@ when not finite) and ``loss`` when given; a skipped step also lists ``nonfinite_
 ``histogram_every=N`` every N-th record carries ``grad_log2_hist`` (see :class:`Log2Histogram`).
 Skips are read from ``scaler.last_step_skipped`` where the scaler has it; otherwise from the scale
 dropping, which a dynamic scaler does exactly when it skips. ``enabled=False`` makes ``record`` a no-op
-that never touches the scaler or the gradients.
+that never touches the scaler or the gradients. Lines are appended and flushed one at a time; ``close()``
+(or leaving the ``with`` block) appends an end-of-log trailer, by which a reader tells a complete log
+from one whose writer was stopped.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 from torch import nn
 
+from mixprec._files import trailer_line, write_atomic
 from mixprec.inspect.grads import Source, grad_amax, named_grads, nonfinite_params
 from mixprec.inspect.summaries import Log2Histogram
 
 __all__ = ["ScalerLog"]
 
 _MAX_NAMED = 32
+
+
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, allow_nan=False) + "\n"
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -141,15 +149,23 @@ class ScalerLog:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
+            if self._started:  # reopened after close(): rewrite what is held, without the trailer
+                write_atomic(self.path, "".join(_line(r) for r in self.records[:-1]))  # type: ignore[arg-type]
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
             self._file = self.path.open("a" if self._started else "w")  # type: ignore[union-attr]
             self._started = True
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.write(_line(record))
         self._file.flush()
 
     def close(self) -> None:
-        """Close the file (records stay in memory); a later record reopens it and appends."""
+        """Append the end-of-log trailer and close the file (records stay in memory); a later record
+        rewrites the file without the trailer and appends. A log without its trailer is reported as
+        incomplete by ``mixprec report`` (see :mod:`mixprec._files`)."""
         if self._file is not None:
+            self._file.write(trailer_line(len(self.records)))
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
 

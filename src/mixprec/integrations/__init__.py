@@ -2,6 +2,7 @@
 
 * :mod:`mixprec.integrations.lightning`: ``MixprecPrecision``, a Lightning precision plugin, and
   ``MixprecDiagnostics``, a callback that explains a skipped step or a non-finite loss;
+* :mod:`mixprec.integrations.fabric`: ``MixprecPrecision``, the same for ``lightning.fabric.Fabric``;
 * :mod:`mixprec.integrations.transformers`: ``MixprecTrainer``, the HF ``Trainer`` under a mixprec policy and
   scaler;
 * :mod:`mixprec.integrations.accelerate`: ``MixprecAccelerator``, an ``accelerate.Accelerator`` whose

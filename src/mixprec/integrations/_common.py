@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -10,26 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.autocast.checkpoint import autocast_context_fn
 from mixprec.policy import Policy
+from mixprec.policy.policy import check_policy
 from mixprec.scaling import GradScaler
 
 __all__ = ["Diagnoser", "check_policy", "check_scaler", "framework_dtype", "region_dtype", "scaler_metrics"]
 
 logger = logging.getLogger("mixprec.integrations")
-
-
-def check_policy(policy: Policy | str | None) -> Policy | None:
-    """``policy`` as a :class:`Policy` (a string is parsed), or None.
-
-    Raises:
-        TypeError: for anything but a Policy, a str or None.
-        ValueError: for a string :meth:`Policy.parse` refuses.
-    """
-    if policy is None or isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str):
-        return Policy.parse(policy)
-    raise TypeError(f"policy must be a mixprec.Policy, a policy string or None, got {type(policy).__name__}")
 
 
 def check_scaler(scaler: GradScaler | None) -> GradScaler | None:
@@ -94,21 +83,104 @@ def settings(
     return policy, dtype, scaler
 
 
+def checkpoint_in_region(
+    model: nn.Module, policy: Policy | None, device_type: str, *, reentrant_is_ours: bool = False
+) -> int:
+    """Make a Hugging Face model's gradient checkpointing recompute under the mixprec region.
+
+    torch's checkpoint replays torch's autocast state only; a policy that pins modules or edits ops
+    would recompute in other dtypes ("Recomputed values ... have different metadata"). Every module that
+    HF's ``gradient_checkpointing_enable`` armed (``gradient_checkpointing`` True and a
+    ``_gradient_checkpointing_func``) gets that function called with ``use_reentrant=False`` and
+    ``context_fn=mixprec.autocast_context_fn``; one log line says so. Nothing changes for a policy
+    without pins or edits, or where the user gave a ``context_fn`` of their own.
+
+    Args:
+        model: the model (any nn.Module; only HF-armed submodules are touched).
+        policy: the integration's policy.
+        device_type: the region's device type.
+        reentrant_is_ours: the reentrant variant was the framework's default, not the user's choice
+            (transformers 4.x defaults to it): switch it to non-reentrant instead of refusing it.
+
+    Returns:
+        How many modules now checkpoint under the region.
+
+    Raises:
+        ValueError: when checkpointing was enabled with ``use_reentrant=True`` by the user (the reentrant
+            variant has no hook to replay the region); the message names the fix.
+    """
+    if policy is None or not (policy.module_overrides or policy.resolve(device_type).deviations):
+        return 0
+    armed = [
+        module
+        for module in model.modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+        and callable(getattr(module, "_gradient_checkpointing_func", None))
+    ]
+    rewired = 0
+    for module in armed:
+        original = module._gradient_checkpointing_func
+        keywords = getattr(original, "keywords", {})
+        if getattr(original, "_mixprec_region", False) or keywords.get("context_fn") is not None:
+            continue
+        if keywords.get("use_reentrant", False) and not reentrant_is_ours:
+            raise ValueError(
+                f"{type(module).__name__} checkpoints with use_reentrant=True, which cannot replay the "
+                "mixprec "
+                "region a pinned or edited policy needs on recompute; enable it with "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False, "
+                "'context_fn': mixprec.autocast_context_fn}), or leave use_reentrant unset"
+            )
+        module._gradient_checkpointing_func = _in_region(original)
+        rewired += 1
+    if rewired:
+        logger.info(
+            "mixprec: gradient checkpointing of %d module(s) recomputes under the mixprec region "
+            "(use_reentrant=False, context_fn=mixprec.autocast_context_fn), since the policy pins modules "
+            "or edits ops",
+            rewired,
+        )
+    return rewired
+
+
+def _in_region(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs.update(use_reentrant=False, context_fn=autocast_context_fn)
+        return original(function, *args, **kwargs)
+
+    checkpoint._mixprec_region = True  # type: ignore[attr-defined]
+    return checkpoint
+
+
 def scaler_metrics(scaler: GradScaler) -> dict[str, float]:
     """``{"loss_scale": ..., "skipped_steps": ...}`` as floats, for a logger (one host sync)."""
     return {"loss_scale": float(scaler.get_scale()), "skipped_steps": float(scaler.skipped_steps)}
 
 
-def loss_of(output: Any) -> torch.Tensor:
+def loss_of(output: Any) -> torch.Tensor | None:
     """The loss inside a model's or training step's output: the tensor itself, ``output["loss"]``,
-    ``output.loss`` or ``output[0]``."""
-    if isinstance(output, torch.Tensor):
+    ``output.loss`` or ``output[0]``; None when there is none (a manual-optimization step returning None
+    or a dict without ``"loss"``)."""
+    if output is None or isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
+    if isinstance(output, dict):
+        return output.get("loss")
     if getattr(output, "loss", None) is not None:
         return output.loss
-    return output[0]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def nonfinite_grads(named_params: Any, limit: int = 5) -> list[str]:
+    """Names of the first ``limit`` parameters whose ``.grad`` holds inf/nan (one host sync in all; called
+    only after a step was skipped)."""
+    named = [(name, param.grad) for name, param in named_params if param.grad is not None]
+    if not named:
+        return []
+    bad = torch.stack([~torch.isfinite(grad).all() for _, grad in named]).tolist()
+    return [name for (name, _), flag in zip(named, bad, strict=True) if flag][:limit]
 
 
 class Diagnoser:
@@ -148,40 +220,55 @@ class Diagnoser:
         scale: float = 1.0,
         rename: Callable[[str], str] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        window: list[Any] | None = None,
     ) -> str:
         """Run find_nonfinite on ``model(inputs)`` (loss from :func:`loss_of`, times ``scale``); log and keep
         the sentence.
 
         Args:
             model: what to call on ``inputs`` (a tensor, a tuple of positional args or a dict of kwargs).
-            step: the global step, for the sentence.
+            step: the framework's global step after that step (1-based: the n-th step is ``step n``).
             reason: what happened ("skipped its optimizer step", "gave a non-finite loss").
             region: the mixprec.autocast the step ran under (its device type, dtype and policy are reused).
             scale: the loss scale at that step.
             loss_fn: ``loss_fn(output) -> loss`` instead of :func:`loss_of`.
             rename: maps the report's module name (e.g. strips a wrapper's prefix).
+            window: every micro-batch of a gradient accumulation, in order (``inputs`` is then ignored):
+                each is re-run until one reports, and the sentence names it.
         """
         from mixprec.inspect import find_nonfinite  # only a diagnosis pays for importing inspect
 
         get_loss = loss_of if loss_fn is None else loss_fn
-        report = find_nonfinite(
-            model,
-            inputs,
-            loss_fn=lambda output: get_loss(output).float() * scale,
-            dtype=region.fast_dtype,
-            device_type=region.device_type,
-            policy=region.policy,
-        )
+        batches = [inputs] if not window else list(window)
+        report, where_found = None, 0
+        for where_found, batch in enumerate(batches):  # noqa: B007 - the index of the batch that reported
+            report = find_nonfinite(
+                model,
+                batch,
+                loss_fn=lambda output: get_loss(output).float() * scale,
+                dtype=region.fast_dtype,
+                device_type=region.device_type,
+                policy=region.policy,
+            )
+            if report is not None:
+                break
         if report is not None and rename is not None:
             report = dataclasses.replace(report, module=rename(report.module))
+        where = "that batch" if len(batches) == 1 else f"the {len(batches)} micro-batches of that step"
         if report is None:
             found = (
-                f"every value stayed finite when find_nonfinite re-ran that batch at loss scale {scale:g}, "
+                f"every value stayed finite when find_nonfinite re-ran {where} at loss scale {scale:g}, "
                 "so the inf/nan did not come from this batch's forward or backward alone (look at the data "
-                "pipeline, gradient accumulation or the optimizer)"
+                "pipeline or the optimizer)"
             )
         else:
             found = str(report)
+            if len(batches) > 1:
+                found = f"In micro-batch {where_found + 1} of {len(batches)}: {found}"
+        return self.note(step, reason, found)
+
+    def note(self, step: int, reason: str, found: str) -> str:
+        """Log and keep ``"mixprec: step {step} {reason}. {found}"`` (a diagnosis made without a re-run)."""
         sentence = f"mixprec: step {step} {reason}. {found}"
         logger.warning(sentence)
         self.diagnoses.append(sentence)

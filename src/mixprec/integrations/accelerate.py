@@ -47,7 +47,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from mixprec import autocast, is_autocast_enabled
-from mixprec.integrations._common import Diagnoser, check_policy, check_scaler, settings
+from mixprec.integrations._common import Diagnoser, check_policy, check_scaler, checkpoint_in_region, settings
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -158,11 +158,15 @@ class MixprecAccelerator(Accelerator):
         A pin by qualified name (``policy.with_modules({"encoder.0": ...})``) is resolved relative to the
         first module called inside the region; the wrapped forward enters it inside the model's own call,
         where the names are the children's. Call the model inside ``with accelerator.autocast():`` for such
-        pins (a warning says so once); pins by module class or by filter need nothing.
+        pins (a warning says so once); pins by module class or by filter need nothing. An HF model's
+        gradient checkpointing, enabled before this call, recomputes under the region when the policy pins
+        or edits (see :func:`~mixprec.integrations._common.checkpoint_in_region`; ValueError for a
+        reentrant one).
         """
         model = super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
+        checkpoint_in_region(model, self.mixprec_policy, self.device.type)  # HF gradient checkpointing
         forward = model.forward
         by_name = self.mixprec_policy is not None and any(
             isinstance(key, str) for key, _ in self.mixprec_policy.module_overrides

@@ -40,7 +40,9 @@ from mixprec.integrations._common import (
     Diagnoser,
     check_policy,
     check_scaler,
+    checkpoint_in_region,
     loss_of,
+    nonfinite_grads,
     region_dtype,
     scaler_metrics,
 )
@@ -68,7 +70,10 @@ class MixprecPrecision(Precision):
 
     Attributes:
         scaler: the GradScaler, or None.
-        last_step_skipped: whether the last optimizer step was skipped.
+        last_step_skipped: whether the last optimizer step was skipped. A skipped step still advances the
+            LR schedule, as Lightning's own ``"16-mixed"`` does (the result stays bitwise equal to it); to
+            hold it, step the scheduler yourself only ``if not trainer.precision_plugin.last_step_skipped``.
+        steps: optimizer steps taken or skipped so far.
 
     Raises:
         ValueError: for another precision string, or a policy whose compute dtype contradicts it.
@@ -98,6 +103,8 @@ class MixprecPrecision(Precision):
         self.log_metrics = bool(log_metrics)
         self.last_step_skipped = False
         self._step_scale: torch.Tensor | None = None
+        self.steps = 0  # optimizer steps taken or skipped, for the diagnostics callback
+        self._skips: list[tuple[list[str], float]] = []  # (non-finite grads, scale) per skip, until read
 
     def region(self) -> autocast:
         """A new :class:`mixprec.autocast` for this plugin's device, dtype and policy."""
@@ -108,10 +115,13 @@ class MixprecPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
-        """Take the autocast device from the (already placed) model if none was given."""
+        """Take the autocast device from the (already placed) model if none was given; make an HF model's
+        gradient checkpointing recompute under the region when the policy pins or edits (ValueError for
+        a reentrant one, see :func:`~mixprec.integrations._common.checkpoint_in_region`)."""
         if self.device is None:
             first = next(model.parameters(), None)
             self.device = "cpu" if first is None else first.device.type
+        checkpoint_in_region(model, self.policy, self.device)
         return super().connect(model, optimizers, lr_schedulers)
 
     @contextlib.contextmanager
@@ -121,6 +131,11 @@ class MixprecPrecision(Precision):
             yield
 
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if not isinstance(module, pl.LightningModule) or module._trainer is None:  # Fabric calls it too
+            raise TypeError(
+                "mixprec.integrations.lightning.MixprecPrecision is the plugin for lightning.pytorch's "
+                "Trainer; for lightning.fabric.Fabric use mixprec.integrations.fabric.MixprecPrecision"
+            )
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
@@ -149,6 +164,11 @@ class MixprecPrecision(Precision):
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         self.last_step_skipped = self.scaler.last_step_skipped
+        self.steps += 1
+        if self.last_step_skipped and len(self._skips) < 8:  # now: a manual loop may zero them later
+            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            named = ((name, p) for name, p in model.named_parameters() if id(p) in mine)
+            self._skips.append((nonfinite_grads(named), self.last_step_scale))
         if self.log_metrics and getattr(model, "_trainer", None) is not None:
             for name, value in scaler_metrics(self.scaler).items():
                 model.log(name, value, on_step=True, on_epoch=False, batch_size=1)
@@ -170,6 +190,12 @@ class MixprecPrecision(Precision):
         """The loss scale the last optimizer step was taken (or skipped) at; 1.0 without a scaler."""
         return 1.0 if self._step_scale is None else float(self._step_scale.item())
 
+    def take_skips(self) -> list[tuple[list[str], float]]:
+        """The skipped steps since the last call: for each, the parameters whose gradients held inf/nan
+        (up to 5 names) and the loss scale; the list is emptied."""
+        skips, self._skips = self._skips, []
+        return skips
+
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (torch's keys plus mixprec's counters); empty without a scaler."""
         return {} if self.scaler is None else self.scaler.state_dict()
@@ -183,13 +209,12 @@ class MixprecPrecision(Precision):
 class _TrainingStep(nn.Module):
     """A LightningModule's ``training_step(batch, batch_idx)`` as a forward, for find_nonfinite."""
 
-    def __init__(self, module: pl.LightningModule, batch_idx: int) -> None:
+    def __init__(self, module: pl.LightningModule) -> None:
         super().__init__()
         self.module = module
-        self.batch_idx = batch_idx
 
-    def forward(self, batch: Any) -> Any:
-        return self.module.training_step(batch, self.batch_idx)
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.module.training_step(batch, batch_idx)
 
 
 @contextlib.contextmanager
@@ -205,16 +230,37 @@ def _logging_muted(module: pl.LightningModule) -> Generator[None, None, None]:
         module.__dict__.update(saved)
 
 
+def _manual_finding(skips: list[tuple[list[str], float]]) -> str:
+    """What a manual-optimization step recorded, and why it is not re-run."""
+    found = ""
+    for names, scale in skips:
+        held = ", ".join(repr(name) for name in names) or "no parameter (the inf/nan was elsewhere)"
+        found += f"The gradients of {held} held inf/nan at loss scale {scale:g}. "
+    return found + (
+        "training_step uses manual optimization (it calls its optimizers, schedulers and backward itself), "
+        "so mixprec does not re-run it to find the op; call mixprec.inspect.find_nonfinite on the module "
+        "with that batch outside fit() for the op and phase"
+    )
+
+
 class MixprecDiagnostics(pl.Callback):
-    """When a step is skipped or its loss is non-finite, re-run that batch's ``training_step`` under
-    :func:`mixprec.inspect.find_nonfinite` and log the sentence (module, op, phase and a suggestion).
+    """When a step is skipped or its loss is non-finite, explain it and log the sentence (logger
+    ``"mixprec.integrations"``), numbered by Lightning's ``trainer.global_step`` after that step.
+
+    Automatic optimization: the batch's ``training_step`` is re-run under
+    :func:`mixprec.inspect.find_nonfinite` (it calls no optimizer there; ``self.log`` is muted), which
+    names the module, op and phase; under gradient accumulation every micro-batch of the skipped step is
+    re-run until the one that overflowed is found. Manual optimization (one or several optimizers, a
+    ``training_step`` returning None, a loss or a dict): the step calls its optimizers, schedulers and
+    ``manual_backward`` itself, so it is never re-run; the sentence gives what :class:`MixprecPrecision`
+    recorded when the step was skipped (the parameters whose gradients held inf/nan, the loss scale).
 
     Works with :class:`MixprecPrecision` (its region and the step's loss scale are reused) and, for
     non-finite losses, with Lightning's own "bf16-mixed"/"16-mixed" (re-run under mixprec's default policy
     in that dtype); with other precisions it does nothing.
 
     Args:
-        max_diagnoses: re-runs per fit (default 1: the first incident).
+        max_diagnoses: diagnoses per fit (default 1: the first incident).
 
     Attributes:
         diagnoses: the sentences logged so far.
@@ -222,6 +268,8 @@ class MixprecDiagnostics(pl.Callback):
 
     def __init__(self, max_diagnoses: int = 1) -> None:
         self._diagnoser = Diagnoser(max_diagnoses)
+        self._window: list[tuple[Any, int]] = []  # the micro-batches since the last optimizer step
+        self._steps_seen = 0
 
     @property
     def diagnoses(self) -> list[str]:
@@ -230,28 +278,39 @@ class MixprecDiagnostics(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        plugin = trainer.precision_plugin
+        ours = isinstance(plugin, MixprecPrecision)
+        skips = plugin.take_skips() if ours else []
+        stepped = ours and plugin.steps != self._steps_seen
+        self._steps_seen = plugin.steps if ours else 0
+        window = [*self._window, (batch, batch_idx)]
+        accumulating = pl_module.automatic_optimization and not stepped
+        self._window = window if accumulating else []  # kept until the step they feed
         if not self._diagnoser.wanted:
             return
-        plugin = trainer.precision_plugin
-        skipped = isinstance(plugin, MixprecPrecision) and plugin.last_step_skipped
-        loss = None if outputs is None else loss_of(outputs)
+        loss = loss_of(outputs)
         nonfinite = isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all())
-        if not (skipped or nonfinite):
+        if not (skips or nonfinite):
             return
-        if isinstance(plugin, MixprecPrecision):
-            region, scale = plugin.region(), plugin.last_step_scale
+        reason = "skipped its optimizer step" if skips else "gave a non-finite loss"
+        step = trainer.global_step + (0 if stepped else 1)  # a micro-batch belongs to the step it feeds
+        if not pl_module.automatic_optimization:
+            self._diagnoser.note(step, reason, _manual_finding(skips))
+            return
+        if ours:
+            region, scale = plugin.region(), skips[0][1] if skips else plugin.last_step_scale
         elif str(trainer.precision) in _DTYPES:
             region, scale = autocast(pl_module.device.type, dtype=_DTYPES[str(trainer.precision)]), 1.0
         else:
             return  # a full- or pure-low-precision run: no mixed-precision region to re-run it in
-        reason = "skipped its optimizer step" if skipped else "gave a non-finite loss"
         with _logging_muted(pl_module):
             self._diagnoser.run(
-                _TrainingStep(pl_module, batch_idx),
-                (batch,),
-                step=trainer.global_step,
+                _TrainingStep(pl_module),
+                (batch, batch_idx),
+                step=step,
                 reason=reason,
                 region=region,
                 scale=scale,
                 rename=lambda name: name.removeprefix("module").removeprefix("."),
+                window=window if skips else None,
             )

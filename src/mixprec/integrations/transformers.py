@@ -33,6 +33,7 @@ re-runs that batch and the sentence is logged (logger ``"mixprec.integrations"``
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -46,11 +47,15 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from mixprec import autocast
-from mixprec.integrations._common import Diagnoser, scaler_metrics, settings
+from mixprec.integrations._common import Diagnoser, checkpoint_in_region, scaler_metrics, settings
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
 __all__ = ["MixprecTrainer"]
+
+# transformers 4.x names scaler.pt but neither saves nor loads it; 5.x does both (_save_scaler, _load_scaler).
+_TRAINER_KEEPS_SCALER = hasattr(transformers.Trainer, "_save_scaler")
+_SCALER_FILE = "scaler.pt"
 
 
 class _AfterStep(transformers.TrainerCallback):
@@ -59,11 +64,33 @@ class _AfterStep(transformers.TrainerCallback):
     def __init__(self, trainer: MixprecTrainer) -> None:
         self.trainer = trainer
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        # the Trainer enabled it (activation_checkpointing in 5.x) and the user gave no use_reentrant
+        enabled = getattr(args, "activation_checkpointing", None) or getattr(
+            args, "gradient_checkpointing", False
+        )
+        user_kwargs = getattr(args, "activation_checkpointing_kwargs", None)
+        user_kwargs = user_kwargs or getattr(args, "gradient_checkpointing_kwargs", None) or {}
+        ours = bool(enabled) and "use_reentrant" not in user_kwargs
+        model = kwargs.get("model") or trainer.model
+        checkpoint_in_region(model, trainer._mixprec_policy, args.device.type, reentrant_is_ours=ours)
+
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._report_skip()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._diagnose_pending_step()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        scaler = self.trainer.mixprec_scaler
+        if scaler is None or _TRAINER_KEEPS_SCALER or not args.should_save:
+            return
+        folder = os.path.join(
+            args.output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        )
+        if os.path.isdir(folder):
+            torch.save(scaler.state_dict(), os.path.join(folder, _SCALER_FILE))
 
 
 class MixprecTrainer(transformers.Trainer):
@@ -103,7 +130,8 @@ class MixprecTrainer(transformers.Trainer):
         )
         self._mixprec_policy, self._mixprec_dtype = policy, dtype
         self._diagnoser = Diagnoser(max_diagnoses)
-        self._pending: tuple[nn.Module, Any, str, torch.Tensor | None] | None = None
+        self._pending: tuple[nn.Module, list[Any], str, torch.Tensor | None] | None = None
+        self._window: list[Any] = []  # the micro-batches of the accumulation in progress
         super().__init__(*args, **kwargs)
         autocast(self.args.device.type, dtype=dtype, policy=policy)  # validates device and dtype now
         self.add_callback(_AfterStep(self))
@@ -116,13 +144,29 @@ class MixprecTrainer(transformers.Trainer):
         """A new :class:`mixprec.autocast` with this trainer's device, dtype and policy."""
         return autocast(self.args.device.type, dtype=self._mixprec_dtype, policy=self._mixprec_policy)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; on transformers 4.x, which keeps no scaler in checkpoints, the scaler is
+        restored from the ``scaler.pt`` this trainer wrote there (a checkpoint without one leaves it as is).
+        """
+        if resume_from_checkpoint and self.mixprec_scaler is not None and not _TRAINER_KEEPS_SCALER:
+            folder = resume_from_checkpoint
+            if folder is True:
+                folder = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+            path = os.path.join(str(folder), _SCALER_FILE)
+            if os.path.isfile(path):
+                self.mixprec_scaler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if self.mixprec_scaler is not None:
             self.accelerator.scaler = self.mixprec_scaler
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
-        stack = super().compute_loss_context_manager()
+        """The Trainer's own context (an ExitStack in 5.x; torch.autocast or a nullcontext in 4.x), then
+        the mixprec region inside it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().compute_loss_context_manager())
         stack.enter_context(self.mixprec_region())
         return stack
 
@@ -134,11 +178,14 @@ class MixprecTrainer(transformers.Trainer):
         scale = None if scaler is None or scaler.rule.scale is None else scaler.rule.scale.detach().clone()
         if scaler is not None and self.accelerator.sync_gradients and not self._accelerate_unscales():
             scaler.unscale_(_inner_optimizer(self.optimizer))  # before the Trainer clips / measures grads
+        window = [*self._window, inputs]
+        self._window = [] if self.accelerator.sync_gradients else window
         if self._diagnoser.wanted and self._pending is None:
             if not bool(torch.isfinite(loss).all()):
-                self._pending = (model, inputs, "gave a non-finite loss", scale)
+                self._pending = (model, [inputs], "gave a non-finite loss", scale)
             elif scaler is not None and self.accelerator.sync_gradients:
-                self._pending = (model, inputs, "", scale)  # decided after the step: skipped or not
+                # decided after the step, skipped or not; every micro-batch, the one that overflowed found
+                self._pending = (model, window, "", scale)
         return loss
 
     def _report_skip(self) -> None:
@@ -161,14 +208,15 @@ class MixprecTrainer(transformers.Trainer):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        model, inputs, reason, scale = pending
+        model, window, reason, scale = pending
         if not reason:
             if not self.accelerator.optimizer_step_was_skipped:
                 return
             reason = "skipped its optimizer step"
         self._diagnoser.run(
             model,
-            inputs,
+            window[-1],
+            window=window,
             step=self.state.global_step,
             reason=reason,
             region=self.mixprec_region(),

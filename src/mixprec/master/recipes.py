@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from mixprec import formats
+from mixprec._tree import map_tensors
 from mixprec.master.casting import cast_model, cast_with_undo
 from mixprec.master.compensated import CompensatedOptimizer
 from mixprec.master.optimizer import MixedPrecisionOptimizer
@@ -89,7 +90,7 @@ PRESETS: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
     "bf16-true": ("O3", torch.bfloat16, {}),
 }
 
-DEFAULT_DTYPE: dict[str, torch.dtype] = {"cuda": torch.float16}  # any other device: bfloat16
+DEFAULT_HALF_DTYPE: dict[str, torch.dtype] = {"cuda": torch.float16}  # any other device: bfloat16
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _WEIGHT_UPDATES = ("nearest", "kahan", "stochastic")
 OVERRIDES = ("keep_batchnorm_fp32", "master_weights", "loss_scale", "min_loss_scale", "max_loss_scale",
@@ -126,7 +127,9 @@ def resolve_level(
         raise TypeError(f"unknown override(s) {unknown}{hint}; accepted: {list(OVERRIDES)}")
     level = dataclasses.replace(OPT_LEVELS[opt_level], **overrides)
     _check(level, opt_level, overrides)
-    half = formats.get(dtype).dtype if dtype is not None else DEFAULT_DTYPE.get(device_type, torch.bfloat16)
+    half = (
+        formats.get(dtype).dtype if dtype is not None else DEFAULT_HALF_DTYPE.get(device_type, torch.bfloat16)
+    )
     if half not in _HALF_DTYPES:
         raise ValueError(
             f"dtype must be a half-precision type, got {dtype!r}; accepted: {list(_HALF_DTYPES)}"
@@ -167,14 +170,8 @@ def _check_optimizer_owns(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with floating tensors (in tuples, lists and dicts too) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
+    """``value`` with floating tensors (in tuples, namedtuples, lists and dicts too) cast to ``dtype``."""
+    return map_tensors(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
 
 class PrecisionForward:

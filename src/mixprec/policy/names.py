@@ -142,7 +142,7 @@ def _op_label(op: OpKey) -> str:
     return op if isinstance(op, str) else f"<{getattr(op, '__qualname__', repr(op))}>"
 
 
-PRESETS = ("bf16-mixed", "fp16-mixed", "conservative")
+POLICY_PRESETS = ("bf16-mixed", "fp16-mixed", "conservative")
 
 
 def _torch_autocasts(family: str) -> bool:

@@ -58,7 +58,7 @@ from __future__ import annotations
 __all__ = [
     "ALIASES",
     "ALL_OP_NAMES",
-    "BANNED",
+    "BANNED_OPS",
     "CATEGORIES",
     "COMPOSITES",
     "CONDITIONAL",
@@ -118,7 +118,7 @@ _CPU_LOWER = frozenset(
 _CPU_FP32 = frozenset(
     {
         "avg_pool3d",
-        "binary_cross_entropy",  # CPU runs it in fp32; CUDA bans it (see BANNED)
+        "binary_cross_entropy",  # CPU runs it in fp32; CUDA bans it (see BANNED_OPS)
         "grid_sampler",
         "polar",
         "prod",  # default and .dim_int (.dim_Dimname has no kernel)
@@ -370,7 +370,7 @@ CUDA_OPS: dict[str, frozenset[str]] = {
 
 # Ops whose autocast kernel raises instead of casting.  CUDA: "torch.nn.functional.binary_cross_entropy
 # and torch.nn.BCELoss are unsafe to autocast" (use binary_cross_entropy_with_logits).
-BANNED: dict[str, frozenset[str]] = {
+BANNED_OPS: dict[str, frozenset[str]] = {
     "cpu": frozenset(),
     "cuda": frozenset({"binary_cross_entropy"}),
 }
@@ -557,7 +557,7 @@ def category_of(family: str, name: str) -> str | None:
 ALL_OP_NAMES: frozenset[str] = frozenset().union(
     *CPU_OPS.values(),
     *CUDA_OPS.values(),
-    *BANNED.values(),
+    *BANNED_OPS.values(),
     ALIASES,
     *COMPOSITES.values(),
     *CONDITIONAL.values(),

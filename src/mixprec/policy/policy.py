@@ -31,7 +31,7 @@ from mixprec.policy.names import (
     BANNED,
     DEFAULT_DTYPES,
     PASSTHROUGH,
-    PRESETS,
+    POLICY_PRESETS,
     SUPPORTED_DTYPES,
     ModuleKey,
     OpKey,
@@ -52,11 +52,12 @@ __all__ = [
     "BANNED",
     "DEFAULT_DTYPES",
     "PASSTHROUGH",
-    "PRESETS",
+    "POLICY_PRESETS",
     "SUPPORTED_DTYPES",
     "Policy",
     "ResolvedPolicy",
     "canonical_op",
+    "check_policy",
     "known_op_names",
 ]
 
@@ -184,7 +185,9 @@ class Policy:
             return cls(compute_dtype=torch.float16, device_type=family)
         if key == "conservative":
             return cls(device_type=family).with_ops(fp32=_CONSERVATIVE_FP32)
-        raise ValueError(f"unknown policy preset {name!r}{_suggest(key, PRESETS)}; accepted: {list(PRESETS)}")
+        raise ValueError(
+            f"unknown policy preset {name!r}{_suggest(key, POLICY_PRESETS)}; accepted: {list(POLICY_PRESETS)}"
+        )
 
     @classmethod
     def parse(cls, spec: str, device_type: str | None = None) -> Policy:
@@ -338,3 +341,22 @@ class Policy:
             if names:
                 parts.append(f"{category}+={'|'.join(names)}")
         return ",".join(parts)
+
+
+def check_policy(policy: object) -> Policy | None:
+    """``policy`` as a :class:`Policy`: a Policy or None as it is, a preset name or policy string parsed.
+
+    The one check for every public ``policy=`` argument (``mixprec.autocast``, the trainer integrations).
+
+    Raises:
+        TypeError: for anything but a Policy, a str or None, naming its type.
+        ValueError: for a string :meth:`Policy.parse` refuses (an unknown preset or op, a bad dtype).
+    """
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return Policy.parse(policy)
+    raise TypeError(
+        "policy must be a mixprec.Policy, a preset name, a policy string or None, got "
+        f"{type(policy).__name__}: {policy!r:.80}"
+    )

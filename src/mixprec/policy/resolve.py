@@ -88,7 +88,7 @@ def _base_table(family: str) -> dict[str, str]:
             for name in names:
                 by_name[name] = category
         by_name.update(_ops.COMPOSITES.get(family, {}))
-        by_name.update(dict.fromkeys(_ops.BANNED.get(family, ()), BANNED))
+        by_name.update(dict.fromkeys(_ops.BANNED_OPS.get(family, ()), BANNED))
         hit = _BASE[family] = by_name
     return hit
 

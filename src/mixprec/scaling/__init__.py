@@ -1,15 +1,16 @@
 """Loss scaling: scale the loss, unscale and check the gradients, skip non-finite steps, move the scale.
 
-``GradScaler`` is the drop-in for ``torch.amp.GradScaler``; how the scale moves is a small rule object
-(``DynamicScale``, ``HeadroomScale``, ``StaticScale``, ``NoScale``).
+``GradScaler`` (grad_scaler.py) is the drop-in for ``torch.amp.GradScaler``, its state machine read in call
+order; how the scale moves is a small rule object (rules.py: ``StaticScale``, ``NoScale``; dynamic.py:
+``DynamicScale``; headroom.py: ``HeadroomScale``); the work on gradients and torch's ops are in kernels.py;
+rank agreement and the skip count in skip.py.
 """
 
 from mixprec.scaling.dynamic import DynamicScale
-from mixprec.scaling.grad_scaler import GradScaler
+from mixprec.scaling.grad_scaler import GradScaler, GradScalerError, OptState
 from mixprec.scaling.headroom import HeadroomScale
-from mixprec.scaling.monitor import SkipMonitor
 from mixprec.scaling.rules import NoScale, ScaleRule, StaticScale
-from mixprec.scaling.state import GradScalerError, OptState
+from mixprec.scaling.skip import SkipMonitor
 
 __all__ = [
     "DynamicScale",

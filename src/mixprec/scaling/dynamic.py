@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any, ClassVar
 
 import torch
 
-from mixprec.scaling._devices import wide_float
+from mixprec.scaling import kernels
 from mixprec.scaling.rules import (
+    DEFAULTS,
     FLOAT32_TINY,
     ScaleRule,
     check_count,
@@ -87,30 +87,34 @@ class DynamicScale(ScaleRule):
         min_scale: floor, in [smallest normal float32, float32 max]; None means the smallest normal float32
             (so the scale and its reciprocal stay finite, never 0).
         max_scale: cap, in the same range; None means none (growth still stops short of inf).
+        underflow_restart: the underflow recovery above; False gives torch's rule exactly, and lets a fused
+            optimizer's check pass run torch's own op (no amax to measure), at torch's cost.
         raise_at_min_scale: raise RuntimeError when a skipped step would back off from the floor
             (checked when the scaler has already synced for the skip decision, so never on fused steps).
 
     Raises:
         ValueError: for any argument outside the ranges above, or ``min_scale > max_scale``, or
             ``init_scale`` outside ``[min_scale, max_scale]``.
-        TypeError: for a ``raise_at_min_scale`` that is not a bool.
+        TypeError: for a ``underflow_restart`` or ``raise_at_min_scale`` that is not a bool.
     """
 
-    reads_amax: ClassVar[bool] = True  # amax == 0 is the underflow signal
+    growth: ClassVar[str | None] = "interval"
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = DEFAULTS.init_scale,
+        growth_factor: float = DEFAULTS.growth_factor,
+        backoff_factor: float = DEFAULTS.backoff_factor,
+        growth_interval: int = DEFAULTS.growth_interval,
         *,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
+        hysteresis: int = DEFAULTS.hysteresis,
+        min_scale: float | None = DEFAULTS.min_scale,
+        max_scale: float | None = DEFAULTS.max_scale,
+        underflow_restart: bool = True,
         raise_at_min_scale: bool = False,
     ) -> None:
         super().__init__(init_scale)
+        self.underflow_restart = check_flag("underflow_restart", underflow_restart)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
@@ -123,6 +127,7 @@ class DynamicScale(ScaleRule):
         self._hysteresis_left: torch.Tensor | None = None
         self._init_growth_tracker = 0
         self._init_hysteresis_left = self.hysteresis
+        self._tracker_unchecked = False  # the tracker may be >= growth_interval (interval lowered, loaded)
 
     # Validated attributes: the GradScaler's set_growth_factor() & co. write through these.
     @property
@@ -151,6 +156,12 @@ class DynamicScale(ScaleRule):
     @growth_interval.setter
     def growth_interval(self, value: int) -> None:
         self._growth_interval = check_count("growth_interval", value)
+        self._tracker_unchecked = True
+
+    @property
+    def amax_use(self) -> str:  # type: ignore[override]
+        """``"when_free"``: amax == 0 is the underflow signal; ``"none"`` without ``underflow_restart``."""
+        return "when_free" if self.underflow_restart else "none"
 
     @property
     def floor(self) -> float:
@@ -161,51 +172,45 @@ class DynamicScale(ScaleRule):
         super()._create_state(device)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
         self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=device)
+        self._tracker_unchecked = True
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        """Torch's ``_amp_update_scale_`` (back-off, interval growth, never to inf), then what it lacks.
+
+        Around torch's one op, each only where configured or needed: the tracker clamped below the interval
+        once after ``growth_interval`` was lowered or loaded (so growth happens at ``>=``), hysteresis (a
+        tolerated overflow keeps the scale it had), the floor on back-off, the cap on growth, the underflow
+        restart. No host sync.
+        """
         scale = self._require_state()
+        tracker, left = self._growth_tracker, self._hysteresis_left
+        assert tracker is not None and left is not None
         found = found_inf > 0
-        grow, back_off = self._advance_counters(found)
-        scale.copy_(self._next_scale(scale, grow, back_off, found, amax))
+        if self._tracker_unchecked:
+            tracker.clamp_max_(self.growth_interval - 1)
+            self._tracker_unchecked = False
+        before = scale.clone() if self.hysteresis > 1 else None
+        kernels.update_scale_(
+            scale, tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
+        )
+        if before is not None:  # Megatron/DeepSpeed hysteresis: back off only once the tolerance is used up
+            left_after = (left - found.int()).clamp_min_(0)
+            tolerated = found & (left_after > 0)
+            scale.copy_(torch.where(tolerated, before, torch.maximum(scale, found * self.floor)))
+            left.copy_(left_after.masked_fill_(~found & (tracker == 0), self.hysteresis))
+        else:
+            torch.maximum(scale, found * self.floor, out=scale)  # the floor, where it backed off
+        if self.max_scale is not None:  # the cap, where it grew (the tracker restarts only on growth)
+            scale.copy_(torch.where(~found & (tracker == 0), scale.clamp_max(self.max_scale), scale))
+        if amax is not None and self.underflow_restart:
+            restart = min(self.init_scale, self.max_scale or math.inf)
+            underflow = (amax.to(scale.device) == 0) & ~found & (scale < restart)
+            scale.masked_fill_(underflow, restart)
 
     def _require_state(self) -> torch.Tensor:
         if self._scale is None:
             raise RuntimeError(f"{self.name}.update() called before the scale exists (no tensor was scaled)")
         return self._scale
-
-    def _advance_counters(self, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step growth_tracker and hysteresis_left; return the (grow, back_off) decisions as bool tensors."""
-        tracker, left = self._growth_tracker, self._hysteresis_left
-        assert tracker is not None and left is not None
-        next_tracker = (tracker + 1) * ~found
-        grow = next_tracker >= self.growth_interval
-        tracker.copy_(next_tracker.masked_fill_(grow, 0))
-        if self.hysteresis == 1:  # torch's rule: every overflow backs off (fewer tiny ops per update)
-            return grow, found
-        left_after = (left - found.int()).clamp_min_(0)
-        back_off = found & (left_after == 0)
-        left.copy_(left_after.masked_fill_(grow, self.hysteresis))
-        return grow, back_off
-
-    def _next_scale(
-        self,
-        scale: torch.Tensor,
-        grow: torch.Tensor,
-        back_off: torch.Tensor,
-        found: torch.Tensor,
-        amax: torch.Tensor | None,
-    ) -> torch.Tensor:
-        grown = _times(scale, self.growth_factor)
-        grown = torch.where(grown < math.inf, grown, scale)  # scale is finite: only inf to rule out
-        if self.max_scale is not None:
-            grown = grown.clamp_max(self.max_scale)
-        backed_off = _times(scale, self.backoff_factor).clamp_min_(self.floor)
-        moved = torch.where(back_off, backed_off, torch.where(grow, grown, scale))
-        if amax is None:
-            return moved
-        restart = min(self.init_scale, self.max_scale or math.inf)
-        underflow = (amax.to(scale.device) == 0) & ~found & (moved < restart)
-        return torch.where(underflow, torch.full_like(moved, restart), moved)
 
     def after_skip(self) -> None:
         if not self.raise_at_min_scale or self._scale is None or self._hysteresis_left is None:
@@ -241,6 +246,7 @@ class DynamicScale(ScaleRule):
             "_hysteresis_tracker": self.get_hysteresis_left(),
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
+            "underflow_restart": self.underflow_restart,
             "raise_at_min_scale": self.raise_at_min_scale,
         }
 
@@ -262,6 +268,7 @@ class DynamicScale(ScaleRule):
             hysteresis_left=optional(state_dict, "_hysteresis_tracker", hysteresis, check_count, 0),
             min_scale=optional(state_dict, "min_scale", self.min_scale, _check_bound),
             max_scale=optional(state_dict, "max_scale", self.max_scale, _check_bound),
+            underflow_restart=optional(state_dict, "underflow_restart", self.underflow_restart, check_flag),
             raise_at_min_scale=optional(
                 state_dict, "raise_at_min_scale", self.raise_at_min_scale, check_flag
             ),
@@ -282,8 +289,10 @@ class DynamicScale(ScaleRule):
         self.hysteresis = values["hysteresis"]
         self.min_scale, self.max_scale = values["min_scale"], values["max_scale"]
         self.raise_at_min_scale = values["raise_at_min_scale"]
+        self.underflow_restart = values["underflow_restart"]
         self._init_growth_tracker = values["growth_tracker"]
         self._init_hysteresis_left = values["hysteresis_left"]
+        self._tracker_unchecked = True
         if self._growth_tracker is not None and self._hysteresis_left is not None:
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._hysteresis_left.fill_(self._init_hysteresis_left)
@@ -297,14 +306,3 @@ def _check_bounds(min_scale: float | None, max_scale: float | None, init_scale: 
         raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
     if init_scale is not None and not low <= init_scale <= high:
         raise ValueError(f"init_scale {init_scale} is outside [min_scale, max_scale] = [{low}, {high}]")
-
-
-def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
-    """``scale * factor`` rounded once to float32, as torch's kernel computes it (in float64, then rounded).
-
-    A float32 product of two float32 numbers is already the correctly rounded exact product, so when
-    ``factor`` is exact in float32 (2.0, 0.5, ...) the float64 round trip is skipped: same bits, fewer ops.
-    """
-    if struct.unpack("f", struct.pack("f", factor))[0] == factor:
-        return scale * factor
-    return (scale.to(wide_float(scale.device)) * factor).float()

@@ -1,34 +1,47 @@
-"""GradScaler: a drop-in for ``torch.amp.GradScaler`` built from a rule, a gradient pass and a monitor."""
+"""GradScaler: the loss scaler's state machine, in call order (scale -> unscale_ -> step -> update).
+
+Per optimizer and iteration the scaler keeps a record: its stage (READY -> UNSCALED -> STEPPED) and what the
+gradient pass measured (found_inf, amax per device). ``update()`` combines the records and hands the result
+to the rule (rules.py, dynamic.py, headroom.py) and the skip monitor (skip.py); kernels.py does device work.
+"""
 
 from __future__ import annotations
 
-import warnings
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mixprec.scaling import kernels
-from mixprec.scaling._devices import is_available, parse_device, wide_float
-from mixprec.scaling.accessors import TorchAccessors
-from mixprec.scaling.decisions import Decisions
-from mixprec.scaling.factory import build_rule
-from mixprec.scaling.fused import supports_fused_scaling
-from mixprec.scaling.guards import check_new_scale, check_optimizer, refuse_closure
-from mixprec.scaling.monitor import SkipMonitor
-from mixprec.scaling.outputs import map_tensors
-from mixprec.scaling.rules import ScaleRule, check_flag
-from mixprec.scaling.state import GradScalerError, OptimizerRecord, OptState
-from mixprec.scaling.sync import RankSync
+from mixprec._tree import map_tensors
+from mixprec.scaling import kernels, rules
+from mixprec.scaling.dynamic import DynamicScale
+from mixprec.scaling.headroom import HeadroomScale  # noqa: F401  (registers growth="headroom")
+from mixprec.scaling.rules import DEFAULTS, GradScalerError, ScaleRule
+from mixprec.scaling.skip import RankSync, SkipMonitor
 
-__all__ = ["GradScaler"]
-
-_NO_SCALE_YET = (
-    "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-)
+__all__ = ["GradScaler", "GradScalerError", "OptState"]
 
 
-class GradScaler(TorchAccessors, Decisions):
+class OptState(Enum):
+    """Where one optimizer is within the current iteration."""
+
+    READY = 0  # nothing done since the last update()
+    UNSCALED = 1  # unscale_() ran: gradients are unscaled and checked
+    STEPPED = 2  # step() ran (or skipped); only update() may follow
+
+
+@dataclass
+class _Record:
+    """What the scaler knows about one optimizer in the current iteration (kept in the scaler, not on it)."""
+
+    stage: OptState = OptState.READY
+    found_inf: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    amax: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+
+class GradScaler:
     """Loss scaling for mixed-precision training; same calls, errors and checkpoints as torch.amp.GradScaler.
 
     Typical use, exactly as with torch::
@@ -51,20 +64,18 @@ class GradScaler(TorchAccessors, Decisions):
     does, except with fused optimizers, which skip inside their kernel.
 
     Unscaling runs torch's one-pass check-and-multiply op unless the rule needs amax every step
-    (HeadroomScale): see scaling/kernels.py for that decision. The default rule still reads amax for its
-    underflow recovery (all-zero gradients at a lowered scale restart it, see :class:`DynamicScale`): fused
-    optimizers' check pass measures it anyway; otherwise ``step``, which syncs once for its skip decision,
-    reads the scale in that same sync and, only when the scale is below 1 and the step is clean, reads the
-    gradients once more for amax (plus one all-reduce under torch.distributed).
+    (HeadroomScale). The default rule reads amax for its underflow restart (:class:`DynamicScale`) where it
+    costs no extra sync: fused optimizers' check pass measures it; ``step`` measures it, in the sync it makes
+    anyway, only when the scale is below 1 and the step is clean.
 
     Under torch.distributed every rank skips or steps together: each optimizer's found_inf is all-reduced
     (MAX) over ``process_group`` in one collective before its skip decision, and ``update()`` combines those
-    agreed values without another one, so the scales stay equal (see :class:`~mixprec.scaling.sync.RankSync`).
+    agreed values without another one, so the scales stay equal (see :class:`~mixprec.scaling.skip.RankSync`).
 
     Args:
-        device: device type the scaler is meant for; None (default) means the device of the first tensor
-            scaled. Like torch, an explicit device whose backend is unavailable disables the scaler with a
-            warning.
+        device: any device torch knows ("cuda", "cpu", "mps", "xpu", "hpu", ...) or None (default); the scale
+            lives on the device of the first tensor scaled. As torch, ``"cuda"`` without CUDA disables the
+            scaler with a warning; other device types stay enabled.
         init_scale: starting scale, in [smallest normal float32, float32 max] (the scale and its reciprocal
             are float32).
         growth_factor: > 1, applied after ``growth_interval`` good steps in a row.
@@ -84,8 +95,8 @@ class GradScaler(TorchAccessors, Decisions):
 
     Attributes:
         rule: the :class:`~mixprec.scaling.rules.ScaleRule` that owns the scale.
-        monitor: the :class:`~mixprec.scaling.monitor.SkipMonitor` behind ``skipped_steps``.
-        rank_sync: the :class:`~mixprec.scaling.sync.RankSync` that all-reduces found_inf across ranks.
+        monitor: the :class:`~mixprec.scaling.skip.SkipMonitor` behind ``skipped_steps``.
+        rank_sync: the :class:`~mixprec.scaling.skip.RankSync` that all-reduces found_inf across ranks.
 
     Raises:
         ValueError: for a bad argument, naming it and the accepted values.
@@ -96,49 +107,31 @@ class GradScaler(TorchAccessors, Decisions):
     def __init__(
         self,
         device: str | torch.device | None = None,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = DEFAULTS.init_scale,
+        growth_factor: float = DEFAULTS.growth_factor,
+        backoff_factor: float = DEFAULTS.backoff_factor,
+        growth_interval: int = DEFAULTS.growth_interval,
         enabled: bool = True,
         *,
         rule: ScaleRule | None = None,
-        growth: str = "interval",
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
+        growth: str = DEFAULTS.growth,
+        hysteresis: int = DEFAULTS.hysteresis,
+        min_scale: float | None = DEFAULTS.min_scale,
+        max_scale: float | None = DEFAULTS.max_scale,
         allow_fp16_grads: bool = False,
         warn_after_skips: int | None = 50,
         process_group: dist.ProcessGroup | None = None,
         sync: str | bool = "auto",
     ) -> None:
-        self._device = None if device is None else parse_device(device)
-        self.rule = build_rule(
-            rule,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            growth=growth,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-        )
+        self._device = None if device is None else kernels.parse_device(device)
+        dynamic = (init_scale, growth_factor, backoff_factor, growth_interval, growth, hysteresis)
+        self.rule = rules.build_rule(rule, rules.RuleArguments(*dynamic, min_scale, max_scale))
         self.monitor = SkipMonitor(warn_after_skips)
         self.rank_sync = RankSync(sync, process_group)
-        self.allow_fp16_grads = check_flag("allow_fp16_grads", allow_fp16_grads)
-        self._enabled = check_flag("enabled", enabled) and self._backend_usable()
-        self._records: dict[int, OptimizerRecord] = {}
-
-    def _backend_usable(self) -> bool:
-        if self._device is None or is_available(self._device.type):
-            return True
-        warnings.warn(
-            f"mixprec.GradScaler is enabled for device {str(self._device)!r}, but {self._device.type} is not "
-            "available. Disabling: scale() returns its input and step() calls optimizer.step().",
-            stacklevel=3,
-        )
-        return False
+        self.allow_fp16_grads = rules.check_flag("allow_fp16_grads", allow_fp16_grads)
+        enabled = rules.check_flag("enabled", enabled)
+        self._enabled = enabled and not kernels.warn_if_unavailable(self._device, stacklevel=2)
+        self._records: dict[int, _Record] = {}
 
     def is_enabled(self) -> bool:
         """Whether scaling is on."""
@@ -150,7 +143,10 @@ class GradScaler(TorchAccessors, Decisions):
         """Multiply a tensor, or every tensor of nested lists/tuples/dicts, by the current scale.
 
         The scale is created on the device of the first tensor ever scaled; tensors on other devices get a
-        copy (made once per call). Disabled: returns ``outputs`` unchanged.
+        copy (once per call). Disabled: returns ``outputs`` unchanged.
+
+        Raises:
+            ValueError: for a leaf that is not a tensor (torch's error type), naming its type.
         """
         if not self._enabled:
             return outputs
@@ -158,27 +154,26 @@ class GradScaler(TorchAccessors, Decisions):
 
         def multiply(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.device not in per_device:
-                scale = self._ensure_state(tensor.device)
+                scale = self.rule.ensure_state(tensor.device)
+                self.monitor.ensure_state(scale.device)
                 per_device[tensor.device] = scale.to(tensor.device, non_blocking=True)
             return tensor * per_device[tensor.device]
 
-        return map_tensors(outputs, multiply)
-
-    def _ensure_state(self, device: torch.device) -> torch.Tensor:
-        scale = self.rule.ensure_state(device)
-        self.monitor.ensure_state(scale.device)
-        return scale
+        return map_tensors(outputs, multiply, strict=True)
 
     def _require_scale(self, funcname: str) -> torch.Tensor:
         if self.rule.scale is None:
-            raise GradScalerError(f"Attempted {funcname} but _scale is None.  " + _NO_SCALE_YET)
+            raise GradScalerError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+                "scaler.scale(loss or outputs) earlier in the iteration."
+            )
         return self.rule.scale
 
-    def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
-        check_optimizer(optimizer)
-        return self._records.setdefault(id(optimizer), OptimizerRecord())
+    def _record(self, optimizer: torch.optim.Optimizer) -> _Record:
+        kernels.check_optimizer(optimizer)
+        return self._records.setdefault(id(optimizer), _Record())
 
-    # -- unscale_ / step -------------------------------------------------------------------------------
+    # -- unscale_ --------------------------------------------------------------------------------------
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place, checking them for inf/nan (no sync).
@@ -208,19 +203,23 @@ class GradScaler(TorchAccessors, Decisions):
     def _check_grads(
         self,
         optimizer: torch.optim.Optimizer,
-        record: OptimizerRecord,
+        record: _Record,
         scale: torch.Tensor,
         unscale: bool,
         allow_fp16: bool,
     ) -> None:
-        params = (param for group in optimizer.param_groups for param in group["params"])
-        groups = kernels.collect_grads(params, allow_fp16)
+        """The gradient pass: found_inf (and amax, where the rule needs it) per device, unscaling if asked."""
+        groups = kernels.collect_grads(kernels.params_of(optimizer), allow_fp16)
         # The reciprocal in float64 (where the device has it), as torch does: float32 division can be inexact.
-        inv_scale = scale.to(wide_float(scale.device)).reciprocal().float()
+        inv_scale = scale.to(kernels.wide_float(scale.device)).reciprocal().float()
+        use = self.rule.amax_use  # amax: in every pass, or free in a fused step's check (its only pass)
+        want_amax = use == "every_step" or (use == "when_free" and not unscale)
         unscale = unscale and not self.rule.is_identity
         record.found_inf, record.amax = kernels.check_and_unscale_(
-            groups, inv_scale, unscale, want_amax=self.rule.needs_amax
+            groups, inv_scale, unscale, None, want_amax
         )
+
+    # -- step ------------------------------------------------------------------------------------------
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step(*args, **kwargs)`` unless a
@@ -236,12 +235,12 @@ class GradScaler(TorchAccessors, Decisions):
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        refuse_closure(args, kwargs)
+        rules.refuse_closure(args, kwargs)
         scale = self._require_scale("step")
         record = self._record(optimizer)
         if record.stage is OptState.STEPPED:
             raise GradScalerError("step() has already been called since the last update().")
-        if supports_fused_scaling(optimizer):
+        if kernels.supports_fused_scaling(optimizer):
             return self._fused_step(optimizer, record, scale, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
@@ -251,11 +250,66 @@ class GradScaler(TorchAccessors, Decisions):
                 "No inf checks were recorded for this optimizer. (None of its parameters has a .grad: was "
                 "backward() called on the scaled loss, and does the optimizer hold the model's parameters?)"
             )
-        found_inf = self._combine_found_inf(record, scale.device)
-        skip = self._skip_decision(optimizer, record, found_inf, scale)
-        retval = self._on_skip() if skip else optimizer.step(*args, **kwargs)
+        found_inf = self._agree_found_inf(record, scale.device)
+        if self._skip_decision(optimizer, record, found_inf, scale):
+            self.monitor.check(pending=1, scale=self.rule.get_scale())
+            self.rule.after_skip()
+            retval = None
+        else:
+            retval = optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
+
+    def _fused_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _Record,
+        scale: torch.Tensor,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Hand scale and found_inf to an optimizer that unscales and skips in its own kernel (no sync)."""
+        if record.stage is OptState.READY:
+            self._check_grads(optimizer, record, scale, unscale=False, allow_fp16=True)
+            # As torch: compose with a grad_scale the user may have set on the optimizer.
+            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
+        else:
+            grad_scale = getattr(optimizer, "grad_scale", None)  # already unscaled by unscale_()
+        found_inf = self._agree_found_inf(record, scale.device)
+        retval = kernels.run_fused_step(optimizer, grad_scale, found_inf, args, kwargs)
+        record.stage = OptState.STEPPED
+        return retval
+
+    def _agree_found_inf(self, record: _Record, device: torch.device) -> torch.Tensor:
+        """One optimizer's found_inf (1.0 if any device's is non-zero) on ``device``, the same on every rank.
+
+        Every skip decision goes through here: found_inf (with amax, where the rule reads it) is all-reduced
+        across ranks, one collective per optimizer, and replaces the record's, so ``update()`` needs none.
+        """
+        found_inf = kernels.combine_max(record.found_inf.values(), device)
+        measured = self.rule.amax_use != "none" and record.amax
+        amax = kernels.combine_max(record.amax.values(), device) if measured else None
+        found_inf, amax = self.rank_sync.max_across_ranks(found_inf, amax)
+        record.found_inf = {device: found_inf}
+        if amax is not None:
+            record.amax = {device: amax}
+        return found_inf
+
+    def _skip_decision(
+        self, optimizer: torch.optim.Optimizer, record: _Record, found_inf: torch.Tensor, scale: torch.Tensor
+    ) -> bool:
+        """Read found_inf on the host (the step's one sync), and the scale with it where the rule reads amax
+        but torch's fused pass gave none: below 1 (only there can all gradients flush to zero) a clean step
+        measures amax, agreed across ranks."""
+        if self.rule.amax_use == "none" or record.amax:
+            return bool(found_inf.item() != 0)
+        found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
+        if found == 0 and current < 1:
+            groups = kernels.collect_grads(kernels.params_of(optimizer), allow_fp16=True)
+            _, amax = kernels.check_and_unscale_(groups, torch.ones((), device=scale.device), False)
+            amax_here = kernels.combine_max(amax.values(), scale.device)
+            record.amax = {scale.device: self.rank_sync.max_across_ranks(found_inf, amax_here)[1]}
+        return found != 0
 
     # -- update ----------------------------------------------------------------------------------------
 
@@ -264,10 +318,8 @@ class GradScaler(TorchAccessors, Decisions):
 
         Args:
             new_scale: set the scale to this instead: a float or int in [smallest normal float32, float32
-                max], or a 1-element tensor whose value is copied (not checked: that would sync).
-
-        An iteration that only calls ``update(new_scale)`` (no step, no unscale_) skipped nothing:
-        ``last_step_skipped`` is False after it.
+                max], or a 1-element tensor whose value is copied (not checked: that would sync). An
+                iteration that only calls ``update(new_scale)`` skipped nothing (``last_step_skipped``).
 
         Raises:
             GradScalerError: with no ``new_scale`` and no step/unscale_ in this iteration, or no scale() ever.
@@ -276,25 +328,27 @@ class GradScaler(TorchAccessors, Decisions):
         if not self._enabled:
             return
         scale = self._require_scale("update")
-        checked = None if new_scale is None else check_new_scale(new_scale)
-        if checked is None and not any(record.found_inf for record in self._records.values()):
+        checked = None if new_scale is None else rules.check_new_scale(new_scale)
+        records = [record for record in self._records.values() if record.found_inf]
+        if checked is None and not records:
             raise GradScalerError("No inf checks were recorded prior to update.")
-        for record in self._records.values():
-            if record.found_inf and record.stage is not OptState.STEPPED:
-                self._combine_found_inf(record, scale.device)  # unscale_() without step(): agree now
-        found_infs = [tensor for record in self._records.values() for tensor in record.found_inf.values()]
-        found_inf = kernels.combine_max(found_infs, scale.device)
+        for record in records:
+            if record.stage is not OptState.STEPPED:
+                self._agree_found_inf(record, scale.device)  # unscale_() without step(): agree now
+        found_inf = kernels.combine_max((t for r in records for t in r.found_inf.values()), scale.device)
         if checked is not None:
             self.rule.set_scale(checked)
         else:
-            self.rule.update(found_inf, self._combine_amax(scale.device))
-        if found_infs:
+            all_measured = self.rule.amax_use != "none" and all(record.amax for record in records)
+            amax = (t for r in records for t in r.amax.values()) if all_measured else None
+            self.rule.update(found_inf, None if amax is None else kernels.combine_max(amax, scale.device))
+        if records:
             self.monitor.record(found_inf)
         else:
             self.monitor.record_no_step()
         self._records = {}
 
-    # -- accessors -------------------------------------------------------------------------------------
+    # -- what torch's GradScaler also offers: getters, setters, checkpoints ---------------------------
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host sync); 1.0 when disabled."""
@@ -312,3 +366,84 @@ class GradScaler(TorchAccessors, Decisions):
     def last_step_skipped(self) -> bool:
         """Whether the iteration closed by the last ``update()`` skipped a step (a host sync)."""
         return self._enabled and self.monitor.skip_run > 0
+
+    def _dynamic(self, name: str) -> DynamicScale:
+        if not isinstance(self.rule, DynamicScale):
+            rule = self.rule.name
+            raise TypeError(f"{name} belongs to DynamicScale and HeadroomScale; this scaler's rule is {rule}")
+        return self.rule
+
+    def get_growth_factor(self) -> float:
+        """The growth factor of the dynamic rule (TypeError for StaticScale and NoScale)."""
+        return self._dynamic("growth_factor").growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1; ValueError otherwise)."""
+        self._dynamic("growth_factor").growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor of the dynamic rule."""
+        return self._dynamic("backoff_factor").backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        self._dynamic("backoff_factor").backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        """The growth interval of the dynamic rule."""
+        return self._dynamic("growth_interval").growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (>= 1)."""
+        self._dynamic("growth_interval").growth_interval = new_interval
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``) plus mixprec's; empty when disabled. Call it after :meth:`update`."""
+        if not self._enabled:
+            return {}
+        return {**self.rule.state_dict(), **self.monitor.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` or from a torch GradScaler's; a no-op when disabled.
+
+        Every key is checked before anything changes (see :meth:`validate_state_dict`): a dict that raises
+        leaves the scaler exactly as it was.
+
+        Raises:
+            RuntimeError: for an empty dict (saved from a disabled scaler).
+            TypeError: when ``state_dict`` is not a dict.
+            ValueError: for a missing or bad key (named), or a dict saved from a different kind of rule.
+        """
+        if not self._enabled:
+            return
+        rule_values, monitor_values = self._read_state(state_dict)
+        self.rule._apply_state(rule_values)
+        self.monitor._apply_state(monitor_values)
+
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing.
+
+        For wrappers that restore several parts at once (a model, an optimizer, this scaler): check every
+        part first, then load them all.
+        """
+        if self._enabled:
+            self._read_state(state_dict)
+
+    def _read_state(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}: {state_dict!r:.80}")
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of "
+                "GradScaler."
+            )
+        return self.rule.read_state(state_dict), self.monitor.read_state(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._records:
+            raise GradScalerError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end "
+                "after scaler.update()."
+            )
+        return self.__dict__.copy()

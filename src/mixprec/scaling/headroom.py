@@ -8,13 +8,11 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec import formats
-from mixprec.scaling._devices import wide_float
 from mixprec.scaling.dynamic import DynamicScale
-from mixprec.scaling.rules import check_positive, optional
+from mixprec.scaling.kernels import wide_float
+from mixprec.scaling.rules import DEFAULTS, FLOAT32_MAX, check_positive, optional
 
 __all__ = ["HeadroomScale"]
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class HeadroomScale(DynamicScale):
@@ -49,21 +47,22 @@ class HeadroomScale(DynamicScale):
         format: the format the scaled gradients must fit (the backward's dtype): a
             :class:`mixprec.formats.Format`, dtype or name. Default fp16.
         margin: keep ``amax * scale * margin <= format.max``; >= 1. Default 32 (five doublings spare).
-        **dynamic: ``hysteresis``, ``min_scale``, ``max_scale``, ``raise_at_min_scale`` as in DynamicScale.
+        **dynamic: ``hysteresis``, ``min_scale``, ``max_scale``, ``underflow_restart``, ``raise_at_min_scale``
+            as in DynamicScale.
 
     Raises:
         ValueError: for a bad argument, naming it.
     """
 
-    needs_amax: ClassVar[bool] = True
-    reads_amax: ClassVar[bool] = True
+    amax_use = "every_step"  # type: ignore[assignment]
+    growth: ClassVar[str | None] = "headroom"
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = DEFAULTS.init_scale,
+        growth_factor: float = DEFAULTS.growth_factor,
+        backoff_factor: float = DEFAULTS.backoff_factor,
+        growth_interval: int = DEFAULTS.growth_interval,
         *,
         format: formats.Format | torch.dtype | str = "fp16",
         margin: float = 32.0,
@@ -84,16 +83,16 @@ class HeadroomScale(DynamicScale):
             raise ValueError("HeadroomScale.update() needs amax, the largest |unscaled gradient|")
         scale, ceiling = self._require_state(), self._overflow_scale
         assert ceiling is not None and self._growth_tracker is not None and self._hysteresis_left is not None
-        found = found_inf > 0
         before = scale.clone()
-        grow, back_off = self._advance_counters(found)
-        dynamic = self._next_scale(before, grow, back_off, found, amax)
+        super().update(found_inf, amax)  # back-off, hysteresis, interval growth, floor, cap, restart
+        found = found_inf > 0
+        grew = ~found & (self._growth_tracker == 0)  # the tracker restarts on a clean step only by growing
         candidate = self._room(before, amax.to(before.device), ceiling)
-        jump = ~found & (candidate > dynamic)
-        scale.copy_(torch.where(jump, candidate, dynamic))
+        jump = ~found & (candidate > scale)
+        scale.copy_(torch.where(jump, candidate, scale))
         self._growth_tracker.masked_fill_(jump, 0)
         self._hysteresis_left.masked_fill_(jump, self.hysteresis)
-        ceiling.copy_(torch.where(found, before, ceiling.masked_fill(grow, math.inf)))
+        ceiling.copy_(torch.where(found, before, ceiling.masked_fill(grew, math.inf)))
 
     def _room(self, scale: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> torch.Tensor:
         """``scale * growth_factor**k`` for the largest k >= 0 that the headroom and the caps allow."""
@@ -112,7 +111,7 @@ class HeadroomScale(DynamicScale):
         return candidate.float()
 
     def _cap(self) -> float:
-        return min(_FLOAT32_MAX, math.inf if self.max_scale is None else self.max_scale)
+        return min(FLOAT32_MAX, math.inf if self.max_scale is None else self.max_scale)
 
     def state_dict(self) -> dict[str, Any]:
         overflow = self._init_overflow_scale if self._overflow_scale is None else self._overflow_scale.item()

@@ -12,32 +12,49 @@ Two kernels give the same results; the choice is per device type, as data:
 - ``_foreach_norm(inf)`` then ``_foreach_mul_``: a couple of multi-tensor launches on accelerators.
 
 Two passes read every gradient; torch's own ``torch._amp_foreach_non_finite_check_and_unscale_`` (what
-torch.amp.GradScaler runs) checks and multiplies in one. Decision: when the rule needs no amax, unscaling
-runs that op (:func:`_torch_fused`); the public-op kernels above serve everything else (check-only passes for
-fused optimizers, amax for HeadroomScale) and any torch build without it. Why, given the project's rule of
+torch.amp.GradScaler runs) checks and multiplies in one. Decision: a pass that measures no amax runs that op
+(:func:`_torch_fused`; a check-only pass multiplies by 1, as torch's does); the public-op kernels above serve
+the passes that measure amax (a fused optimizer's check under the default rule, HeadroomScale) and devices
+or torch builds without the op. Why, given the project's rule of
 building on torch's public ops and dispatcher: it *is* a dispatcher op (``torch.ops.aten``, with CPU, CUDA
 and MPS kernels, which torch.amp and FSDP's ShardedGradScaler call), its results are torch's bit for bit by
 construction, and no public op can do a check and a multiply in one pass. Measured on 200 tensors / 8M fp32
 values, one CPU thread: the fused op 1.4-1.6 ms; ``aminmax`` alone 1.7-1.9 ms, ``_foreach_max`` 1.6-1.7 ms,
 a float64 ``sum`` 9 ms, ``_foreach_norm(1)`` 13 ms, so a public-op unscale stays near 1.7x torch's.
 Fused optimizers (``Adam(fused=True)`` & co.) skip the multiply altogether: the scaler only checks and hands
-them ``grad_scale``/``found_inf`` (scaling/fused.py).
+them ``grad_scale``/``found_inf`` (:func:`run_fused_step`, the end of this file).
+
+Device types are data here, not branches: which kernel runs where (``KERNELS``), which backends lack float64
+(``wide_float``), which missing backend disables a scaler (``warn_if_unavailable``).
 """
 
 from __future__ import annotations
 
+import inspect
+import struct
+import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
 __all__ = [
     "DeviceResults",
     "check_and_unscale_",
+    "check_optimizer",
     "collect_grads",
     "combine_max",
     "foreach_kernel",
+    "params_of",
+    "parse_device",
     "per_tensor_kernel",
+    "run_fused_step",
+    "supports_fused_scaling",
+    "times",
+    "update_scale_",
+    "warn_if_unavailable",
+    "wide_float",
 ]
 
 Kernel = Callable[[list[torch.Tensor], "torch.Tensor | None"], "torch.Tensor | None"]
@@ -49,6 +66,65 @@ FP16_MESSAGE = (
     "fp32 master weights, where the optimizer update itself loses precision; keep the parameters in fp32 or "
     "use mixprec.MixedPrecisionOptimizer, or pass GradScaler(allow_fp16_grads=True) to unscale them anyway.)"
 )
+
+
+# Device types whose backends have no float64. Everywhere else the scale arithmetic is done in float64 and
+# rounded once to float32, which is what torch's own kernels do, so the scale matches torch bit for bit.
+_WITHOUT_FLOAT64: frozenset[str] = frozenset({"mps"})
+
+
+def wide_float(device: torch.device) -> torch.dtype:
+    """The widest float dtype the device computes in: float64, or float32 where float64 is missing."""
+    return torch.float32 if device.type in _WITHOUT_FLOAT64 else torch.float64
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """``torch.device(device)``, with a ValueError that names the bad value.
+
+    Raises:
+        ValueError: when torch cannot parse ``device``.
+    """
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from error
+
+
+# Device types whose scaler torch disables, with a warning, when the backend is missing: cuda, GradScaler's
+# default device, where code written for a GPU runs on a machine without one. Every other type (mps, xpu,
+# hpu, xla, a PrivateUse1 backend) stays enabled, as in torch: the scale lives where the tensors are.
+_DISABLED_WITHOUT_BACKEND: frozenset[str] = frozenset({"cuda"})
+
+
+def warn_if_unavailable(device: torch.device | None, stacklevel: int) -> bool:
+    """True, after a warning naming ``device``, when a scaler for it must be disabled (torch's rule)."""
+    if device is None or device.type not in _DISABLED_WITHOUT_BACKEND:
+        return False
+    if getattr(torch, device.type).is_available():
+        return False
+    warnings.warn(
+        f"mixprec.GradScaler is enabled for device {str(device)!r}, but {device.type} is not "
+        "available. Disabling: scale() returns its input and step() calls optimizer.step().",
+        stacklevel=stacklevel + 1,
+    )
+    return True
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """TypeError naming ``optimizer`` unless it has ``param_groups``, a list of dicts with "params"."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer (an object whose param_groups is a list of dicts with "
+            f"'params'), got {type(optimizer).__name__}: {optimizer!r:.80}"
+        )
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter of every group of ``optimizer``."""
+    return (param for group in optimizer.param_groups for param in group["params"])
 
 
 def collect_grads(params: Iterable[torch.Tensor], allow_fp16: bool) -> GradGroups:
@@ -94,7 +170,7 @@ def _local_shard(grad: torch.Tensor) -> torch.Tensor:
     """A DTensor gradient (FSDP2's fully_shard) is checked and unscaled through this rank's shard.
 
     DTensor ops would run collectives of their own and return a DTensor found_inf; the scaler agrees
-    across ranks itself (scaling/sync.py). ``to_local()`` shares storage, so unscaling it in place
+    across ranks itself (scaling/skip.py). ``to_local()`` shares storage, so unscaling it in place
     unscales the gradient.
     """
     to_local = getattr(grad, "to_local", None)
@@ -157,8 +233,9 @@ def check_and_unscale_(
         device was non-finite else 0.0; ``amax`` the largest ``|gradient| * inv_scale`` (non-finite with
         ``found_inf``); ``amax`` is empty when it was not measured.
     """
-    if kernel is None and unscale and not want_amax and TORCH_FUSED is not None:
-        return _torch_fused(groups, inv_scale), {}
+    if kernel is None and not want_amax and TORCH_FUSED is not None:
+        # torch's check runs a multiply; a check-only pass multiplies by 1, as torch.amp.GradScaler does
+        return _torch_fused(groups, inv_scale if unscale else torch.ones_like(inv_scale)), {}
     found_inf: DeviceResults = {}
     amax: DeviceResults = {}
     for device, per_dtype in groups.items():
@@ -172,6 +249,11 @@ def check_and_unscale_(
     return found_inf, amax
 
 
+# Device types without a kernel for torch's check op (found at the first call); their passes run the
+# public-op kernels, which give the same found_inf and unscaled values.
+_WITHOUT_CHECK_OP: set[str] = set()
+
+
 def _torch_fused(groups: GradGroups, inv_scale: torch.Tensor) -> DeviceResults:
     """torch's ``_amp_foreach_non_finite_check_and_unscale_``, one call per device and dtype."""
     assert TORCH_FUSED is not None
@@ -179,8 +261,15 @@ def _torch_fused(groups: GradGroups, inv_scale: torch.Tensor) -> DeviceResults:
     for device, per_dtype in groups.items():
         device_inv = inv_scale.to(device, non_blocking=True)
         found = torch.zeros((), dtype=torch.float32, device=device)
-        for grads in per_dtype.values():
-            TORCH_FUSED(grads, found, device_inv)
+        try:
+            if device.type in _WITHOUT_CHECK_OP:
+                raise NotImplementedError(device.type)
+            for grads in per_dtype.values():  # the dispatcher refuses before touching any gradient
+                TORCH_FUSED(grads, found, device_inv)
+        except NotImplementedError:
+            _WITHOUT_CHECK_OP.add(device.type)
+            kernel = KERNELS.get(device.type, foreach_kernel)
+            found = check_and_unscale_({device: per_dtype}, device_inv, True, kernel)[0][device]
         found_inf[device] = found
     return found_inf
 
@@ -194,3 +283,121 @@ def combine_max(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.
     """The largest of 0-dim tensors from any devices, on ``device`` (nan if any is nan; 0.0 if none)."""
     moved = [tensor.to(device, non_blocking=True) for tensor in tensors]
     return _max(moved) if moved else torch.zeros((), dtype=torch.float32, device=device)
+
+
+# -- the scale update -----------------------------------------------------------------------------------
+
+# Device types where torch's ``_amp_update_scale_`` has no kernel (found at the first call): the same rule
+# then runs as tensor ops, which give the same bits (tests/scaling/test_devices.py).
+_WITHOUT_UPDATE_OP: set[str] = set()
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """torch.amp.GradScaler's update, in place and without a host sync: torch's own dispatcher op.
+
+    ``scale`` (float32, 0-dim) and ``growth_tracker`` (int32, 0-dim) on one device; ``found_inf`` (float32,
+    0-dim) non-zero when a step overflowed::
+
+        if found_inf:  scale *= backoff_factor;  growth_tracker = 0
+        elif growth_tracker + 1 == growth_interval:
+            growth_tracker = 0
+            if isfinite(scale * growth_factor):  scale *= growth_factor
+        else:  growth_tracker += 1
+
+    Each product is computed in float64 and rounded once to float32, as in torch's kernels.
+    """
+    args = (scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    if scale.device.type not in _WITHOUT_UPDATE_OP:
+        try:
+            torch._amp_update_scale_(*args)
+            return
+        except NotImplementedError:
+            _WITHOUT_UPDATE_OP.add(scale.device.type)
+    update_scale_with_tensor_ops_(*args)
+
+
+def update_scale_with_tensor_ops_(
+    scale: torch.Tensor,
+    tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth: float,
+    backoff: float,
+    interval: int,
+) -> None:
+    """:func:`update_scale_` written with public tensor ops, for devices without torch's kernel."""
+    found = found_inf != 0
+    successful = (tracker + 1) * ~found
+    grow = successful == interval
+    grown = times(scale, growth)
+    grown = torch.where(torch.isfinite(grown), grown, scale)
+    scale.copy_(torch.where(found, times(scale, backoff), torch.where(grow, grown, scale)))
+    tracker.copy_(successful.masked_fill_(grow, 0))
+
+
+def times(scale: torch.Tensor, factor: float) -> torch.Tensor:
+    """``scale * factor`` rounded once to float32, as torch's kernel computes it (in float64, then rounded).
+
+    A float32 product of two float32 numbers is already the correctly rounded exact product, so when
+    ``factor`` is exact in float32 (2.0, 0.5, ...) the float64 round trip is skipped: same bits, fewer ops.
+    """
+    if struct.unpack("f", struct.pack("f", factor))[0] == factor:
+        return scale * factor
+    return (scale.to(wide_float(scale.device)) * factor).float()
+
+
+# -- the fused-optimizer protocol ----------------------------------------------------------------------
+#
+# Optimizers that unscale and skip inside their own kernel (``Adam(fused=True)`` and the like) set
+# ``_step_supports_amp_scaling = True`` and read two attributes during ``step()``: ``grad_scale`` (divide the
+# gradients by it; None if they are already unscaled) and ``found_inf`` (skip the update where it is
+# non-zero). That is torch.optim's protocol, so these two public names are the only ones mixprec writes on an
+# optimizer, and only for the duration of the call: whatever was there before is restored.
+
+_PROTOCOL = ("grad_scale", "found_inf")
+_MISSING = object()
+
+
+def supports_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` handles ``grad_scale``/``found_inf`` itself.
+
+    Raises:
+        TypeError: for an optimizer on torch's older protocol (a ``grad_scaler`` argument to ``step``), which
+            calls private methods of torch's own GradScaler; it would otherwise step on scaled gradients.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        raise TypeError(
+            f"{type(optimizer).__name__}.step() takes a grad_scaler argument: torch's deprecated protocol, "
+            "which relies on torch.amp.GradScaler internals and is not supported by mixprec.GradScaler. "
+            "Read optimizer.grad_scale and optimizer.found_inf in step() instead (what torch.optim does)."
+        )
+    return True
+
+
+def run_fused_step(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Call ``optimizer.step(*args, **kwargs)`` with the protocol attributes set, then restore them."""
+    saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _PROTOCOL}
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                delattr(optimizer, name)
+            else:
+                setattr(optimizer, name, value)

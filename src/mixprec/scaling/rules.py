@@ -1,4 +1,5 @@
-"""Loss-scale update rules: small objects that own the scale and decide how it moves.
+"""Loss-scale update rules: small objects that own the scale and decide how it moves; the checks on what
+users pass to a scaler, and the error its misuse raises.
 
 A rule keeps the scale (and whatever counters its algorithm needs) as 0-dim tensors, created on the device of
 the first tensor scaled, and changes them with tensor ops only, so that :meth:`ScaleRule.update` never waits
@@ -14,26 +15,64 @@ for the device. :class:`~mixprec.scaling.GradScaler` drives a rule; the rules kn
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 __all__ = [
+    "DEFAULTS",
     "FLOAT32_MAX",
     "FLOAT32_TINY",
+    "GradScalerError",
     "NoScale",
+    "RuleArguments",
     "ScaleRule",
     "StaticScale",
+    "build_rule",
     "check_count",
     "check_flag",
+    "check_new_scale",
     "check_positive",
     "check_scale",
+    "refuse_closure",
     "required",
 ]
 
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # smallest normal float32: 1 / it is still finite
 FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True)
+class RuleArguments:
+    """The rule arguments of a GradScaler (torch's and mixprec's additions); their defaults, written once.
+
+    ``GradScaler``, ``DynamicScale`` and ``HeadroomScale`` take their signatures' defaults from
+    :data:`DEFAULTS`, and ``GradScaler(rule=...)`` refuses any rule argument that differs from them.
+    """
+
+    init_scale: float = 2.0**16  # torch's: high enough for most fp16 runs, backed off on the first overflows
+    growth_factor: float = 2.0  # powers of two keep the scale's products exact
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    growth: str = "interval"  # torch's rule; "headroom" grows as soon as the gradients allow
+    hysteresis: int = 1  # every overflow backs off, as torch
+    min_scale: float | None = None  # None: the smallest normal float32
+    max_scale: float | None = None  # None: no cap below float32 max
+
+
+DEFAULTS = RuleArguments()
+
+
+class GradScalerError(RuntimeError, AssertionError):
+    """Misuse of the scale/unscale_/step/update sequence.
+
+    A RuntimeError, and also an AssertionError because torch raises AssertionError for some of these
+    (no scale() before step, no inf checks before update), so code written against torch still catches them.
+    """
 
 
 def _is_number(value: Any) -> bool:
@@ -65,6 +104,39 @@ def check_scale(name: str, value: Any) -> float:
     return number
 
 
+def check_new_scale(new_scale: Any) -> float | torch.Tensor:
+    """``new_scale`` if it is a number (checked as :func:`check_scale`) or a 1-element tensor without grad.
+
+    Raises:
+        ValueError: for anything else, naming its type or shape.
+    """
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(
+                "new_scale should be a float or a 1-element tensor with requires_grad=False, got a tensor of "
+                f"shape {tuple(new_scale.shape)} with requires_grad={new_scale.requires_grad}"
+            )
+        return new_scale
+    if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
+        kind = type(new_scale).__name__
+        raise ValueError(f"new_scale should be a float, int or 1-element tensor, got {kind}: {new_scale!r}")
+    return check_scale("new_scale", new_scale)
+
+
+def refuse_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise GradScalerError for a closure, by keyword (as torch) or positional (torch lets it through)."""
+    if "closure" in kwargs:
+        raise GradScalerError("Closure use is not currently supported if GradScaler is enabled.")
+    if args and callable(args[0]):
+        raise GradScalerError(
+            f"step() got a callable as its first positional argument ({args[0]!r:.60}), which "
+            "optimizer.step() would take as a closure. Closures are not supported while GradScaler is "
+            "enabled: the closure's backward() would leave scaled gradients that are never unscaled (torch "
+            "passes it through silently). Call scaler.scale(loss).backward() yourself, then "
+            "scaler.step(optimizer)."
+        )
+
+
 def check_count(name: str, value: Any, minimum: int = 1) -> int:
     """``value`` if it is an int >= minimum; otherwise a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -93,6 +165,9 @@ def optional(state_dict: dict[str, Any], key: str, default: Any, check: Any, *ar
     return check(f"state_dict[{key!r}]", state_dict[key], *args)
 
 
+_BY_GROWTH: dict[str, type[ScaleRule]] = {}  # filled by the subclasses that name a growth
+
+
 class ScaleRule:
     """Base rule: a scale that ``update()`` leaves alone.
 
@@ -100,15 +175,21 @@ class ScaleRule:
         init_scale: the scale before the first update; a finite number > 0.
 
     Attributes:
-        needs_amax: whether :meth:`update` needs ``amax`` every step (the scaler then checks the gradients
-            with its own public-op kernel, which yields amax in the same pass).
-        reads_amax: whether :meth:`update` uses ``amax`` when it is given (it may be None).
+        amax_use: what :meth:`update` does with ``amax``, the largest ``|unscaled gradient|``: ``"none"``
+            (never reads it), ``"when_free"`` (reads it where the scaler measures it without an extra sync:
+            fused optimizers' check pass, a step whose scale is below 1; None elsewhere) or ``"every_step"``
+            (the scaler measures it in every gradient pass, with its own public-op kernel).
         is_identity: whether the scale is always exactly 1, so unscaling can skip the multiply.
     """
 
-    needs_amax: ClassVar[bool] = False
-    reads_amax: ClassVar[bool] = False
+    amax_use: str = "none"
     is_identity: ClassVar[bool] = False
+    growth: ClassVar[str | None] = None  # the name GradScaler(growth=...) builds this rule by, if any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("growth") is not None:
+            _BY_GROWTH[cls.__dict__["growth"]] = cls
 
     def __init__(self, init_scale: float) -> None:
         self.init_scale = check_scale("init_scale", init_scale)
@@ -155,8 +236,8 @@ class ScaleRule:
         Args:
             found_inf: float32 0-dim tensor on the scale's device, > 0 if any gradient was non-finite.
             amax: float32 0-dim tensor, the largest ``|gradient|`` after unscaling (non-finite when
-                ``found_inf``), or None where the scaler did not measure it; only rules with ``reads_amax``
-                read it.
+                ``found_inf``), or None where the scaler did not measure it; only rules whose ``amax_use``
+                is not ``"none"`` read it.
         """
 
     def after_skip(self) -> None:
@@ -225,3 +306,31 @@ class NoScale(StaticScale):
         if values["scale"] != 1:
             raise ValueError(f"NoScale keeps the scale at 1, got state_dict['scale']={values['scale']!r}")
         return values
+
+
+def build_rule(rule: ScaleRule | None, arguments: RuleArguments) -> ScaleRule:
+    """The rule a GradScaler runs: ``rule`` itself, or the rule whose ``growth`` the arguments name
+    (``"interval"``: DynamicScale, ``"headroom"``: HeadroomScale), built from the others.
+
+    Raises:
+        ValueError: for an unknown ``growth``, or for rule arguments that differ from :data:`DEFAULTS`
+            alongside ``rule``.
+        TypeError: for a ``rule`` that is not a ScaleRule instance.
+    """
+    values = dataclasses.asdict(arguments)
+    if rule is not None:
+        changed = sorted(name for name, value in values.items() if value != getattr(DEFAULTS, name))
+        if changed:
+            raise ValueError(f"pass {changed} to the rule object, not to GradScaler, when rule= is given")
+        if not isinstance(rule, ScaleRule):
+            raise TypeError(
+                "rule must be a ScaleRule instance (DynamicScale(), HeadroomScale(), StaticScale(s), "
+                f"NoScale()), got {type(rule).__name__}: {rule!r:.80}"
+            )
+        return rule
+    growth = values.pop("growth")
+    if growth not in _BY_GROWTH:
+        close = difflib.get_close_matches(str(growth), _BY_GROWTH, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"growth must be one of {sorted(_BY_GROWTH)}, got {growth!r}{hint}")
+    return _BY_GROWTH[growth](values.pop("init_scale"), **values)
