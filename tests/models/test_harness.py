@@ -48,4 +48,5 @@ def test_child_process_oracle_is_torch_autocast() -> None:
     expected = run_case("nn_mha", torch.autocast("cpu", dtype=DTYPES["bf16"]), train=True)
     children = references_in_subprocess(["nn_mha/bf16/1", "nn_lstm/fp16/1"])
     assert_bitwise(expected, children["nn_mha/bf16/1"])
-    assert "primitive descriptor" in children["nn_lstm/fp16/1"]  # torch.autocast's own error, recorded
+    lstm = children["nn_lstm/fp16/1"]  # a result, or torch.autocast's own error where oneDNN lacks the kernel
+    assert isinstance(lstm, dict) or "primitive descriptor" in lstm

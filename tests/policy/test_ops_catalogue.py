@@ -329,8 +329,9 @@ def _check(name: str, low: torch.dtype, out: object, exc: BaseException | None, 
     if cat == ops.PROMOTE and low == torch.float16 and lowp_first:
         assert _prioritize_error(exc), f"{name}: expected the prioritize RuntimeError, got {exc!r}"
         return
-    # oneDNN may lack an fp16 LSTM kernel for float32 inputs (machine dependent): allow torch to raise.
-    if sample_key(name) in LSTM_KEYS and low == torch.float16 and isinstance(exc, RuntimeError):
+    # oneDNN may lack a low-precision LSTM kernel (machine dependent: no fp16 one on an AVX512-BF16 CPU,
+    # neither bf16 nor fp16 under ONEDNN_MAX_CPU_ISA=AVX2): torch.autocast raises, nothing to observe.
+    if sample_key(name) in LSTM_KEYS and isinstance(exc, RuntimeError) and "primitive descriptor" in str(exc):
         return
     assert exc is None, f"{name}: torch.autocast raised {exc!r}"
     got = set(_float_dtypes(out))

@@ -20,7 +20,17 @@ from mixprec.policy.names import _family
 
 __all__ = ["custom_bwd", "custom_fwd"]
 
-_FAMILIES = ("cpu", "cuda")
+
+class _PerFamily(dict):
+    """torch.amp's decorated function per device type, made on first use ("cpu", "cuda", "mps", ...)."""
+
+    def __init__(self, make: Callable[[str], Callable]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, family: str) -> Callable:
+        self[family] = made = self.make(family)
+        return made
 
 
 def _default_family() -> str:
@@ -37,7 +47,8 @@ def custom_fwd(
     current region and :func:`custom_bwd` replays it in ``backward``. Outside a region: a no-op.
 
     Args:
-        device_type: "cpu" or "cuda"; default: the device of the innermost mixprec region, else "cpu".
+        device_type: "cpu", "cuda" or any type torch.autocast takes; default: the device of the
+            innermost mixprec region, else "cpu".
         cast_inputs: dtype to cast incoming floating tensors to, or None.
 
     Raises:
@@ -56,7 +67,7 @@ def custom_fwd(
             with autocast(ctx._mixprec_family, enabled=False):
                 return fwd(ctx, *args, **kwargs)
 
-    by_family = {f: torch.amp.custom_fwd(inner, device_type=f, cast_inputs=cast_inputs) for f in _FAMILIES}
+    by_family = _PerFamily(lambda f: torch.amp.custom_fwd(inner, device_type=f, cast_inputs=cast_inputs))
 
     @functools.wraps(fwd)
     def decorate_fwd(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -86,7 +97,7 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str | None = None) -
         with autocast(rules.device_type, dtype=rules.compute_dtype, policy=rules.policy):
             return bwd(ctx, *args, **kwargs)
 
-    by_family = {f: torch.amp.custom_bwd(inner, device_type=f) for f in _FAMILIES}
+    by_family = _PerFamily(lambda f: torch.amp.custom_bwd(inner, device_type=f))
 
     @functools.wraps(bwd)
     def decorate_bwd(ctx: Any, *args: Any, **kwargs: Any) -> Any:

@@ -13,6 +13,7 @@ import torch
 
 from mixprec.autocast import pins
 from mixprec.autocast.engine import _DeviationMode, _Frame, _state
+from mixprec.policy.names import has_catalogue
 from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family, check_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
@@ -32,10 +33,11 @@ def _settings(
         )
     family = _family(device_type)
     policy = check_policy(policy)
+    lists = family if has_catalogue(family) else None  # elsewhere: torch's own lists and dtype rules
     if not enabled:
-        return family, False, policy or Policy(device_type=family), None
+        return family, False, policy or Policy(device_type=lists), None
     if policy is None:
-        policy = Policy.for_device(family, dtype)
+        policy = Policy.for_device(family, dtype) if lists else Policy()
     elif dtype is not None and policy.compute_dtype is not None and policy.compute_dtype != dtype:
         raise ValueError(
             f"dtype={dtype} conflicts with the policy's compute dtype {policy.compute_dtype}; "
@@ -47,9 +49,9 @@ def _settings(
 def _native_dtype(rules: ResolvedPolicy | None) -> torch.dtype | None:
     """The dtype torch's own autocast runs in for these rules, or None when it stays off (a disabled
     region, or an fp32 compute dtype: a pin, which torch would refuse with a warning)."""
-    if rules is None or rules.compute_dtype is torch.float32:
+    if rules is None or (rules.compute_dtype is torch.float32 and has_catalogue(rules.device_type)):
         return None
-    return rules.compute_dtype
+    return rules.compute_dtype  # elsewhere torch's own dtype rules decide (it warns and turns off)
 
 
 def _needs_engine(rules: ResolvedPolicy | None) -> bool:
@@ -70,7 +72,9 @@ class autocast(torch.amp.autocast_mode.autocast):
     region exits (bitwise as ``cache_enabled=False``), so the next forward sees new weights.
 
     Args:
-        device_type: "cpu" or "cuda" (a ``torch.device`` or "cuda:0" is accepted too).
+        device_type: "cpu" or "cuda" (a ``torch.device`` or "cuda:0" is accepted too), or any other
+            type torch.autocast takes ("mps", "xpu", "hpu", "xla", ...): there the region is torch's
+            autocast state alone, with torch's dtype rules and warnings, and only an unedited policy.
         dtype: the low-precision dtype; default: the policy's compute dtype, else bfloat16 on CPU
             and float16 on CUDA. Any dtype is accepted when ``enabled=False`` (as torch).
         enabled: False makes the region a no-op (and disables autocast inside an enabled region).
@@ -80,8 +84,9 @@ class autocast(torch.amp.autocast_mode.autocast):
 
     Raises:
         TypeError: for a non-bool ``enabled``, a non-dtype ``dtype`` or a policy of another type.
-        ValueError: for an unsupported device type, or an unsupported dtype in an enabled region
-            (e.g. float64, int8): unlike torch, mixprec does not silently disable itself.
+        ValueError: for a device type torch.autocast does not take, an unsupported dtype in an enabled
+            region on "cpu"/"cuda" (e.g. float64, int8: unlike torch, mixprec does not silently disable
+            itself there), or a policy with op edits or module pins on a device without a catalogue.
     """
 
     def __new__(
@@ -245,5 +250,6 @@ def get_autocast_dtype(device_type: str = "cpu") -> torch.dtype:
     """The compute dtype of the innermost mixprec region on ``device_type`` (the device default outside)."""
     frame = _innermost(device_type)
     if frame is None or frame.rules is None:
-        return DEFAULT_DTYPES[_family(device_type)]
+        family = _family(device_type)
+        return DEFAULT_DTYPES[family] if has_catalogue(family) else torch.get_autocast_dtype(family)
     return frame.rules.compute_dtype

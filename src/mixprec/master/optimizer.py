@@ -227,6 +227,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.scaler.unscale_(self._scaler_view)
         self._grads_ready = True
 
+    def unscale_grads(self) -> None:
+        """Give the params the inner optimizer steps their unscaled gradients now, once per step, as
+        ``GradScaler.unscale_`` does: fp32 copies on the masters (which hold them until ``step``), the
+        params' own ``.grad`` elsewhere. ``step()`` uses them as they are, so they may be read or clipped
+        in between; another backward before ``step()`` does not reach them (see ``grads_unscaled``)."""
+        self._prepare_grads()
+
+    @property
+    def grads_unscaled(self) -> bool:
+        """Whether :meth:`unscale_grads` (or ``clip_master_grads``) ran since the last step/zero_grad."""
+        return self._grads_ready
+
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale and clip the gradients the optimizer will use.
 

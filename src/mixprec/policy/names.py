@@ -145,7 +145,17 @@ def _op_label(op: OpKey) -> str:
 POLICY_PRESETS = ("bf16-mixed", "fp16-mixed", "conservative")
 
 
+def _torch_autocasts(family: str) -> bool:
+    """Whether torch.autocast accepts ``family`` (``torch.amp.is_autocast_available``)."""
+    try:
+        return bool(torch.amp.is_autocast_available(family))
+    except RuntimeError:  # not a device type torch knows at all
+        return False
+
+
 def _family(device_type: object) -> str:
+    """The device type of a region: "cpu" or "cuda" (which have op catalogues) or any other type
+    torch.autocast accepts ("mps", "xpu", "hpu", "xla", ...), where a region is torch's state alone."""
     if isinstance(device_type, torch.device):
         device_type = device_type.type
     if not isinstance(device_type, str):
@@ -153,14 +163,22 @@ def _family(device_type: object) -> str:
             f"device_type must be a str such as 'cpu' or 'cuda', got {type(device_type).__name__}"
         )
     family = device_type.split(":")[0].strip().lower()
-    if family not in _FAMILY_OPS:
+    if family not in _FAMILY_OPS and not _torch_autocasts(family):
         raise ValueError(
-            f"unsupported device_type {device_type!r}; mixprec autocast supports {sorted(_FAMILY_OPS)}"
+            f"unsupported device_type {device_type!r}: torch.amp.is_autocast_available({family!r}) is "
+            f"not True; mixprec autocast takes what torch.autocast takes (op catalogues for "
+            f"{sorted(_FAMILY_OPS)}, torch's own lists on 'mps', 'xpu', 'hpu', 'xla', ...)"
         )
     return family
 
 
+def has_catalogue(family: str) -> bool:
+    """Whether mixprec has op lists for ``family`` to edit a policy against ("cpu", "cuda")."""
+    return family in _FAMILY_OPS
+
+
 def _check_supported(family: str, dtype: torch.dtype | None) -> None:
-    if dtype is not None and dtype not in SUPPORTED_DTYPES[family]:
+    """Refuse a compute dtype the family has no rules for; elsewhere torch's own dtype rules apply."""
+    if dtype is not None and family in SUPPORTED_DTYPES and dtype not in SUPPORTED_DTYPES[family]:
         accepted = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES[family])
         raise ValueError(f"autocast on {family!r} supports dtype {accepted}; got {dtype}")

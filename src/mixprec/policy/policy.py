@@ -48,6 +48,7 @@ from mixprec.policy.names import (
     _op_sort_key,
     _suggest,
     canonical_op,
+    has_catalogue,
     known_op_names,
 )
 from mixprec.policy.resolve import ResolvedPolicy, _resolve
@@ -66,6 +67,12 @@ __all__ = [
 ]
 
 _CONSERVATIVE_FP32 = ("softmax", "log_softmax", "layer_norm", "group_norm", "sum")
+
+
+def _lists_of(family: str) -> str | None:
+    """The op-list family a policy for ``family`` starts from; None (the region's device) where mixprec
+    has no catalogue, so the policy runs torch's own lists there."""
+    return family if has_catalogue(family) else None
 
 
 def _module_value(value: object, key: object) -> torch.dtype | Policy:
@@ -164,7 +171,7 @@ class Policy:
         family = _family(device_type)
         compute = None if dtype is None else _dtype(dtype, "dtype")
         _check_supported(family, compute)
-        return cls(compute_dtype=compute, device_type=family)
+        return cls(compute_dtype=compute, device_type=_lists_of(family))
 
     @classmethod
     def preset(cls, name: str, device_type: str | None = None) -> Policy:
@@ -176,7 +183,7 @@ class Policy:
         if not isinstance(name, str):
             raise TypeError(f"preset name must be a str, got {type(name).__name__}: {name!r}")
         key = name.strip().lower()
-        family = None if device_type is None else _family(device_type)
+        family = None if device_type is None else _lists_of(_family(device_type))
         if key in ("bf16-mixed", "bf16"):
             return cls(compute_dtype=torch.bfloat16, device_type=family)
         if key in ("fp16-mixed", "16-mixed", "fp16"):

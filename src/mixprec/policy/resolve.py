@@ -17,6 +17,7 @@ from mixprec.policy.names import (
     PASSTHROUGH,
     OpKey,
     _check_supported,
+    has_catalogue,
 )
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def _base_table(family: str) -> dict[str, str]:
     hit = _BASE.get(family)
     if hit is None:
         by_name: dict[str, str] = {}
-        for category, names in _FAMILY_OPS[family].items():
+        for category, names in _FAMILY_OPS.get(family, {}).items():  # none without a catalogue
             for name in names:
                 by_name[name] = category
         by_name.update(_ops.COMPOSITES.get(family, {}))
@@ -100,6 +101,8 @@ def _resolve(policy: Policy, family: str, dtype: torch.dtype | None) -> Resolved
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit
+    if not has_catalogue(family):
+        return _torch_lists_only(policy, family, dtype)
     compute = dtype or policy.compute_dtype or DEFAULT_DTYPES[family]
     _check_supported(family, compute)
     base = policy.device_type or family
@@ -111,3 +114,29 @@ def _resolve(policy: Policy, family: str, dtype: torch.dtype | None) -> Resolved
     if len(_RESOLVED) < 256:  # a memo of immutable values; bounded so odd callers cannot grow it forever
         _RESOLVED[key] = resolved
     return resolved
+
+
+def _torch_lists_only(policy: Policy, family: str, dtype: torch.dtype | None) -> ResolvedPolicy:
+    """Rules on a device type torch.autocast takes but mixprec has no op catalogue for ("mps", "xpu",
+    "hpu", "xla", ...): torch's own kernels and dtype rules do everything, so only an unedited policy runs.
+
+    The default dtype is torch's (``torch.get_autocast_dtype``, as ``torch.autocast`` reads it), so the
+    result is not memoised. Raises ValueError for op edits, module pins or another family's op lists.
+    """
+    edits = [
+        name
+        for name, present in (
+            ("op edits (with_ops)", policy.op_overrides),
+            ("module pins (with_modules)", policy.module_overrides),
+            (f"the {policy.device_type!r} op lists (device_type={policy.device_type!r})", policy.device_type),
+        )
+        if present
+    ]
+    if edits:
+        raise ValueError(
+            f"a policy with {' and '.join(edits)} cannot run on {family!r}: mixprec has op catalogues for "
+            f"{sorted(_FAMILY_OPS)} only, and a region on {family!r} is torch.autocast's own state; "
+            f"use the default policy there (policy=None, a dtype, or the 'bf16-mixed'/'fp16-mixed' presets)"
+        )
+    compute = dtype or policy.compute_dtype or torch.get_autocast_dtype(family)
+    return ResolvedPolicy(policy, family, compute, {}, {})
