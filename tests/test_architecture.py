@@ -97,3 +97,15 @@ def test_module_sizes_and_the_scalers_layout():
     too_long = {str(p.relative_to(PACKAGE)): n for p, n in lines.items() if n > 450}
     assert too_long.keys() <= {"policy/ops.py"}, too_long
     assert len(list((PACKAGE / "scaling").glob("*.py"))) <= 7
+
+
+def test_no_module_too_small_to_stand_alone():
+    """A module under 40 non-blank lines that is not a package face (``__init__``) or the ``python -m``
+    entry point belongs in the file whose concept it serves."""
+    small = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+        and (n := sum(1 for line in path.read_text().splitlines() if line.strip())) < 40
+    }
+    assert small == {}

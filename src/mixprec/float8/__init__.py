@@ -21,8 +21,13 @@ The per-layer fp8 diagnostics are in :mod:`mixprec.inspect.fp8`.
 """
 
 from mixprec.float8.config import Float8Config
-from mixprec.float8.convert import ModuleFilter, convert_to_float8_training, float8_linears, skip_fqns
-from mixprec.float8.distributed import sync_float8_amax_history
+from mixprec.float8.convert import (
+    ModuleFilter,
+    convert_to_float8_training,
+    float8_linears,
+    skip_fqns,
+    sync_float8_amax_history,
+)
 from mixprec.float8.linear import Float8Linear
 from mixprec.float8.matmul import scaled_mm
 
