@@ -13,7 +13,7 @@ bf16-true+sr        the same with ``weight_update="stochastic"``
 optimi-kahan        torch-optimi ``AdamW(kahan_sum=True)``: bf16 state at any beta2
 ==================  ==========================================================================
 
-The table gives mean and standard deviation over the seeds (the run-to-run noise the paths are compared
+The table gives mean and standard deviation over all seeds run (the run-to-run noise the paths are compared
 within) and the per-seed values. Usage::
 
     python benchmarks/pure_bf16_accuracy.py --workloads cnn,lm --seeds 0,1,2 --json out.json
