@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from mixprec.master.guard import largest_norms
 from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits
 
 __all__ = ["AdamUnit", "adam_step", "grads_fit"]
@@ -156,21 +157,12 @@ def _consecutive(buffer: torch.Tensor, segments: list[tuple[int, int, int]]) -> 
 
 
 def grads_fit(units: list[AdamUnit]) -> bool:
-    """Whether every gradient is finite and small enough that its square fits the second moment's dtype.
-
-    One ``_foreach_norm`` per device: a tensor's L2 norm bounds each of its values, is nan or inf when one
-    is, and must stay below ``sqrt(max / 2)`` of the narrowest second-moment dtype.
-    """
-    per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for unit in units:
-        for param in unit.params:
-            if param.numel():
-                per_device.setdefault(param.device, []).append(param.grad)
+    """Whether every gradient is finite and small enough that its square fits the second moment's dtype:
+    each group's largest L2 norm (:func:`~mixprec.master.guard.largest_norms`, one host sync) at most
+    ``sqrt(max / 2)`` of the narrowest second-moment dtype."""
     limit = min((torch.finfo(unit.moment_dtypes[1]).max / 2) ** 0.5 for unit in units)
-    largest = [
-        torch.stack(torch._foreach_norm(grads, 2)).max().float().cpu() for grads in per_device.values()
-    ]
-    return all(bool(norm <= limit) for norm in largest)  # nan compares False
+    norms = largest_norms(param.grad for unit in units for param in unit.params)
+    return all(norm <= limit for norm in norms.values())  # nan compares False
 
 
 def _prepare(unit: AdamUnit) -> None:

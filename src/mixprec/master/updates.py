@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from mixprec.master.guard import largest_norms
 from mixprec.master.lowp import Workspace, chunks, kahan_fold, round_stochastic_into, views
 
 __all__ = [
@@ -100,18 +101,12 @@ def contiguous(*lists: list[torch.Tensor]) -> bool:
 
 
 def grads_fit(params: list[torch.Tensor]) -> bool:
-    """Whether every gradient of ``params`` is finite and its square fits fp32/bf16 optimizer state.
-
-    One ``_foreach_norm`` per device and dtype (a tensor's L2 norm bounds each of its values, and is inf or
-    nan when one is), compared with ``sqrt(max / 2)`` of fp32 (about 1.3e19); one host sync.
-    """
-    found: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for param in params:
-        if param.grad.numel():
-            found.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+    """Whether every gradient of ``params`` is finite and its square fits fp32/bf16 optimizer state: each
+    group's largest L2 norm (:func:`~mixprec.master.guard.largest_norms`, one host sync) at most
+    ``sqrt(max / 2)`` of fp32, about 1.3e19."""
     limit = (torch.finfo(torch.float32).max / 2) ** 0.5
-    norms = [torch.stack(torch._foreach_norm(grads, 2)).max().float().cpu() for grads in found.values()]
-    return all(bool(norm <= limit) for norm in norms)  # nan compares False
+    norms = largest_norms(p.grad for p in params)
+    return all(norm <= limit for norm in norms.values())  # nan compares False
 
 
 def step_group(
