@@ -43,26 +43,9 @@ from torch import nn
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
 from mixprec.inspect import PrecisionPlan, plan_precision
+from mixprec.inspect.demo import OutlierMLP
 
 FMT = ("nvfp4", "mxfp8", "bf16")
-
-
-class OutlierMLP(nn.Module):
-    """64 -> 128 -> 128 -> 128 -> 10 ReLU MLP; fc3's input channel 0 is 300x the others."""
-
-    def __init__(self, features: int = 64, hidden: int = 128, classes: int = 10) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(features, hidden), nn.Linear(hidden, hidden)
-        self.fc3, self.head = nn.Linear(hidden, hidden), nn.Linear(hidden, classes)
-        gain = torch.ones(hidden)
-        gain[0] = 300.0
-        self.register_buffer("gain", gain)
-        with torch.no_grad():
-            self.fc3.weight[:, 0] /= 300.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))) * self.gain
-        return self.head(F.relu(self.fc3(x)))
 
 
 def _digits(seed: int):

@@ -14,29 +14,12 @@ from torch import nn
 
 from mixprec import lowbit
 from mixprec.inspect import PrecisionPlan, Replan, plan_precision
+from mixprec.inspect.demo import OutlierMLP
 from mixprec.inspect.plan import _knapsack
 from mixprec.inspect.plan_cost import TARGETS, gemm_cost
 from mixprec.lowbit import LowbitLinear
 
 BUDGET = 0.5
-
-
-class OutlierMLP(nn.Module):
-    """A ReLU MLP whose third layer is fed one input channel 300x the others (its weight column / 300)."""
-
-    def __init__(self, features: int = 64, hidden: int = 128, classes: int = 10) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(features, hidden), nn.Linear(hidden, hidden)
-        self.fc3, self.head = nn.Linear(hidden, hidden), nn.Linear(hidden, classes)
-        gain = torch.ones(hidden)
-        gain[0] = 300.0
-        self.register_buffer("gain", gain)
-        with torch.no_grad():
-            self.fc3.weight[:, 0] /= 300.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))) * self.gain
-        return self.head(F.relu(self.fc3(x)))
 
 
 class _Bf16(nn.Module):

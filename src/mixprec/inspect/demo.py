@@ -90,3 +90,24 @@ def scaled_loss(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
 def tiny_loss(output: torch.Tensor) -> torch.Tensor:
     """A loss with gradients of 1e-10 to 4e-5: mostly subnormal or zero in float16 unless scaled."""
     return output.float().square().mean() * 1e-4
+
+
+class OutlierMLP(nn.Module):
+    """A 64 -> 128 -> 128 -> 128 -> 10 ReLU MLP whose third layer ``fc3`` is fed one input channel 300x the
+    others (its weight column divided by 300, so the fp32 function is unchanged): one outlier feature sets
+    every per-tensor or per-row scale of that layer's input. The planner's and the low-bit report's case
+    of a layer a 4-bit format hurts."""
+
+    def __init__(self, features: int = 64, hidden: int = 128, classes: int = 10) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(features, hidden), nn.Linear(hidden, hidden)
+        self.fc3, self.head = nn.Linear(hidden, hidden), nn.Linear(hidden, classes)
+        gain = torch.ones(hidden)
+        gain[0] = 300.0
+        self.register_buffer("gain", gain)
+        with torch.no_grad():
+            self.fc3.weight[:, 0] /= 300.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.fc2(torch.relu(self.fc1(x.flatten(1))))) * self.gain
+        return self.head(torch.relu(self.fc3(x)))
