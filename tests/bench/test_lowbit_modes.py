@@ -20,7 +20,7 @@ def test_every_named_recipe_has_a_mode_marked_emulated() -> None:
             "fp8-rowwise-gw-hp",
             "fp8-blockwise",
             "mxfp8",
-            "mxfp8-rceil",
+            "mxfp8-floor",
             "mxfp4",
             "nvfp4",
         )

@@ -48,8 +48,8 @@ register(
     _lowbit("fp8_rowwise", "fp8 e4m3 per-row power-of-two scales in all three GEMMs (torchao rowwise)"),
     _lowbit("fp8_rowwise_gw_hp", "fp8 rowwise forward and input-gradient, bf16 weight-gradient GEMM"),
     _lowbit("fp8_blockwise", "fp8 1x128 activation/gradient blocks, 128x128 weight tiles (DeepSeek-V3)"),
-    _lowbit("mxfp8", "MXFP8: e4m3 values, one e8m0 scale per 32 (floor rule, torchao's default)"),
-    _lowbit("mxfp8_rceil", "MXFP8 with the round-up scale rule (Transformer Engine's)"),
+    _lowbit("mxfp8", "MXFP8: e4m3 values, one e8m0 scale per 32 rounded up (Transformer Engine's rule)"),
+    _lowbit("mxfp8_floor", "MXFP8 with the OCP floor scale rule (torchao's MX default)"),
     _lowbit("mxfp4", "MXFP4: e2m1 values, one e8m0 scale per 32; first and last Linear in bf16"),
     _lowbit("nvfp4", "NVFP4: e2m1, e4m3 scale per 16 + fp32 per tensor, 16x16 weights, SR, RHT; ends bf16"),
 )

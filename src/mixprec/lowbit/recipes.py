@@ -19,11 +19,20 @@ fp8_tensorwise     e4m3/e4m3, e5m2/e4m3, e5m2/e4m3, one fp32 scale each        t
 fp8_rowwise        e4m3 rowwise with power-of-two scales everywhere            torchao ROWWISE
 fp8_rowwise_gw_hp  rowwise fprop, rowwise go / tensorwise w dgrad, hp wgrad    torchao ROWWISE_WITH_GW_HP
 fp8_blockwise      1x128 x and go, 128x128 w, power-of-two fp32 scales         TE Float8BlockScaling
-mxfp8              e4m3, 1x32 blocks, e8m0 scales (floor rule), everywhere     torchao MX default
-mxfp8_rceil        the same with the round-up rule (no block value saturates)  TE MXFP8BlockScaling
+mxfp8              e4m3, 1x32 blocks, e8m0 scales rounded up, everywhere       TE MXFP8BlockScaling
+mxfp8_floor        the same with the floor rule (a block's largest saturate)   torchao MX default
 mxfp4              e2m1, 1x32 blocks, e8m0 scales, everywhere                  OCP MX v1.0
 nvfp4              e2m1, 1x16 e4m3 + fp32 scales; 16x16 w; sr; rht             TE NVFP4BlockScaling
 ================== =========================================================== ========================
+
+``"mxfp8"`` rounds each block's e8m0 scale up, ``2**ceil(log2(amax / 448))`` (the ``mxfp8_rceil``
+format, torchao's ``ScaleCalculationMode.RCEIL``), so a block's amax maps to at most 448 and nothing
+saturates. That is the conversion of Mishra, Stosic, Layton and Micikevicius, "Recipes for Pre-training
+LLMs with MXFP8" (arXiv:2506.08027, 2025), who found that the OCP v1.0 rule (floor, torchao's default for
+``MXTensor.to_mx``) clamps each block's largest values and can make pre-training diverge, and of
+Transformer Engine's ``MXFP8BlockScaling`` (``float_to_e8m0(amax * max_norm_rcp)``, rounding toward
++inf). ``"mxfp8_floor"`` keeps the floor rule: it is torchao's MX default operand for operand. The
+quantize *format* ``"mxfp8"`` stays the floor rule, bit for bit ``MXTensor.to_mx``.
 
 The string form round-trips: ``str(recipe)`` is the name of a named recipe it equals, else
 ``"fprop=A,B dgrad=C,D wgrad=E,F sr=on|off rht=on|off"``; :meth:`Recipe.parse` reads both and a name
@@ -178,8 +187,8 @@ RECIPES: dict[str, Recipe] = {
         "fp8_blockwise",
         "fp8_blockwise",
     ),
-    "mxfp8": _same("mxfp8"),
-    "mxfp8_rceil": _same("mxfp8_rceil"),
+    "mxfp8": _same("mxfp8_rceil"),
+    "mxfp8_floor": _same("mxfp8"),
     "mxfp4": _same("mxfp4"),
     "nvfp4": Recipe("nvfp4", "nvfp4_2d", "nvfp4", "nvfp4_2d", "nvfp4", "nvfp4", sr=True, rht=True),
 }
