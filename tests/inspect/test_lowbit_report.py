@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mixprec import lowbit
+from mixprec.inspect.fp8 import fp8_report
 from mixprec.inspect.lowbit import LowbitReport, lowbit_report
 
 
@@ -51,15 +52,40 @@ def test_error_and_flushed_share_are_those_of_the_operand_quantized_alone() -> N
     )  # same tensor, transposed
 
 
-def test_mx_floor_rule_saturation_is_measured() -> None:
+def test_mx_floor_rule_saturation_is_measured_and_the_mxfp8_recipe_has_none() -> None:
     # nn.Linear's uniform init puts block amaxes near 0.12 = 1.97 * 2**-4: the floor rule's scale 2**-12
     # maps them to ~490 > 448 + 16, so every value above (448 + 16) * 2**-12 is clamped.
     weight = _model()[0].weight.detach()
-    report = lowbit_report(_model(), _inputs(), loss_fn=_loss, recipe="mxfp8")
-    q = lowbit.quantize(weight, "mxfp8")
+    report = lowbit_report(_model(), _inputs(), loss_fn=_loss, recipe="mxfp8_floor")
+    q = lowbit.quantize(weight, "mxfp8")  # the format: torchao's to_mx default, the floor rule
     over = (weight.reshape(64, 2, 32).abs() / q.block_descale()[:, :, None]) > 464
     assert report.layers["0"]["fprop_w"].saturated == pytest.approx(over.float().mean().item())
     assert report.layers["0"]["fprop_w"].saturated > 0.05
+    assert report.layers["0"]["fprop_w"].worst_block_saturated >= report.layers["0"]["fprop_w"].saturated
+    rounded_up = lowbit_report(_model(), _inputs(), loss_fn=_loss, recipe="mxfp8")  # scales rounded up
+    assert all(s.saturated == 0.0 for s in rounded_up.layers["0"].values())
+
+
+def test_fp8_report_is_the_per_tensor_case_of_the_lowbit_report() -> None:
+    # On a plain model fp8_report's dynamic scale is fp8_tensorwise's: the same figures, from one code path.
+    x = _inputs()
+    mine = fp8_report(_model(), x, loss_fn=_loss, max_underflow=0.5, max_saturate=0.05, max_error=0.2)
+    theirs = lowbit_report(_model(), x, loss_fn=_loss, recipe="fp8_tensorwise")
+    for name, layer in mine.layers.items():
+        for role, operand in (("input", "fprop_x"), ("weight", "fprop_w"), ("grad_output", "dgrad_go")):
+            a, b = getattr(layer, role), theirs.layers[name][operand]
+            assert (a.underflow, a.saturate, a.error) == (b.flushed, b.saturated, b.error), (name, role)
+    assert mine.layers["0"].input.underflow > 0  # the outlier channel's scale flushes the others
+    assert mine.keep_in_bf16() == theirs.keep_high_precision()
+
+
+def test_the_stochastic_rounding_generator_of_a_converted_model_is_not_advanced() -> None:
+    generator = torch.Generator().manual_seed(7)
+    model = lowbit.convert_to_lowbit_training(_model(), "nvfp4", generator=generator)
+    state = generator.get_state()
+    lowbit_report(model, _inputs(), loss_fn=_loss, recipe="nvfp4")
+    fp8_report(model, _inputs(), loss_fn=_loss)
+    assert torch.equal(generator.get_state(), state)
 
 
 def test_high_precision_operands_are_absent_and_the_filter_keeps_hurt_layers_out() -> None:

@@ -1,22 +1,22 @@
 """`fp8_report`: what each linear layer loses in fp8, and which layers to keep out of it.
 
-For every ``nn.Linear`` of a model (converted :class:`~mixprec.float8.Float8Linear` modules included),
-one float32 forward and backward measures the three tensors fp8 training casts: the input and the weight
-in e4m3, the gradient of the output in e5m2. Each is judged at the scale fp8 training would give it: the
-dynamic scale ``format.max / amax`` for a plain ``nn.Linear`` or a dynamic Float8Linear, the scale from
-the module's amax history for a delayed one (so a history that lags the data shows as saturation).
-Per tensor: amax, scale, the fraction of non-zero values flushed to zero (``|x * scale|`` below half the
-smallest subnormal), the fraction saturating (``|x * scale|`` more than half an ulp above
-``format.max``, so clamped) and the relative error ``‖x - dequant(fp8(x))‖ / ‖x‖`` of the round trip.
+The per-tensor case of :func:`mixprec.inspect.lowbit_report` (recipe ``fp8_tensorwise``: one scale per
+tensor, e4m3 input and weight, e5m2 output gradient), with the scale float8 training would use: the
+dynamic scale ``format.max / amax / 2**margin`` for a plain ``nn.Linear`` or a dynamic
+:class:`~mixprec.float8.Float8Linear`, the scale from the module's amax history for a delayed one (so a
+history that lags the data shows as saturation). The capture (one float32 forward and backward, the model
+restored exactly after it) and the figures are the lowbit report's: per tensor, amax, scale, the share of
+non-zero values flushed to zero (``underflow``), the share of values more than half an ulp beyond
+``format.max`` (``saturate``, clamped) and the relative error ``‖x - dequant(fp8(x))‖ / ‖x‖``. With one
+block per tensor its worst-block figures are these. For block-scaled recipes (rowwise, MX, NVFP4), per
+GEMM operand and block, use :func:`~mixprec.inspect.lowbit_report`.
 
 Layers over any threshold are suggested to stay in bf16; :meth:`Fp8Report.module_filter_fn` is the
-ready filter for :func:`mixprec.float8.convert_to_float8_training`. The model is restored exactly after
-the measurement (hooks removed; parameters, buffers, amax histories, grads, modes and RNG as before).
+ready filter for :func:`mixprec.float8.convert_to_float8_training`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,8 +29,9 @@ from mixprec import formats
 from mixprec.float8.convert import ModuleFilter, skip_fqns
 from mixprec.float8.linear import Float8Linear
 from mixprec.float8.scaling import amax_of, amax_to_scale, delayed_scale, to_float8
-from mixprec.inspect._modules import call_model, check_loss, check_model
-from mixprec.inspect._restore import preserved
+from mixprec.inspect._modules import check_model
+from mixprec.inspect.lowbit import LowbitOperandStats, capture_linears, check_fractions
+from mixprec.lowbit import FORMATS, Quantized
 
 __all__ = ["Fp8LayerStats", "Fp8Report", "Fp8TensorStats", "fp8_report", "plot_fp8_report"]
 
@@ -60,15 +61,12 @@ class Fp8TensorStats:
 
     @classmethod
     def measure(cls, x: torch.Tensor, fmt: formats.Format, scale: torch.Tensor) -> Fp8TensorStats:
-        x = x.detach().to(torch.float32)
-        scaled = (x * scale).abs()
-        nonzero = (x != 0).sum().clamp(min=1)
-        underflow = ((x != 0) & (scaled < fmt.smallest_subnormal / 2)).sum() / nonzero
-        saturate = (scaled > _saturation_point(fmt)).float().mean()
-        back = to_float8(x, scale, fmt).to(torch.float32) / scale
-        error = (back - x).norm() / x.norm().clamp(min=torch.finfo(torch.float32).tiny)
-        values = torch.stack([amax_of(x), scale, underflow, saturate, error]).tolist()
-        return cls(fmt.name, *values)
+        """The figures of ``x`` (any shape) cast to ``fmt`` (e4m3fn or e5m2) at 0-dim float32 ``scale``."""
+        x = x.detach().to(torch.float32).reshape(-1, x.shape[-1] if x.dim() else 1)
+        lowbit_fmt = FORMATS["fp8_tensorwise_e5m2" if fmt.name == "fp8_e5m2" else "fp8_tensorwise"]
+        q = Quantized(to_float8(x, scale, fmt), scale.reshape(1, 1), None, lowbit_fmt, x.shape, x.dtype, -1)
+        stats = LowbitOperandStats.of_quantized(x, q, outlier_ratio=8.0)
+        return cls(fmt.name, amax_of(x).item(), scale.item(), stats.flushed, stats.saturated, stats.error)
 
 
 @dataclass(frozen=True)
@@ -147,11 +145,6 @@ class Fp8Report:
         return "\n".join(lines)
 
 
-def _saturation_point(fmt: formats.Format) -> float:
-    """``max`` plus half an ulp: beyond it a value's nearest fp8 number would exceed the max (clamped)."""
-    return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits - 1)
-
-
 def _scale(module: nn.Linear, role: str, x: torch.Tensor) -> torch.Tensor:
     """The scale fp8 training gives ``x`` in this module right now (see the module doc)."""
     fmt = _FORMATS[role]
@@ -193,50 +186,17 @@ def fp8_report(
             or a loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
-    for name, value in (
-        ("max_underflow", max_underflow),
-        ("max_saturate", max_saturate),
-        ("max_error", max_error),
-    ):
-        if not (isinstance(value, (int, float)) and 0 <= value <= 1):
-            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        raise ValueError("model has no nn.Linear layer to report on")
-    found: dict[str, dict[str, Fp8TensorStats]] = {name: {} for name, _ in linears}
-    with preserved(model, inputs) as handles:
-        for name, module in linears:
-            handles.add(module.register_forward_pre_hook(_pre_hook(name, found)))
-            handles.add(module.register_forward_hook(_post_hook(name, found, handles)))
-        with torch.enable_grad():
-            check_loss(loss_fn(call_model(model, inputs))).backward()
-    layers = {
-        name: Fp8LayerStats(stats["input"], stats["weight"], stats.get("grad_output"))
-        for name, stats in found.items()
-        if "input" in stats
-    }
+    check_fractions(max_underflow=max_underflow, max_saturate=max_saturate, max_error=max_error)
+    layers = {}
+    for name, seen in capture_linears(model, inputs, loss_fn).items():
+        module = seen["module"]
+        stats = {
+            role: Fp8TensorStats.measure(seen[key], _FORMATS[role], _scale(module, role, seen[key]))
+            for role, key in (("input", "x"), ("weight", "w"), ("grad_output", "go"))
+            if key in seen
+        }
+        layers[name] = Fp8LayerStats(stats["input"], stats["weight"], stats.get("grad_output"))
     return Fp8Report(layers, float(max_underflow), float(max_saturate), float(max_error))
-
-
-def _record(found: dict, name: str, module: nn.Linear, role: str, x: torch.Tensor) -> None:
-    if role not in found[name]:  # a layer called twice is reported at its first call
-        found[name][role] = Fp8TensorStats.measure(x, _FORMATS[role], _scale(module, role, x))
-
-
-def _pre_hook(name: str, found: dict) -> Callable[..., None]:
-    def hook(module: nn.Linear, args: tuple) -> None:
-        _record(found, name, module, "input", args[0])
-        _record(found, name, module, "weight", module.weight)
-
-    return hook
-
-
-def _post_hook(name: str, found: dict, handles: Any) -> Callable[..., None]:
-    def hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
-        if output.requires_grad:
-            handles.add(output.register_hook(lambda g: _record(found, name, module, "grad_output", g)))
-
-    return hook
 
 
 def plot_fp8_report(report: Fp8Report, path: str | Path) -> Path:

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec import formats
 from mixprec.inspect._modules import call_model, check_loss, check_model
 from mixprec.inspect._restore import preserved
-from mixprec.lowbit import HP, OPERANDS, Recipe, get_recipe, quantize
+from mixprec.lowbit import HP, OPERANDS, Quantized, Recipe, get_recipe, quantize
 from mixprec.lowbit.gemm import gemm_operands
 
 __all__ = ["LowbitOperandStats", "LowbitReport", "lowbit_report"]
@@ -53,16 +54,21 @@ class LowbitOperandStats:
 
     @classmethod
     def measure(cls, matrix: torch.Tensor, fmt: str, outlier_ratio: float) -> LowbitOperandStats:
+        """The figures of (M, K) ``matrix`` quantized to ``fmt`` along K (zero-padded to the block)."""
         x = matrix.detach().to(torch.float32)
-        q = quantize(x, fmt, pad=True)
-        back = q.dequantize()
+        return cls.of_quantized(x, quantize(x, fmt, pad=True), outlier_ratio)
+
+    @classmethod
+    def of_quantized(cls, x: torch.Tensor, q: Quantized, outlier_ratio: float) -> LowbitOperandStats:
+        """The figures of float32 (M, K) ``x`` against ``q``, its quantization along K at any scale."""
+        back = q.dequantize().reshape(x.shape)
         (mp, kp), (mb, kb) = q.values().shape, q.scale.shape
         pad = (0, kp - x.shape[1], 0, mp - x.shape[0])  # zeros: neither flushed nor saturated
         blocks = torch.nn.functional.pad(x, pad).reshape(mb, mp // mb, kb, kp // kb)
         back_blocks = torch.nn.functional.pad(back, pad).reshape(blocks.shape)
         nonzero = blocks != 0
         flushed = nonzero & (back_blocks == 0)
-        saturated = (blocks.abs() / q.block_descale()[:, None, :, None]) > _saturation_point(q.fmt.elem)
+        saturated = (blocks.abs() / q.block_descale()[:, None, :, None]) > saturation_point(q.fmt.elem)
         per_block = (1, 3)
         block_nonzero = nonzero.sum(per_block).clamp(min=1)
         amax = blocks.abs().amax(per_block).double()
@@ -77,7 +83,7 @@ class LowbitOperandStats:
             (saturated.float().sum(per_block) / block_nonzero).max(),
             ((amax > outlier_ratio * rest_rms) & (block_nonzero > 1)).float().mean(),
         ]
-        return cls(fmt, *torch.stack(values).tolist(), mb * kb)
+        return cls(q.fmt.name, *torch.stack(values).tolist(), mb * kb)
 
 
 @dataclass(frozen=True)
@@ -177,41 +183,67 @@ def lowbit_report(
     """
     check_model(model)
     recipe = get_recipe(recipe)
-    for name, value in (
-        ("max_error", max_error),
-        ("max_flushed", max_flushed),
-        ("max_saturated", max_saturated),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    check_fractions(max_error=max_error, max_flushed=max_flushed, max_saturated=max_saturated)
     if (
         isinstance(outlier_ratio, bool)
         or not isinstance(outlier_ratio, (int, float))
         or not outlier_ratio > 1
     ):
         raise ValueError(f"outlier_ratio must be a number > 1, got {outlier_ratio!r}")
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        raise ValueError("model has no nn.Linear layer to report on")
-    seen: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _ in linears}
-    with preserved(model, inputs) as handles:
-        for name, module in linears:
-            handles.add(module.register_forward_hook(_capture(name, seen, handles)))
-        with torch.enable_grad():
-            check_loss(loss_fn(call_model(model, inputs))).backward()
-    layers = {name: _layer(t, recipe, outlier_ratio) for name, t in seen.items() if "x" in t}
+    seen = capture_linears(model, inputs, loss_fn)
+    layers = {name: _layer(t, recipe, outlier_ratio) for name, t in seen.items()}
     return LowbitReport(str(recipe), layers, float(max_error), float(max_flushed), float(max_saturated))
 
 
-def _saturation_point(elem) -> float:
+def check_fractions(**thresholds: object) -> None:
+    """Raise ValueError naming the first threshold that is not a number in [0, 1]."""
+    for name, value in thresholds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def saturation_point(elem: formats.Format) -> float:
     """``max`` plus half an ulp: beyond it a value's nearest representable number would exceed the max."""
     return elem.max + 2.0 ** (math.floor(math.log2(elem.max)) - elem.mantissa_bits - 1)
+
+
+def capture_linears(
+    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]
+) -> dict[str, dict[str, Any]]:
+    """One forward and backward of ``model``; per ``nn.Linear`` reached, by qualified name, in model order:
+    ``{"module", "x" (M, in) float32, "w" (out, in) float32, "go" (M, out) float32 if a gradient came}``.
+
+    A layer called twice is captured at its first call. The model is handed back as it was (hooks removed;
+    parameters, buffers, grads, modes, torch's RNG and the stochastic-rounding generators of its
+    :class:`~mixprec.lowbit.LowbitLinear` modules).
+
+    Raises:
+        ValueError: for a model without ``nn.Linear`` or a loss that is not a one-element tensor with grad.
+    """
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError("model has no nn.Linear layer to report on")
+    seen: dict[str, dict[str, Any]] = {name: {} for name, _ in linears}
+    generators = [getattr(m, "generator", None) for _, m in linears]
+    unique = {id(g): g for g in generators if isinstance(g, torch.Generator)}
+    states = [(g, g.get_state()) for g in unique.values()]
+    try:
+        with preserved(model, inputs) as handles:
+            for name, module in linears:
+                handles.add(module.register_forward_hook(_capture(name, seen, handles)))
+            with torch.enable_grad():
+                check_loss(loss_fn(call_model(model, inputs))).backward()
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
+    return {name: t for name, t in seen.items() if "x" in t}
 
 
 def _capture(name: str, seen: dict, handles: Any) -> Callable[..., None]:
     def hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
         if "x" in seen[name]:  # a layer called twice is reported at its first call
             return
+        seen[name]["module"] = module
         seen[name]["x"] = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
         seen[name]["w"] = module.weight.detach().to(torch.float32)
         if output.requires_grad:
