@@ -194,3 +194,71 @@ def test_torch_compile_matches_eager(tmp_path, monkeypatch) -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_mxfp8_rounds_block_scales_up_and_mxfp8_floor_is_torchaos_mx_default() -> None:
+    # The forward GEMM of each recipe against torchao's MXTensor.to_mx of both operands, in the same run:
+    # "mxfp8" with the round-up (RCEIL) rule, "mxfp8_floor" with to_mx's default (the floor rule).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    layer = _mlp()[0]
+    w, x = layer.weight.detach(), torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    saturated = {}
+    for recipe, mode in (("mxfp8", {"scaling_mode": ScaleCalculationMode.RCEIL}), ("mxfp8_floor", {})):
+        assert set(vars(lowbit.get_recipe(recipe)).values()) - {False} == {
+            "mxfp8_rceil" if recipe == "mxfp8" else "mxfp8"
+        }
+        xq, wq = (
+            MXTensor.to_mx(t, torch.float8_e4m3fn, 32, **mode).dequantize(torch.float32) for t in (x, w)
+        )
+        out = LowbitLinear.from_linear(nn.Linear(64, 64, bias=False), recipe)
+        out.weight = layer.weight
+        assert torch.equal(out(x), torch.mm(xq, wq.t()))
+        # Rounding to e4m3 moves a value by at most 2**-4 of itself; a block amax that lost more was clamped.
+        amax, amax_q = (t.abs().reshape(64, 2, 32).amax(-1) for t in (w, wq))
+        saturated[recipe] = (amax_q < amax * (1 - 2.0**-4)).float().mean().item()
+    assert saturated["mxfp8"] == 0.0 and saturated["mxfp8_floor"] > 0.05
+    assert (
+        str(lowbit.get_recipe("mxfp8")) == "mxfp8"
+        and lowbit.Recipe.parse("mxfp8_floor").name == "mxfp8_floor"
+    )
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        optimizer.zero_grad()
+        _loss(model, step).backward()
+        optimizer.step()
+
+
+def test_a_resumed_stochastic_rounding_run_draws_what_an_uninterrupted_one_draws() -> None:
+    def converted(seed: int, sr_seed: int) -> nn.Module:
+        gen = torch.Generator().manual_seed(sr_seed)
+        return convert_to_lowbit_training(_mlp(seed), "nvfp4", generator=gen)
+
+    full = converted(0, 3)
+    _train(full, torch.optim.SGD(full.parameters(), lr=0.05, momentum=0.9), range(6))
+    first = converted(0, 3)
+    optimizer = torch.optim.SGD(first.parameters(), lr=0.05, momentum=0.9)
+    _train(first, optimizer, range(3))
+    checkpoint = (first.state_dict(), optimizer.state_dict(), lowbit.sr_state_dict(first))
+    assert list(checkpoint[2]) == ["0"]  # one generator, shared by the converted modules
+    for restore_sr in (True, False):
+        resumed = converted(1, 99)
+        resumed.load_state_dict(checkpoint[0])
+        again = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
+        again.load_state_dict(checkpoint[1])
+        if restore_sr:
+            lowbit.load_sr_state_dict(resumed, checkpoint[2])
+        _train(resumed, again, range(3, 6))
+        same = all(torch.equal(a, b) for a, b in zip(resumed.parameters(), full.parameters(), strict=True))
+        assert same == restore_sr  # without the SR state the resumed run draws other bits
+    state = resumed[0].generator.get_state()
+    with pytest.raises(ValueError, match=r"SR state for modules \['2'\].*generators are at \['0'\]"):
+        lowbit.load_sr_state_dict(resumed, {"2": checkpoint[2]["0"]})
+    with pytest.raises(TypeError, match="uint8"):
+        lowbit.load_sr_state_dict(resumed, {"0": checkpoint[2]["0"].float()})
+    assert torch.equal(resumed[0].generator.get_state(), state)
+    assert lowbit.sr_state_dict(convert_to_lowbit_training(_mlp(), "nvfp4")) == {}  # global generator

@@ -9,7 +9,8 @@
   forward, input-gradient and weight-gradient GEMMs, as Transformer Engine's and torchao's recipes;
 * :func:`convert_to_lowbit_training` swaps ``nn.Linear`` for :class:`LowbitLinear` (torchao's
   ``module_filter_fn(module, fqn) -> bool`` contract). GEMMs are emulated on a CPU (dequantize, float32
-  matmul); on CUDA fp8 tensorwise/rowwise GEMMs run in ``torch._scaled_mm``.
+  matmul); on CUDA fp8 tensorwise/rowwise GEMMs run in ``torch._scaled_mm``;
+  :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws.
 
 Example::
 
@@ -19,7 +20,13 @@ Example::
     err = (q.dequantize() - x).abs().max()
 """
 
-from mixprec.lowbit.convert import ModuleFilter, convert_to_lowbit_training, lowbit_linears
+from mixprec.lowbit.convert import (
+    ModuleFilter,
+    convert_to_lowbit_training,
+    load_sr_state_dict,
+    lowbit_linears,
+    sr_state_dict,
+)
 from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRule, get_format
 from mixprec.lowbit.gemm import hadamard_16, lowbit_mm
 from mixprec.lowbit.linear import LowbitLinear
@@ -41,8 +48,10 @@ __all__ = [
     "get_format",
     "get_recipe",
     "hadamard_16",
+    "load_sr_state_dict",
     "lowbit_linears",
     "lowbit_mm",
     "quantize",
     "round_to_element",
+    "sr_state_dict",
 ]

@@ -10,7 +10,13 @@ from torch import nn
 from mixprec.lowbit.linear import LowbitLinear, _check
 from mixprec.lowbit.recipes import Recipe
 
-__all__ = ["ModuleFilter", "convert_to_lowbit_training", "lowbit_linears"]
+__all__ = [
+    "ModuleFilter",
+    "convert_to_lowbit_training",
+    "load_sr_state_dict",
+    "lowbit_linears",
+    "sr_state_dict",
+]
 
 #: ``module_filter_fn(module, fqn) -> bool``: True converts the module (torchao's contract).
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -79,3 +85,48 @@ def convert_to_lowbit_training(
 def lowbit_linears(model: nn.Module) -> list[tuple[str, LowbitLinear]]:
     """``(fqn, module)`` for each :class:`LowbitLinear` in ``model``, in ``named_modules`` order."""
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, LowbitLinear)]
+
+
+def sr_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state of each stochastic-rounding generator of ``model``'s :class:`LowbitLinear` modules.
+
+    Save it beside ``model.state_dict()`` and give it to :func:`load_sr_state_dict` on resume, and the
+    resumed run draws the same rounding bits as an uninterrupted one. It is apart from the model's
+    ``state_dict``, which stays ``nn.Linear``'s so a converted checkpoint loads into a plain model.
+
+    Returns:
+        fqn of the first module using a generator -> ``generator.get_state()`` (a uint8 tensor), one entry
+        per distinct generator (``convert_to_lowbit_training`` gives one to all the modules it converts);
+        modules drawing from torch's global generator (``generator=None``) are not in it: save
+        ``torch.get_rng_state()`` for those.
+    """
+    seen: dict[int, str] = {}
+    out: dict[str, torch.Tensor] = {}
+    for fqn, module in lowbit_linears(model):
+        generator = module.generator
+        if generator is not None and id(generator) not in seen:
+            seen[id(generator)] = fqn
+            out[fqn] = generator.get_state()
+    return out
+
+
+def load_sr_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Set the stochastic-rounding generators of ``model`` from :func:`sr_state_dict`'s output.
+
+    Raises:
+        TypeError: for a ``state`` that is not a dict of uint8 tensors.
+        ValueError: when its keys are not those ``sr_state_dict(model)`` has (both lists in the message).
+        No generator is changed when it raises.
+    """
+    if not isinstance(state, dict) or not all(
+        isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in state.values()
+    ):
+        raise TypeError("state must be a dict fqn -> uint8 tensor, as sr_state_dict returns")
+    modules = dict(lowbit_linears(model))
+    expected = list(sr_state_dict(model))
+    if sorted(state) != sorted(expected):
+        raise ValueError(
+            f"SR state for modules {sorted(state)}, but this model's generators are at {expected}"
+        )
+    for fqn in expected:
+        modules[fqn].generator.set_state(state[fqn])
