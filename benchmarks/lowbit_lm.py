@@ -29,6 +29,12 @@ Usage::
     python benchmarks/lowbit_lm.py --task classify --steps 400 --seeds 0,1 --json classify.json
     python benchmarks/lowbit_lm.py --task lm --steps 300 --seeds 0 --threads 1 --json lm.json
     python benchmarks/lowbit_lm.py --task lm --device cuda --steps 100 --json lowbit_gpu.json
+    python benchmarks/lowbit_lm.py --combine lm_s0_a.json lm_s0_b.json lm_s1_a.json ... --json lm.json
+
+``--combine`` joins runs made in separate processes (one seed or a few modes each, to use several cores)
+into one table. Each run is deterministic given its seed, so the bf16 reference every run includes must
+agree bitwise across the runs of a seed; it refuses runs that disagree or differ in task or steps. Its
+step time is the median of the runs' medians, with their range.
 """
 
 from __future__ import annotations
@@ -164,7 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--combine", nargs="+", metavar="JSON", help="join these runs' JSON, train nothing")
     args = parser.parse_args(argv)
+    if args.combine:
+        results = combine([json.loads(open(path).read()) for path in args.combine])
+        return _finish(results, args.json)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "bf16" not in modes:
         modes.insert(0, "bf16")
@@ -184,10 +194,53 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"task": args.task, "steps": args.steps, "seeds": seeds, "torch": torch.__version__}
     results.update(device=str(device), time="wall s (synchronized)" if device.type == "cuda" else "CPU s")
     results["modes"] = {m: _summarise([r for r in runs if r.mode == m]) for m in modes}
+    return _finish(results, args.json)
+
+
+def _finish(results: dict, path: str | None) -> dict:
     _print(results)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(results, f, indent=2)
+    return results
+
+
+def combine(runs: list[dict]) -> dict:
+    """One result from runs of the same task and steps made in separate processes (see the module doc).
+
+    Raises:
+        ValueError: for runs of different tasks, steps or devices, two runs of one mode and seed, or bf16
+            references of one seed that differ between runs.
+    """
+    keys = {(r["task"], r["steps"], r["device"]) for r in runs}
+    if len(keys) != 1:
+        raise ValueError(f"--combine needs runs of one task, steps and device, got {sorted(keys)}")
+    losses: dict[str, dict[int, tuple[float, float]]] = {}
+    medians: dict[str, list[float]] = {}
+    for run in runs:
+        for mode, r in run["modes"].items():
+            for seed, loss, metric in zip(run["seeds"], r["val_loss"], r["val_metric"], strict=True):
+                earlier = losses.setdefault(mode, {}).get(seed)
+                if earlier is not None and (mode != "bf16" or earlier != (loss, metric)):
+                    what = "bf16 references differ" if mode == "bf16" else "two runs of it"
+                    raise ValueError(f"--combine: mode {mode!r}, seed {seed}: {what}")
+                losses[mode][seed] = (loss, metric)
+            medians.setdefault(mode, []).append(r["step_s_median"])
+    seeds = sorted(losses["bf16"])
+    first = runs[0]
+    results = {k: first[k] for k in ("task", "steps", "torch", "device", "time")}
+    results.update(seeds=seeds, combined=len(runs), modes={})
+    for mode, by_seed in losses.items():
+        if sorted(by_seed) != seeds:
+            raise ValueError(f"--combine: mode {mode!r} ran seeds {sorted(by_seed)}, bf16 ran {seeds}")
+        spread = sorted(medians[mode])
+        results["modes"][mode] = {
+            "val_loss": [by_seed[s][0] for s in seeds],
+            "val_metric": [by_seed[s][1] for s in seeds],
+            "step_s_median": statistics.median(spread),
+            "step_s_p25": spread[0],
+            "step_s_p75": spread[-1],
+        }
     return results
 
 
@@ -211,7 +264,8 @@ def _print(results: dict) -> None:
     where = f"seeds {results['seeds']}, {results['device']}, torch {results['torch']}"
     print(f"{results['task']}, {results['steps']} steps, {where}")
     head = f"{'mode':<22} {'held-out loss':>14} {'vs bf16 (per seed)':>22} {metric:>10}"
-    print(head + f" {results['time'] + '/step (IQR)':>26}")
+    spread = "(range of runs)" if results.get("combined") else "(IQR)"
+    print(head + f" {results['time'] + '/step ' + spread:>26}")
     for mode, r in modes.items():
         gaps = " ".join(f"{v / b - 1:+.2%}" for v, b in zip(r["val_loss"], base, strict=True))
         loss = statistics.fmean(r["val_loss"])

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from torch import nn
 
 from mixprec.lowbit import LowbitLinear
@@ -36,3 +37,22 @@ def test_the_classification_run_writes_every_mode(tmp_path: Path) -> None:
     assert list(results["modes"]) == ["bf16", "nvfp4", "mxfp8"]  # bf16, the reference, is always run
     written = json.loads(out.read_text())
     assert written["modes"]["nvfp4"]["val_loss"][0] > 0 and written["seeds"] == [0]
+
+
+def test_runs_made_apart_combine_into_one_table_and_disagreeing_references_are_refused() -> None:
+    script = _script()
+    argv = ["--task", "classify", "--steps", "3"]
+    a = script.main([*argv, "--modes", "fp8_rowwise", "--seeds", "0"])
+    b = script.main([*argv, "--modes", "mxfp8", "--seeds", "0"])
+    c = script.main([*argv, "--modes", "mxfp8", "--seeds", "1"])
+    joined = script.combine([a, b])
+    assert list(joined["modes"]) == ["bf16", "fp8_rowwise", "mxfp8"] and joined["seeds"] == [0]
+    assert joined["modes"]["mxfp8"]["val_loss"] == b["modes"]["mxfp8"]["val_loss"]
+    with pytest.raises(ValueError, match="mode 'fp8_rowwise' ran seeds \\[0\\], bf16 ran \\[0, 1\\]"):
+        script.combine([a, b, c])
+    bad = json.loads(json.dumps(b))
+    bad["modes"]["bf16"]["val_loss"][0] += 1e-6
+    with pytest.raises(ValueError, match="seed 0: bf16 references differ"):
+        script.combine([a, bad])
+    with pytest.raises(ValueError, match="one task, steps and device"):
+        script.combine([a, script.main([*argv[:3], "4", "--modes", "mxfp8"])])
