@@ -178,3 +178,32 @@ def test_bad_arguments_are_refused_before_a_trainer_sees_them() -> None:
         MixprecReplanCallback(Planner(), lr_decay="int3")
     with pytest.raises(ValueError, match="phase steps must be ints >= 0"):
         MixprecReplanCallback(Planner(), phases={-1: "bf16"})
+
+
+def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
+    import re
+
+    lightning = pytest.importorskip("lightning")
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Re-planning during training", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+    namespace = {
+        "L": lightning,
+        "Trainer": transformers.Trainer,
+        "model": module,
+        "args": tiny.training_args(str(tmp_path), max_steps=1),
+        "data": tiny.TokenData(),
+        "planning_batches": batches[:1],
+        "loss_fn": lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+        "loader": batches,
+        "module": module,
+        "optimizer": torch.optim.AdamW(module.parameters(), lr=1e-3),
+    }
+    exec(compile(block, "README.md#re-planning-during-training", "exec"), namespace)
+    schedule = namespace["schedule"]
+    assert [s for s, _ in schedule.replan.history] == [0]  # the loop ran; its first step planned
+    assert formats_of(module) == expected(schedule.plan.formats)
