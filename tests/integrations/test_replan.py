@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -134,6 +135,7 @@ def test_a_checkpointed_schedule_resumes_with_its_plan_on_a_fresh_model(plan: Pr
     for step in range(3):
         first.begin_step(model, step, 1e-2)
     state = copy.deepcopy(first.state_dict())
+    assert json.loads(json.dumps(state)) == state  # plain types, as a weights_only checkpoint needs
     restored = ReplanSchedule(lambda m: pytest.fail("no re-plan on resume"), every=100, lr_decay="bf16")
     restored.load_state_dict(state)
     fresh = make_model()
@@ -166,6 +168,11 @@ def test_bad_arguments_are_refused_by_name(plan: PrecisionPlan) -> None:
         schedule.load_state_dict({**state, "replan": {"plan": None}})
     with pytest.raises(ValueError, match="'peak_lr' must be a number"):
         schedule.load_state_dict({**state, "peak_lr": "high"})
+    bad_history = {**state["replan"], "history": [["3", {"0": "bf16"}]]}
+    with pytest.raises(ValueError, match="'history' must be a list of"):
+        schedule.load_state_dict({**state, "replan": bad_history})
+    with pytest.raises(ValueError, match="not a mixprec precision plan"):
+        schedule.load_state_dict({**state, "replan": {**state["replan"], "plan": "{}"}})
     assert schedule.state_dict() == state  # every refusal left it as built
 
 
@@ -186,3 +193,14 @@ def test_a_bad_plan_during_training_leaves_model_and_schedule_unchanged(
     assert schedule.state_dict() == before_state and formats_of(model) == before_formats
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before_model[name]), name
+
+
+def test_a_phase_given_for_the_step_the_lr_decays_at_wins(plan: PrecisionPlan) -> None:
+    mx = dataclasses.replace(plan, formats=dict.fromkeys(plan.formats, "mxfp8"))
+    schedule = ReplanSchedule(lambda m: mx, phases={2: "nvfp4"}, lr_decay="bf16")
+    model = make_model()
+    for step, lr in enumerate((1e-2, 1e-2, 5e-3, 4e-3)):
+        schedule.begin_step(model, step, lr)
+    assert schedule.decay_step == 2  # the decay began at step 2, where the user's phase applies
+    assert [(s, set(f.values())) for s, f in schedule.replan.history] == [(0, {"mxfp8"}), (2, {"nvfp4"})]
+    assert set(formats_of(model).values()) == {str(get_recipe("nvfp4"))}

@@ -120,12 +120,16 @@ class Replan:
         text, history = state["plan"], state["history"]
         plan = None if text is None else PrecisionPlan.from_json(text)
         if not isinstance(history, list) or not all(
-            isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], dict)
+            isinstance(entry, (list, tuple))
+            and len(entry) == 2
+            and isinstance(entry[0], int)
+            and not isinstance(entry[0], bool)
+            and isinstance(entry[1], dict)
             for entry in history
         ):
             raise ValueError("Replan state_dict 'history' must be a list of [step, {layer: format}] pairs")
         self.plan, self._fixed = plan, bool(state["fixed"])
-        self.history = [(int(step), dict(formats)) for step, formats in history]
+        self.history = [(step, dict(formats)) for step, formats in history]
 
     def _uniform(self, names: list[str], fmt: str, step: int) -> PrecisionPlan:
         old = self.plan

@@ -103,34 +103,35 @@ class ReplanSchedule:
         self._restored = False
         if step == self._last_step:
             return None
-        peak, decays = self.peak_lr, False
+        peak, starts = self.peak_lr, False
         if lr is not None and math.isfinite(lr):
-            decays = self.decay_step is None and peak is not None and lr < self.lr_fraction * peak
+            starts = self.decay_step is None and peak is not None and lr < self.lr_fraction * peak
             peak = lr if peak is None else max(peak, lr)
-        decays = decays and self.lr_decay is not None and step not in self.replan.phases
-        if decays:
+        starts = starts and self.lr_decay is not None
+        insert = starts and step not in self.replan.phases  # a phase given for this step wins
+        if insert:
             self.replan.phases[step] = self.lr_decay
         try:  # make_plan's result is checked against the model before Replan changes anything
             plan = self.replan.step(model, step)
         except BaseException:
-            if decays:
+            if insert:
                 del self.replan.phases[step]
             raise
         self.peak_lr, self._last_step = peak, step
-        if decays:
+        if starts:
             self.decay_step = step
         return plan
 
     def metrics(self) -> dict[str, float]:
-        """``{"low_precision_flop_share": share}`` for the applied plan; empty before the first plan."""
+        """``{"low_precision_flop_share": share}`` for the applied plan; empty before the first plan, and
+        for a low-bit phase set before any plan measured the layers' FLOPs."""
         plan = self.replan.plan
         if plan is None:
             return {}
-        low = [fqn for fqn, fmt in plan.formats.items() if fmt not in ("bf16", "fp32")]
-        if not low:
+        if all(fmt in ("bf16", "fp32") for fmt in plan.formats.values()):
             return {METRIC: 0.0}
-        if not all(fqn in plan.layers for fqn in plan.formats):  # a phase set before any measurement
-            return {METRIC: float("nan")}
+        if not all(fqn in plan.layers for fqn in plan.formats):
+            return {}
         return {METRIC: plan.low_precision_share()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -155,15 +156,10 @@ class ReplanSchedule:
         if not isinstance(state, Mapping) or set(state) != keys:
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"not a ReplanSchedule state_dict (keys {sorted(keys)}), got {got}")
-        before = self.replan.state_dict()
+        decay = _optional(state["decay_step"], int, "decay_step")
+        peak = _optional(state["peak_lr"], float, "peak_lr")
+        last = _optional(state["last_step"], int, "last_step")
         self.replan.load_state_dict(state["replan"])  # validates, then sets
-        try:
-            decay = _optional(state["decay_step"], int, "decay_step")
-            peak = _optional(state["peak_lr"], float, "peak_lr")
-            last = _optional(state["last_step"], int, "last_step")
-        except ValueError:
-            self.replan.load_state_dict(before)
-            raise
         if self.decay_step is not None and self.replan.phases.get(self.decay_step) == self.lr_decay:
             self.replan.phases.pop(self.decay_step)  # this run's own decay phase, replaced by the saved one
         if decay is not None and self.lr_decay is not None:
