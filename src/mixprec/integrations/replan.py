@@ -94,7 +94,12 @@ class ReplanSchedule:
         that step uses (None: no decay detection). Returns the plan applied now, or None.
 
         A call that raises (``make_plan`` failing or returning a plan that does not fit ``model``) leaves
-        ``model`` and this schedule as they were.
+        ``model`` and this schedule as they were, except that a plan restored by :meth:`load_state_dict`
+        is applied first, whatever follows.
+
+        Raises:
+            ValueError: for a step that is not an int >= 0, or a plan naming layers ``model`` lacks;
+            TypeError: for a ``make_plan`` result that is not a ``PrecisionPlan``.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
