@@ -18,6 +18,7 @@ share of low-precision GEMM FLOPs as a metric; and a checkpoint state in plain t
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,7 @@ class ReplanSchedule:
         self.decay_step: int | None = None
         self._last_step: int | None = None
         self._restored = False  # a loaded plan not yet applied to the model
+        self._saved: tuple[Any, int, dict[str, Any]] | None = None  # (plan, history length, its state)
 
     @property
     def plan(self) -> PrecisionPlan | None:
@@ -143,8 +145,11 @@ class ReplanSchedule:
         """The schedule's state for a checkpoint, in plain types (``torch.load(weights_only=True)`` reads
         it): the Replan's (:meth:`mixprec.inspect.Replan.state_dict`), the peak learning rate, the decay
         step and the last step handled."""
+        plan, changes = self.replan.plan, len(self.replan.history)
+        if self._saved is None or self._saved[0] is not plan or self._saved[1] != changes:
+            self._saved = (plan, changes, self.replan.state_dict())  # the plan's JSON once per change
         return {
-            "replan": self.replan.state_dict(),
+            "replan": copy.deepcopy(self._saved[2]),
             "peak_lr": self.peak_lr,
             "decay_step": self.decay_step,
             "last_step": self._last_step,

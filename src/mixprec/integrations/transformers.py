@@ -269,10 +269,8 @@ class MixprecReplanCallback(transformers.TrainerCallback):
         self.schedule.begin_step(kwargs["model"], state.global_step, lr)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if control.should_save:  # the checkpoint written next includes trainer_state.json
-            state.stateful_callbacks[_REPLAN_KEY] = self.schedule.state_dict()
-
-    on_epoch_end = on_step_end
+        # every step: a checkpoint ("steps", "epoch" or "best") may follow any of them
+        state.stateful_callbacks[_REPLAN_KEY] = self.schedule.state_dict()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs:
