@@ -319,25 +319,21 @@ class MixprecDiagnostics(pl.Callback):
 
 
 class MixprecReplan(pl.Callback):
-    """Re-plan the LightningModule's layer formats during training, as a
-    :class:`~mixprec.integrations.replan.ReplanSchedule` (``every``, ``phases``, ``lr_decay``,
-    ``lr_fraction``, ``generator``: its arguments) says.
-
-    Before the first forward of each optimizer step (``on_train_batch_start``, once per global step) the
-    step's plan, if any, is applied to the LightningModule in place; the layers keep their ``nn.Parameter``
-    objects, so the optimizer and its state carry on. The learning rate read for ``lr_decay`` is the first
-    optimizer's first group's. ``low_precision_flop_share`` is logged each step (``log_metrics``); the
-    schedule's state is saved in checkpoints and its plan re-applied before the first resumed step.
-
-    Args:
-        make_plan: ``make_plan(pl_module) -> PrecisionPlan``; log_metrics: log the share (on_step).
+    """Re-plan the LightningModule's layer formats as a :class:`~mixprec.integrations.replan.ReplanSchedule`
+    (``every``, ``phases``, ``lr_decay``, ``lr_fraction``, ``generator``: its arguments) says, before each
+    optimizer step's first forward (``on_train_batch_start``, once per global step; ``lr_decay`` reads the
+    first optimizer's first group). Layers keep their ``nn.Parameter`` objects, so the optimizer's state
+    carries on. Logs ``low_precision_flop_share`` each step (``log_metrics``); checkpoints keep the
+    schedule's state, and a resumed fit re-applies its plan first. ``make_plan(pl_module) -> PrecisionPlan``.
 
     Raises:
         TypeError / ValueError: as ``ReplanSchedule``; during ``fit``, a ``make_plan`` that fails or returns
         a plan that does not fit the module stops it, the module unchanged.
     """
 
-    def __init__(self, make_plan: Callable[[nn.Module], Any], *, log_metrics: bool = True, **schedule: Any):
+    def __init__(
+        self, make_plan: Callable[[nn.Module], Any], *, log_metrics: bool = True, **schedule: Any
+    ) -> None:
         self.schedule = ReplanSchedule(make_plan, **schedule)
         self.log_metrics = bool(log_metrics)
 
