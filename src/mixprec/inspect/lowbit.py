@@ -9,15 +9,18 @@ the figures are not random) and measured:
 * ``error``: relative L2 error ``‖x - dequant(quant(x))‖ / ‖x‖``;
 * ``flushed``: share of the non-zero values that become zero, overall and in the worst block;
 * ``saturated``: share of the values the block scale puts more than half an ulp beyond the element's max
-  (so they are clamped), overall and in the worst block (MX's floor rule does this to a block's largest
-  values: uniform weights lose ~12% of them in mxfp8);
+  (so they are clamped), overall and in the worst block (the OCP floor rule of the ``mxfp8`` format and
+  the ``mxfp8_floor`` recipe does this to a block's largest values: ~12% of uniform weights; the
+  ``mxfp8`` recipe rounds scales up and saturates none);
 * ``outlier_blocks``: share of blocks whose scale an outlier set: the block's amax is more than
   ``outlier_ratio`` times the RMS of the block's other non-zero values, so those sit far below the scale and
   lose mantissa bits or flush (one outlier channel under a per-tensor scale is the one-block extreme).
 
 Layers over a threshold are the ones the format hurts; :meth:`LowbitReport.module_filter_fn` is the filter
 for :func:`mixprec.lowbit.convert_to_lowbit_training` that keeps them in high precision. The model is
-restored exactly after the measurement (hooks removed; parameters, buffers, grads, modes and RNG as before).
+restored exactly after the measurement (hooks removed; parameters, buffers, grads, modes, torch's RNG and
+the converted modules' stochastic-rounding generators as before). :func:`mixprec.inspect.fp8_report` is
+the per-tensor case, on the same capture (:func:`capture_linears`) and measurement.
 """
 
 from __future__ import annotations
