@@ -57,10 +57,14 @@ class Float8Config:
             recipes are :mod:`mixprec.lowbit`'s ``fp8_rowwise`` / ``fp8_rowwise_gw_hp`` and dynamic only.
         round_scales_to_power_of_2: round every scale down to a power of two (torchao's flag; its rowwise
             recipes set it, and ``from_recipe_name`` does too).
+        enable_fsdp_float8_all_gather: FSDP2 (``fully_shard``) all-gathers the weights in e4m3 with the
+            whole weight's scale, half the bytes of a bf16 all-gather (torchao's flag;
+            :mod:`mixprec.float8.fsdp`); tensorwise dynamic scaling only.
 
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an
-            ``amax_history_len`` or ``margin`` outside its range.
+            ``amax_history_len`` or ``margin`` outside its range, ``enable_fsdp_float8_all_gather``
+            with a delayed or rowwise recipe.
         TypeError: for a field of the wrong type (``amax_history_len=2.5``, ``emulate="yes"``).
     """
 
@@ -71,6 +75,7 @@ class Float8Config:
     emulate: bool = False
     recipe: str = "tensorwise"
     round_scales_to_power_of_2: bool = False
+    enable_fsdp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALINGS)
@@ -87,6 +92,18 @@ class Float8Config:
         if self.recipe != "tensorwise" and self.delayed:
             raise ValueError(
                 f"recipe {self.recipe!r} scales dynamically; scaling='delayed' needs 'tensorwise'"
+            )
+        self._check_fsdp_float8_all_gather()
+
+    def _check_fsdp_float8_all_gather(self) -> None:
+        # The fp8 all-gather casts each shard with the whole weight's current amax: tensorwise, dynamic.
+        flag = self.enable_fsdp_float8_all_gather
+        if not isinstance(flag, bool):
+            raise TypeError(f"enable_fsdp_float8_all_gather must be a bool, got {flag!r}")
+        if flag and (self.delayed or self.recipe != "tensorwise"):
+            raise ValueError(
+                "enable_fsdp_float8_all_gather=True needs recipe='tensorwise' and scaling='dynamic', "
+                f"got recipe={self.recipe!r}, scaling={self.scaling!r}"
             )
 
     @classmethod
@@ -129,6 +146,7 @@ class Float8Config:
         if self.recipe != "tensorwise":
             text = self.recipe
         text += ",pow2" if self.round_scales_to_power_of_2 else ""
+        text += ",fsdp_fp8_all_gather" if self.enable_fsdp_float8_all_gather else ""
         return text + (",emulate" if self.emulate else "")
 
 
