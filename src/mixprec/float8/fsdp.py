@@ -130,7 +130,10 @@ class Float8AllGatherWeight(torch.Tensor):
         return Float8AllGatherWeight(inner["_tensor"], meta["config"])
 
     def __reduce_ex__(self, protocol):
-        # Pickled as the plain weight: a checkpoint loads into nn.Linear, and under weights_only=True.
+        # Pickled as the plain weight (a Parameter if it is one): a checkpoint loads into nn.Linear and
+        # under weights_only=True; an unpickled Float8Linear wraps its weight again.
+        if getattr(self, "_is_param", False):
+            return nn.Parameter(self._tensor, requires_grad=self.requires_grad).__reduce_ex__(protocol)
         return self._tensor.__reduce_ex__(protocol)
 
     def __repr__(self) -> str:

@@ -94,6 +94,10 @@ class Float8Linear(nn.Linear):
             wrapped = Float8AllGatherWeight(self.weight.detach(), self.config)
             self.weight = nn.Parameter(wrapped, requires_grad=self.weight.requires_grad)
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._wrap_weight_for_fsdp()  # an fp8 all-gather weight is pickled as the plain one
+
     @classmethod
     def from_float(cls, mod: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
         """torchao's name for :meth:`from_linear`."""
