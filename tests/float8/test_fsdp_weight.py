@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +166,13 @@ def test_frozen_flagged_weight_still_runs_in_fp8() -> None:
         model.requires_grad_(False)
     x = torch.randn(4, 12)
     assert torch.equal(plain(x), flagged(x))
+
+
+def test_readme_fsdp_snippet_imports_what_it_uses() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n### FSDP2: weights all-gathered in fp8", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block, "no python block under '### FSDP2: weights all-gathered in fp8'"
+    compile(block.group(1), "README.md#fsdp2", "exec")
+    imports = "\n".join(line for line in block.group(1).splitlines() if line.startswith(("from ", "import ")))
+    exec(imports, {})
