@@ -8,6 +8,7 @@ It runs every scenario in one process group:
 - ``fp8_lazy``: the same without the precompute (each all-gather reduces its own amax);
 - ``fp8_stale``: precomputed once before the first step only, so later all-gathers must not use the
   stale scales;
+- ``fp8_uneven``: ``fp8`` on a model whose weights do not split evenly (:data:`UNEVEN`);
 - ``fp32``: FSDP2's own fp32 all-gather of a converted model;
 - ``bf16``: FSDP2's own bf16 all-gather (``param_dtype=bfloat16``, fp32 reduce);
 - ``fp8_bf16``: fp8 all-gather under that policy.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,13 +34,15 @@ from mixprec.float8 import Float8Config, convert_to_float8_training, float8_line
 from mixprec.float8.fsdp import precompute_float8_dynamic_scale_for_fsdp
 
 STEPS, LR = 3, 1e-2
-SCENARIOS = ("fp8", "fp8_lazy", "fp8_stale", "fp32", "bf16", "fp8_bf16")
+SCENARIOS = ("fp8", "fp8_lazy", "fp8_stale", "fp8_uneven", "fp32", "bf16", "fp8_bf16")
+#: Layer widths of ``fp8_uneven``: 63 rows shard as 32 + 31, and 1 row as 1 + an empty shard.
+UNEVEN = (63, 1)
 
 
-def model_for(enable_fsdp_float8_all_gather: bool) -> nn.Module:
+def model_for(enable_fsdp_float8_all_gather: bool, widths: tuple[int, int] = (64, 16)) -> nn.Module:
     """The same initial model on every rank (and in the test's unsharded reference)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    model = nn.Sequential(nn.Linear(32, widths[0]), nn.GELU(), nn.Linear(widths[0], widths[1]))
     config = Float8Config(enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
     return convert_to_float8_training(model, config=config)
 
@@ -104,7 +108,7 @@ def run(scenario: str, rank: int) -> dict:
     """Train a fresh sharded model for STEPS steps under ``scenario``; what this rank saw."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model = model_for(scenario.startswith("fp8"))
+    model = model_for(scenario.startswith("fp8"), UNEVEN if scenario == "fp8_uneven" else (64, 16))
     sent: list[tuple[str, int]] = []
     _shard(model, scenario, sent)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -117,7 +121,7 @@ def run(scenario: str, rank: int) -> dict:
     record = {key: [] for key in ("out", "grads", "params", "scales", "reduces", "sent")}
     if scenario == "fp8":
         record["payloads"] = _payloads(model)
-    if scenario in ("fp8", "fp8_stale"):
+    if scenario in ("fp8", "fp8_stale", "fp8_uneven"):
         precompute_float8_dynamic_scale_for_fsdp(model)
     for step in range(STEPS):
         reduces.clear()
@@ -128,7 +132,7 @@ def run(scenario: str, rank: int) -> dict:
             y = model(batch(step, rank))
             y.float().square().mean().backward()
             optimizer.step()
-            if scenario == "fp8":
+            if scenario in ("fp8", "fp8_uneven"):
                 precompute_float8_dynamic_scale_for_fsdp(model)
         finally:
             dist.all_reduce = real_all_reduce
@@ -146,7 +150,14 @@ def run(scenario: str, rank: int) -> dict:
 
 def main(rank: int, world: int, out: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world)
+    # A collective that one rank never joins (a deadlock) fails after a minute instead of hanging.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'store'}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     torch.save({scenario: run(scenario, rank) for scenario in SCENARIOS}, out / f"rank{rank}.pt")
     gc.collect()  # free gloo's references before shutdown (see tests/float8/dist_worker.py)
     dist.barrier()

@@ -46,9 +46,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     return {scenario: [ranks[0][scenario], ranks[1][scenario]] for scenario in worker.SCENARIOS}
 
 
-def _unsharded(autocast: bool) -> dict[str, list]:
+def _unsharded(autocast: bool, widths: tuple[int, int] = (64, 16)) -> dict[str, list]:
     """The data-parallel run in one process: two fp8 models (flag off), averaged gradients, AdamW."""
-    models = [worker.model_for(False) for _ in range(2)]
+    models = [worker.model_for(False, widths) for _ in range(2)]
     optimizer = torch.optim.AdamW(models[0].parameters(), lr=worker.LR)
     record = {"out": [], "grads": [], "params": [], "scales": []}
     for step in range(worker.STEPS):
@@ -75,8 +75,12 @@ def _unsharded(autocast: bool) -> dict[str, list]:
 
 
 @pytest.fixture(scope="module")
-def unsharded() -> dict[bool, dict[str, list]]:
-    return {False: _unsharded(autocast=False), True: _unsharded(autocast=True)}
+def unsharded() -> dict[str, dict[str, list]]:
+    return {
+        "fp32": _unsharded(autocast=False),
+        "bf16": _unsharded(autocast=True),
+        "uneven": _unsharded(autocast=False, widths=worker.UNEVEN),
+    }
 
 
 def _assert_equal_lists(got: list[torch.Tensor], expected: list[torch.Tensor], what: str) -> None:
@@ -84,11 +88,12 @@ def _assert_equal_lists(got: list[torch.Tensor], expected: list[torch.Tensor], w
         assert g.dtype == e.dtype and torch.equal(g, e), f"{what}[{i}] differs: max {(g - e).abs().max()}"
 
 
-@pytest.mark.parametrize("scenario", ["fp8", "fp8_lazy", "fp8_stale", "fp8_bf16", "fp32"])
+@pytest.mark.parametrize("scenario", ["fp8", "fp8_lazy", "fp8_stale", "fp8_uneven", "fp8_bf16", "fp32"])
 def test_sharded_run_equals_the_unsharded_fp8_run_bitwise(runs, unsharded, scenario: str) -> None:
     # fp8_bf16 (param_dtype=bfloat16, fp32 reduce) equals the unsharded run under bf16 autocast: each rank
     # casts the fp32 shard straight to e4m3, as the unsharded module casts its fp32 weight.
-    expected = unsharded[scenario == "fp8_bf16"]
+    # fp8_uneven: 63 rows shard as 32 + 31 and the last weight's one row as 1 + empty (sent padded).
+    expected = unsharded[{"fp8_bf16": "bf16", "fp8_uneven": "uneven"}.get(scenario, "fp32")]
     for rank, got in enumerate(runs[scenario]):
         for step in range(worker.STEPS):
             where = f"{scenario} rank {rank} step {step}"
@@ -103,7 +108,7 @@ def test_sharded_run_equals_the_unsharded_fp8_run_bitwise(runs, unsharded, scena
 def test_fsdp_bf16_all_gather_is_not_the_unsharded_run(runs, unsharded) -> None:
     # FSDP2's own bf16 all-gather rounds each weight to bf16 before its fp8 cast: it differs, which is what
     # the fp8 all-gather's equality above is measured against.
-    got, expected = runs["bf16"][0], unsharded[True]
+    got, expected = runs["bf16"][0], unsharded["bf16"]
     assert not all(torch.equal(g, e) for g, e in zip(got["params"][-1], expected["params"][-1], strict=True))
 
 
@@ -154,7 +159,7 @@ def test_sharded_checkpoint_loads_into_a_plain_model_and_back(runs, unsharded, t
     torch.save(state, tmp_path / "ckpt.pt")
     plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
     plain.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
-    _assert_equal_lists([p.detach() for p in plain.parameters()], unsharded[False]["params"][-1], "loaded")
+    _assert_equal_lists([p.detach() for p in plain.parameters()], unsharded["fp32"]["params"][-1], "loaded")
     for rank, run in enumerate(runs["fp8"]):  # a plain checkpoint loaded into the sharded fp8 model
         assert run["reloaded_shards"] == ["Float8AllGatherWeight"] * 2
-        assert torch.equal(run["reloaded_out"], unsharded[False]["out"][0][rank])
+        assert torch.equal(run["reloaded_out"], unsharded["fp32"]["out"][0][rank])

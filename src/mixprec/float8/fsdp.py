@@ -8,6 +8,7 @@ is a :class:`Float8AllGatherWeight`: the high-precision weight behind FSDP2's al
         amax  = all_reduce(max|w_r|, MAX)          # = max|W|; or the precomputed one, see below
         scale = e4m3.max / max(amax, EPS) / 2**margin   (rounded down to a power of 2 if configured)
         send  saturate(w_r * scale) as e4m3, viewed as uint8   # 1 byte per element on the wire
+              (zero rows appended to an uneven shard: FSDP2 wants every rank's padded size, dim 0)
     fsdp_post_all_gather (each rank):
         the gathered bytes, viewed as e4m3, and the scale make a Float8GatheredWeight (N, K),
         which Float8LinearFunction uses as the weight's fp8 cast instead of casting again
@@ -20,8 +21,11 @@ comes back in that dtype as for any FSDP parameter.
 The bytes travel as uint8 so that any backend carries them (gloo has no float8 dtypes; NCCL's uint8 is
 the same transfer). :func:`precompute_float8_dynamic_scale_for_fsdp` after each optimizer step computes
 every weight's scale with one all-reduce instead of one per weight per all-gather. A precomputed scale
-is used only while the weight is unchanged (its version counter): after an update it is stale, and the
-all-gather falls back to its own all-reduce rather than cast with the old scale.
+is used only while the weight is unchanged (the sharded parameter's version counter): after an update it
+is stale, and the all-gather falls back to its own all-reduce rather than cast with the old scale. That
+choice is made on each rank and must agree across ranks, else one rank all-reduces while another
+all-gathers and both wait forever; it does under SPMD training (every rank steps the same parameters,
+and the scale follows the shard through FSDP2's re-padding, which happens on uneven ranks only).
 """
 
 from __future__ import annotations
@@ -115,12 +119,19 @@ class Float8AllGatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        config = next(a._config for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        shard = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP_SHARD_SUBCLASS:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
+        return pytree.tree_map_only(torch.Tensor, shard._same_kind, out)
+
+    def _same_kind(self, tensor: torch.Tensor) -> Float8AllGatherWeight:
+        # The precomputed scale goes along: FSDP2 re-pads an uneven shard into a new tensor on that rank
+        # only, and every rank must decide alike whether to all-reduce (or the collectives deadlock).
+        new = Float8AllGatherWeight(tensor, self._config)
+        new._precomputed = self._precomputed
+        return new
 
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
         return ["_tensor"], {"config": self._config}
@@ -142,8 +153,11 @@ class Float8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2's hook: this rank's shard in e4m3 (as uint8 bytes) with the whole weight's scale."""
         amax, scale = self._amax_and_scale(mesh)
-        data = to_float8(self._tensor, scale, E4M3)
-        return (data.view(torch.uint8),), (amax, scale)
+        data = to_float8(self._tensor, scale, E4M3).view(torch.uint8)
+        rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))  # FSDP2 shards dim 0 in chunks of this many
+        if data.shape[0] < rows:  # an uneven (or empty) shard is sent padded; FSDP2 drops the padding
+            data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
+        return (data,), (amax, scale)
 
     def _amax_and_scale(self, mesh) -> tuple[torch.Tensor, torch.Tensor]:
         precomputed = self._precomputed  # one read: another step may replace it
@@ -227,11 +241,21 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> int:
         if isinstance(weight, DTensor) and isinstance(weight._local_tensor, Float8AllGatherWeight):
             by_mesh[weight.device_mesh].append(weight)
     for mesh, params in by_mesh.items():
-        inner = [param._local_tensor._tensor for param in params]
-        amaxes = torch.stack([a.to(torch.float32) for a in torch._foreach_norm(inner, ord=math.inf)])
+        amaxes = _local_amaxes([param._local_tensor._tensor for param in params])
         for dim in range(mesh.ndim):
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         for param, amax in zip(params, amaxes, strict=True):
             shard = param._local_tensor
             shard._precomputed = (amax, weight_scale(amax, shard._config), weakref.ref(param), param._version)
     return sum(len(params) for params in by_mesh.values())
+
+
+def _local_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
+    """float32[len(shards)]: ``max|shard|`` of each (one ``_foreach_norm``; 0 for an empty shard, which
+    an uneven split gives a rank and which ``_foreach_norm``'s infinity norm refuses)."""
+    amaxes = torch.zeros(len(shards), dtype=torch.float32, device=shards[0].device)
+    full = [i for i, shard in enumerate(shards) if shard.numel()]
+    if full:
+        norms = torch._foreach_norm([shards[i] for i in full], ord=math.inf)
+        amaxes[full] = torch.stack(norms).to(torch.float32)
+    return amaxes
