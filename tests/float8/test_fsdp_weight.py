@@ -4,6 +4,7 @@ directly. The two-rank all-gather itself is tested in test_fsdp.py."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import io
 import pickle
@@ -173,6 +174,7 @@ def test_readme_fsdp_snippet_imports_what_it_uses() -> None:
     section = readme.split("\n### FSDP2: weights all-gathered in fp8", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```python\n(.*?)```", section, re.S)
     assert block, "no python block under '### FSDP2: weights all-gathered in fp8'"
-    compile(block.group(1), "README.md#fsdp2", "exec")
-    imports = "\n".join(line for line in block.group(1).splitlines() if line.startswith(("from ", "import ")))
-    exec(imports, {})
+    tree = ast.parse(block.group(1))
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert len(imports) == 2
+    exec(compile(ast.Module(body=imports, type_ignores=[]), "README.md#fsdp2", "exec"), {})
