@@ -147,3 +147,22 @@ def test_a_format_that_flushes_a_layers_forward_input_is_not_a_candidate():
     free = plan_precision(model, batches[:2], loss_fn, budget=0.05, cost="b200-peak", max_flushed=1.0)
     assert free.formats["fc1"] == "nvfp4", free.table()  # its loss change alone would have let it in
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_lazy_measurement_gives_the_exhaustive_plan_with_fewer_passes(teacher):
+    model, batches = teacher
+    for budget, fits_cheapest in ((0.004, False), (0.05, True)):
+        lazy = plan_precision(model, batches[:2], loss_fn, budget=budget, cost="b200-peak")
+        full = plan_precision(model, batches[:2], loss_fn, budget=budget, cost="b200-peak", exhaustive=True)
+        assert lazy.formats == full.formats, (lazy.table(), full.table())
+        assert lazy.measured["loss"] == full.measured["loss"]  # no random draws in a forward pass
+        for fqn, info in lazy.layers.items():
+            for fmt, d in info["divergence"].items():
+                assert d["loss"] is None or d["loss"] == full.layers[fqn]["divergence"][fmt]["loss"]
+        # One pass for the reference, one per (layer, format) measured (fp32 is the reference), one
+        # per whole-plan measurement.
+        assert full.passes == 1 + 4 * 3 + len(full.rounds)
+        if fits_cheapest:  # every layer's cheapest format fits: 4 layer passes instead of 12
+            assert set(lazy.formats.values()) == {"nvfp4"} and lazy.passes == 1 + 4 + 1
+        else:
+            assert lazy.passes == full.passes

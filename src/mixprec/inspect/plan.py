@@ -48,9 +48,16 @@ import torch
 from torch import nn
 
 from mixprec.inspect._modules import check_model
-from mixprec.inspect._plan_measure import HIGH_PRECISION, PassResult, Slots, divergences, run_pass
+from mixprec.inspect._plan_measure import (
+    EXACT,
+    HIGH_PRECISION,
+    Measurer,
+    PassResult,
+    Slots,
+    divergences,
+    run_pass,
+)
 from mixprec.inspect._restore import preserved
-from mixprec.inspect.lowbit import _layer
 from mixprec.inspect.plan_cost import CostFn, resolve_cost
 from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.lowbit import RECIPES, get_recipe
@@ -58,9 +65,6 @@ from mixprec.lowbit import RECIPES, get_recipe
 __all__ = ["plan_precision"]
 
 _STEPS = 1000
-#: The divergences of a layer left in the model's precision: the reference itself.
-_EXACT = {"loss": 0.0, "weight_grad": 0.0, "input_grad": 0.0}
-_EXACT.update(error=0.0, flushed=0.0, saturated=0.0, outlier_blocks=0.0, fprop_flushed=0.0)
 
 
 def plan_precision(
@@ -74,6 +78,7 @@ def plan_precision(
     grad_budget: float | None = None,
     max_flushed: float = 0.15,
     check_batches: Iterable[Any] | None = None,
+    exhaustive: bool = False,
     max_rounds: int = 6,
     seed: int = 0,
 ) -> PrecisionPlan:
@@ -97,6 +102,8 @@ def plan_precision(
             weight that a candidate format may flush to zero (1: no limit).
         check_batches: optional batches on which the whole plan must fit the budget too (not used to
             measure single layers).
+        exhaustive: measure every layer in every format (for the table and plot) instead of only what
+            the choice needs; the plan is the same up to stochastic-rounding draws.
         max_rounds: solves at most (>= 1) before falling back to the model's precision.
         seed: seeds dropout (the same masks in every pass) and stochastic rounding.
 
@@ -137,17 +144,20 @@ def plan_precision(
             losses = [loss for _, r in sets for loss in r.losses]
             if not all(math.isfinite(loss) for loss in losses):
                 raise ValueError(f"loss_fn returned a non-finite loss at high precision: {losses}")
-            layers = _measure(slots, ref, formats, batches, loss_fn, seed, generator, cost_fn)
+            measurer = Measurer(
+                slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, (max_flushed, exhaustive)
+            )
             limits = (budget, grad_budget, float(max_flushed))
             chosen, measured, rounds = _solve_and_tighten(
-                slots, sets, layers, limits, loss_fn, seed, generator, max_rounds
+                slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds
             )
         finally:
             slots.restore()
+    layers = measurer.layers
     reasons = {f: _reason(f, chosen, layers, limits, rounds) for f in fqns}
     seconds = time.process_time() - start
     return PrecisionPlan(
-        chosen, layers, reasons, budget, measured, rounds, target, grad_budget, seconds, step
+        chosen, layers, reasons, budget, measured, rounds, target, grad_budget, seconds, step, slots.passes
     )
 
 
@@ -192,41 +202,6 @@ def _check_share(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a share in (0, 1], got {value!r}")
 
 
-def _measure(slots, ref, formats, batches, loss_fn, seed, generator, cost_fn):
-    layers: dict[str, dict[str, Any]] = {}
-    for fqn in slots.originals:
-        captured = ref.captured.get(fqn)
-        if captured is None:
-            continue  # never called on these batches: nothing to measure, left as it is
-        m, k = captured["x"].shape
-        n = captured["w"].shape[0]
-        info: dict[str, Any] = {"shape": [m, n, k], "flops": 6 * m * n * k, "cost": {}, "divergence": {}}
-        for fmt in formats:
-            info["cost"][fmt] = float(cost_fn(fmt, m, n, k))
-            info["divergence"][fmt] = _one(slots, ref, fqn, fmt, captured, batches, loss_fn, seed, generator)
-        for fmt in ("bf16", "fp32"):  # the baseline of relative_cost, and the fallback
-            info["cost"].setdefault(fmt, float(cost_fn(fmt, m, n, k)))
-        layers[fqn] = info
-    return layers
-
-
-def _one(slots, ref, fqn, fmt, captured, batches, loss_fn, seed, generator) -> dict[str, Any]:
-    stats = {"error": 0.0, "flushed": 0.0, "saturated": 0.0, "outlier_blocks": 0.0}
-    if fmt == "fp32":
-        return dict(_EXACT)
-    forward = 0.0
-    slots.set({fqn: fmt}, generator)
-    try:
-        run = run_pass(slots, batches, loss_fn, seed)
-    finally:
-        slots.set({fqn: "fp32"}, generator)
-    if fmt not in HIGH_PRECISION:
-        per_operand = _layer(captured, get_recipe(fmt), 8.0)
-        stats = {key: max((getattr(s, key) for s in per_operand.values()), default=0.0) for key in stats}
-        forward = max((s.flushed for op, s in per_operand.items() if op.startswith("fprop")), default=0.0)
-    return {**divergences(ref, run, fqn), **stats, "fprop_flushed": forward}
-
-
 def _knapsack(
     layers: dict[str, dict[str, Any]],
     budget: float,
@@ -246,11 +221,9 @@ def _knapsack(
         items = []
         for fmt, d in info["divergence"].items():
             wgrad = d.get("weight_grad", 0.0)
-            if (
-                math.isfinite(d["loss"])
-                and wgrad <= grad_limit
-                and d.get("fprop_flushed", 0.0) <= max_flushed
-            ):
+            if d["loss"] is None or not math.isfinite(d["loss"]) or wgrad > grad_limit:
+                continue  # ruled out without a pass, non-finite, or over the gradient limit
+            if d.get("fprop_flushed", 0.0) <= max_flushed:
                 steps = math.ceil(d["loss"] / budget * _STEPS - 1e-9) if d["loss"] > 0 else 0
                 items.append((fmt, steps, info["cost"][fmt], wgrad))
         new, pick = [inf] * (_STEPS + 1), [None] * (_STEPS + 1)
@@ -271,12 +244,21 @@ def _knapsack(
     return dict(reversed(list(out.items())))
 
 
-def _solve_and_tighten(slots, sets, layers, limits, loss_fn, seed, generator, max_rounds):
+def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds):
+    """Solve, measure the whole plan, tighten; the first solve sees only each layer's cheapest admissible
+    formats (enough when they fit: no assignment is cheaper), the rest are measured when it does not."""
     budget, grad_budget, max_flushed = limits
+    layers = measurer.layers
     rounds: list[dict[str, float]] = []
     solver_budget, grad_limit = budget, math.inf if grad_budget is None else grad_budget
-    for _ in range(max_rounds):
+    if measurer.exhaustive:
+        measurer.complete()
+    else:
+        measurer.cheapest(grad_limit)
+    while len(rounds) < max_rounds:
         chosen = _knapsack(layers, solver_budget, grad_limit, max_flushed)
+        if not chosen and measurer.complete():
+            continue  # the cheapest formats did not fit: solve again with every format measured
         if not chosen:
             break
         measured = _measure_plan(slots, sets, chosen, loss_fn, seed, generator)
@@ -285,13 +267,14 @@ def _solve_and_tighten(slots, sets, layers, limits, loss_fn, seed, generator, ma
         grad_ok = grad_budget is None or measured["weight_grad"] <= grad_budget
         if loss_ok and grad_ok:
             return chosen, measured, rounds
+        measurer.complete()
         if not loss_ok:
             solver_budget *= 0.8 * budget / measured["loss"]
         if not grad_ok:
             grad_limit *= 0.8 * grad_budget / measured["weight_grad"]
     fallback = dict.fromkeys(layers, "fp32")
     for info in layers.values():
-        info["divergence"].setdefault("fp32", dict(_EXACT))
+        info["divergence"].setdefault("fp32", dict(EXACT))
     rounds.append({"solver_budget": 0.0, "measured": 0.0})
     return fallback, {"loss": 0.0, "weight_grad": 0.0}, rounds
 

@@ -41,7 +41,8 @@ class PrecisionPlan:
         rounds: one entry per solve: the budget the solver was given and the plan's measured loss change.
         target: the cost model's name; grad_budget: the bound on ``measured["weight_grad"]`` (None: none);
             seconds: planning CPU time (process time, s); step_seconds: the CPU time of one reference
-            forward/backward of one batch (s).
+            forward/backward of one batch (s); passes: forward/backward passes over a set of batches the
+            planning ran (the reference, one per layer and format measured, one per whole-plan check).
     """
 
     formats: dict[str, str]
@@ -54,6 +55,7 @@ class PrecisionPlan:
     grad_budget: float | None = None
     seconds: float = 0.0
     step_seconds: float = 0.0
+    passes: int = 0
 
     # ------------------------------------------------------------------ reading
     def flop_share(self, fqn: str) -> float:
@@ -129,7 +131,7 @@ class PrecisionPlan:
             f"measured loss divergence {m['loss']:.2e} (budget {self.budget:.2e}), "
             f"weight-gradient divergence {m['weight_grad']:.2e} after {len(self.rounds)} solve(s); "
             f"planning {self.seconds:.2f} s "
-            f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps"
+            f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps, {self.passes} passes"
         )
         return "\n".join(lines)
 
@@ -149,7 +151,7 @@ class PrecisionPlan:
         fmts = list(dict.fromkeys(f for info in self.layers.values() for f in info["divergence"]))
         floor = 1e-9
         for fmt in fmts:
-            ys = [max(self.layers[n]["divergence"][fmt]["loss"], floor) for n in names]
+            ys = [_shown(self.layers[n]["divergence"].get(fmt, {}).get("loss"), floor) for n in names]
             ax.plot(range(len(names)), ys, marker=".", label=fmt)
         chosen = [max(self.layers[n]["divergence"][self.formats[n]]["loss"], floor) for n in names]
         ax.scatter(range(len(names)), chosen, s=120, facecolors="none", edgecolors="black", label="chosen")
@@ -189,6 +191,11 @@ class PrecisionPlan:
         if unknown:
             raise ValueError(f"plan formats name layers without measurements: {unknown}")
         return plan
+
+
+def _shown(value: float | None, floor: float) -> float:
+    """A divergence on a log axis: not measured (None) is a gap, zero sits at ``floor``."""
+    return float("nan") if value is None else max(value, floor)
 
 
 def _plain(module: nn.Linear) -> nn.Linear:
