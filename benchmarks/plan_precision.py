@@ -15,7 +15,8 @@ Three tasks:
 
 Per task and seed: train ``--warmup`` steps under bf16 autocast, plan on ``--plan-batches`` training
 batches (``mixprec.inspect.plan_precision``, formats nvfp4 / mxfp8 / bf16, ``--budget``, cost
-``b200-peak``, the whole plan also checked on ``--check-batches`` other training batches), then from
+``b200-peak``, optionally ``--grad-budget``, the whole plan also checked on ``--check-batches`` other
+training batches), then from
 that same state train ``--steps`` more steps under each assignment, bf16 autocast around all of them:
 
 * ``bf16``: every linear in bf16;  ``fp32``: no autocast at all (the noise floor: how far rounding
@@ -30,6 +31,11 @@ Each rule runs once per ``--rule-formats`` entry (nvfp4: the NVFP4 recipe's choi
 filter is for 8-bit training), named e.g. ``size/nvfp4``. At the same share an nvfp4 rule is cheaper than a
 plan that mixes 8- and 4-bit formats and an mxfp8 rule dearer; the table prints each cost.
 
+With ``--planning-rounds R`` it trains nothing after the warm-up and times the planner instead: R
+interleaved rounds of a lazy plan (the default: each layer's cheapest admissible format first) and an
+``exhaustive=True`` one (every layer in every format), their passes and CPU seconds (median, IQR), and
+whether they chose the same formats.
+
 Reports held-out loss, the gap to bf16, the plan's measured divergence against the budget, and planning CPU
 time against one training step (process time; the machine is shared with other jobs, so wall time is
 not used). GEMMs are emulated on a CPU (exact, slow): the loss is the figure that counts here.
@@ -38,6 +44,7 @@ Usage::
 
     python benchmarks/plan_precision.py --threads 1 --json benchmarks/plan_precision.json
     python benchmarks/plan_precision.py --tasks teacher --seeds 0 1 2
+    python benchmarks/plan_precision.py --tasks teacher lm --planning-rounds 5
 """
 
 from __future__ import annotations
@@ -182,6 +189,7 @@ def run(task: str, seed: int, args: argparse.Namespace) -> dict:
         formats=FMT,
         budget=args.budget,
         cost="b200-peak",
+        grad_budget=args.grad_budget,
         check_batches=checks,
         seed=seed,
     )
@@ -224,6 +232,36 @@ def run(task: str, seed: int, args: argparse.Namespace) -> dict:
     return out
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return [q[0], statistics.median(values), q[-1]]
+
+
+def planning(task: str, seed: int, args: argparse.Namespace) -> dict:
+    """Lazy against exhaustive measurement of one plan, interleaved: passes and CPU seconds."""
+    model, stream, _evaluate, lr = TASKS[task](seed)
+    _train(model, [next(stream) for _ in range(args.warmup)], lr)
+    batches = [next(stream) for _ in range(args.plan_batches)]
+    kwargs = {"formats": FMT, "budget": args.budget, "cost": "b200-peak", "grad_budget": args.grad_budget}
+    out: dict = {"task": task, "seed": seed, "lazy": [], "exhaustive": [], "same_formats": True}
+    for _ in range(args.planning_rounds):
+        for mode in ("lazy", "exhaustive"):
+            plan = plan_precision(
+                model, batches, loss_fn, exhaustive=mode == "exhaustive", seed=seed, **kwargs
+            )
+            out[mode].append({"seconds": plan.seconds, "passes": plan.passes, "formats": plan.formats})
+        out["same_formats"] &= out["lazy"][-1]["formats"] == out["exhaustive"][-1]["formats"]
+    for mode in ("lazy", "exhaustive"):
+        seconds = _quartiles([r["seconds"] for r in out[mode]])
+        out[f"{mode}_seconds"], out[f"{mode}_passes"] = seconds, out[mode][-1]["passes"]
+        print(
+            f"{task} seed {seed} {mode:<10} {out[mode][-1]['passes']:>3} passes, planning {seconds[1]:.3f} s "
+            f"CPU (IQR {seconds[0]:.3f}-{seconds[2]:.3f}), formats {out[mode][-1]['formats']}",
+            flush=True,
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", default=["teacher", "lm"], choices=list(TASKS))
@@ -231,14 +269,22 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--budget", type=float, default=0.01)
+    parser.add_argument("--grad-budget", type=float, default=None)
     parser.add_argument("--plan-batches", type=int, default=2)
     parser.add_argument("--check-batches", type=int, default=0)
     parser.add_argument("--rule-formats", nargs="+", default=["nvfp4", "mxfp8"])
+    parser.add_argument("--planning-rounds", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = []
+    if args.planning_rounds > 0:
+        results = [planning(task, seed, args) for task in args.tasks for seed in args.seeds]
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"args": vars(args), "results": results}, handle, indent=1)
+        return
     for task in args.tasks:
         for seed in args.seeds:
             results.append(run(task, seed, args))
