@@ -11,7 +11,10 @@ forward loss divergence and backward weight divergence, then an integer program 
    change, an upper bound of the relative increase of the mean loss), the backward divergences
    ``||G - G_ref|| / ||G_ref||`` of all linears' weight gradients and of the layer's input gradient, and
    the quantization statistics of its six GEMM operands (:func:`mixprec.inspect.lowbit_report`'s error,
-   flushed, saturated and outlier-set-block shares).
+   flushed, saturated and outlier-set-block shares, from the reference's captured operands, no pass).
+   Measured on demand, each (layer, format) at most once: first each layer's cheapest admissible
+   format; if that assignment fits the budget no other is cheaper, so the other formats are measured
+   only when it does not (``exhaustive=True`` measures all of them up front, for the table and plot).
 3. **Choose** the cheapest assignment, one format per layer, whose summed loss divergence fits the
    budget (ties: the smaller summed weight-gradient divergence): a multiple-choice knapsack (Sinha and
    Zoltners, Operations Research 27(3), 1979; Kellerer, Pferschy and Pisinger, "Knapsack Problems",
@@ -294,7 +297,7 @@ def _measure_plan(slots, sets, chosen, loss_fn, seed, generator) -> dict[str, fl
 
 
 def _reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -> str:
-    budget, _, max_flushed = limits
+    budget, grad_budget, max_flushed = limits
     fmt = chosen[fqn]
     info = layers[fqn]
     if rounds and rounds[-1]["solver_budget"] == 0.0:
@@ -306,16 +309,20 @@ def _reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -
     cheaper.sort(key=lambda g: info["cost"][g])
     d = info["divergence"][cheaper[0]]
     details = [f"{key} {d[key]:.1%}" for key in ("flushed", "saturated", "outlier_blocks") if d[key] >= 0.01]
-    scores = [
-        f"{g} flushes {info['divergence'][g]['fprop_flushed']:.0%} of its forward input or weight "
-        f"(over {max_flushed:.0%})"
-        if info["divergence"][g]["fprop_flushed"] > max_flushed
-        else f"{g} would change the loss {info['divergence'][g]['loss']:.2e}"
-        for g in cheaper
-    ]
+    scores = [_why_not(g, info["divergence"][g], grad_budget, max_flushed) for g in cheaper]
     tightened = " after tightening" if len(rounds) > 1 else ""
     return (
         ", ".join(scores)
         + (f" ({cheaper[0]}: " + ", ".join(details) + ")" if details else "")
         + f"; budget {budget:.2e}{tightened}"
     )
+
+
+def _why_not(fmt: str, d: dict[str, Any], grad_budget: float | None, max_flushed: float) -> str:
+    if d["fprop_flushed"] > max_flushed:
+        return (
+            f"{fmt} flushes {d['fprop_flushed']:.0%} of its forward input or weight (over {max_flushed:.0%})"
+        )
+    if grad_budget is not None and d["weight_grad"] > grad_budget:
+        return f"{fmt} would change the weight gradients {d['weight_grad']:.2e} (over {grad_budget:.2e})"
+    return f"{fmt} would change the loss {d['loss']:.2e}"
