@@ -26,7 +26,8 @@ forward loss divergence and backward weight divergence, then an integer program 
    ``benchmarks/plan_precision.py``'s teacher task nvfp4 flushed 22-29 % of a first layer's inputs
    (5-11 % in every other layer of its tasks); that layer alone in nvfp4 changed the loss by 0.3 %,
    and training with it so lost 17 % of held-out loss.
-   With ``grad_budget``, neither is a format whose weight-gradient divergence exceeds it.
+   With ``grad_budget``, the root-sum-square of the chosen formats' weight-gradient divergences must fit
+   it too (a second knapsack constraint, the layers' gradient errors taken as independent).
 4. **Measure the plan as a whole** (all its layers swapped at once, one forward/backward over the
    batches, and over ``check_batches`` when given: batches the layers were not measured on, so the
    choice cannot have picked their noise). Effects of layers do not simply add, so while the measured
@@ -68,6 +69,7 @@ from mixprec.lowbit import RECIPES, get_recipe
 __all__ = ["plan_precision"]
 
 _STEPS = 1000
+_STEPS_2D = 100
 
 
 def plan_precision(
@@ -211,40 +213,53 @@ def _knapsack(
     grad_limit: float = math.inf,
     max_flushed: float = 1.0,
 ) -> dict[str, str]:
-    """The cheapest one-format-per-layer choice whose summed (rounded-up) loss divergence is <= ``budget``.
+    """The cheapest one-format-per-layer choice whose summed (rounded-up) loss divergence is <= ``budget``
+    and, for a finite ``grad_limit``, whose root-sum-square weight-gradient divergence is <= it (the
+    layers' gradient errors taken as independent). Among choices of equal cost, the one with the smaller
+    summed weight-gradient divergence; formats over ``max_flushed`` (``fprop_flushed``) are left out.
 
-    Among choices of equal cost, the one with the smaller summed weight-gradient divergence; formats whose
-    weight-gradient divergence is over ``grad_limit``, or whose ``fprop_flushed`` share is over
-    ``max_flushed``, are left out.
+    Dynamic programming over the used resources (the loss in 1000 steps of the budget; with a gradient
+    bound, 100 steps each of the budget and of ``grad_limit ** 2``), each item's use rounded up.
     """
-    inf = (math.inf, math.inf)
-    best = [(0.0, 0.0)] * (_STEPS + 1)  # best[u]: least (cost, wgrad) of the layers so far in u steps
-    choices: list[list[tuple[str, int] | None]] = []
+    two = math.isfinite(grad_limit)
+    steps = (_STEPS_2D, _STEPS_2D) if two else (_STEPS, 0)
+    best: dict[tuple[int, int], tuple[float, float]] = {(0, 0): (0.0, 0.0)}  # used -> least (cost, wgrad)
+    backs: list[dict[tuple[int, int], tuple[str, tuple[int, int]]]] = []
     for info in layers.values():
         items = []
         for fmt, d in info["divergence"].items():
             wgrad = d.get("weight_grad", 0.0)
             if d["loss"] is None or not math.isfinite(d["loss"]) or wgrad > grad_limit:
-                continue  # ruled out without a pass, non-finite, or over the gradient limit
+                continue  # ruled out without a pass, non-finite, or over the gradient limit alone
             if d.get("fprop_flushed", 0.0) <= max_flushed:
-                steps = math.ceil(d["loss"] / budget * _STEPS - 1e-9) if d["loss"] > 0 else 0
-                items.append((fmt, steps, info["cost"][fmt], wgrad))
-        new, pick = [inf] * (_STEPS + 1), [None] * (_STEPS + 1)
-        for u in range(_STEPS + 1):
-            for fmt, steps, c, w in items:
-                if steps <= u:
-                    total = (best[u - steps][0] + c, best[u - steps][1] + w)
-                    if total < new[u]:
-                        new[u], pick[u] = total, (fmt, steps)
+                du = _use(d["loss"], budget, steps[0])
+                dv = _use(wgrad**2, grad_limit**2, steps[1]) if two else 0
+                items.append((fmt, du, dv, info["cost"][fmt], wgrad))
+        new: dict[tuple[int, int], tuple[float, float]] = {}
+        back: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}
+        for (u, v), (c0, w0) in best.items():
+            for fmt, du, dv, c, w in items:
+                key = (u + du, v + dv)
+                if (
+                    key[0] <= steps[0]
+                    and key[1] <= steps[1]
+                    and (key not in new or (c0 + c, w0 + w) < new[key])
+                ):
+                    new[key], back[key] = (c0 + c, w0 + w), (fmt, (u, v))
         best = new
-        choices.append(pick)
-    if best[_STEPS][0] == math.inf:
+        backs.append(back)
+    if not best:
         return {}
-    out, u = {}, _STEPS
-    for fqn, pick in zip(reversed(list(layers)), reversed(choices), strict=True):
-        fmt, steps = pick[u]
-        out[fqn], u = fmt, u - steps
+    key = min(best, key=best.__getitem__)
+    out = {}
+    for fqn, back in zip(reversed(list(layers)), reversed(backs), strict=True):
+        out[fqn], key = back[key]
     return dict(reversed(list(out.items())))
+
+
+def _use(value: float, limit: float, steps: int) -> int:
+    """``value`` in steps of ``limit / steps``, rounded up (so a sum of uses never undercounts)."""
+    return math.ceil(value / limit * steps - 1e-9) if value > 0 else 0
 
 
 def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds):
