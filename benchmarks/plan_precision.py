@@ -27,6 +27,9 @@ that same state train ``--steps`` more steps under each assignment, bf16 autocas
 * ``size``: the smallest layers (by N x K, as torchtitan's ``auto_filter_small_kn``) in bf16, the rest in
   the rule's format, matched to the plan's low-precision share the same way.
 
+``--extra NAME:LAYER=FORMAT,...`` trains more assignments beside them (e.g. one layer in nvfp4, the rest
+mxfp8), and ``--max-flushed`` sets the planner's forward-flush limit (1 turns it off).
+
 Each rule runs once per ``--rule-formats`` entry (nvfp4: the NVFP4 recipe's choice; mxfp8: torchtitan's
 filter is for 8-bit training), named e.g. ``size/nvfp4``. At the same share an nvfp4 rule is cheaper than a
 plan that mixes 8- and 4-bit formats and an mxfp8 rule dearer; the table prints each cost.
@@ -177,6 +180,15 @@ def _assignments(plan: PrecisionPlan, rule_formats: list[str]) -> dict[str, dict
     return runs
 
 
+def _extra(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME:LAYER=FORMAT,...`` -> {NAME: {LAYER: FORMAT}}."""
+    out = {}
+    for spec in specs:
+        name, _, pairs = spec.partition(":")
+        out[name] = dict(pair.split("=", 1) for pair in pairs.split(","))
+    return out
+
+
 def run(task: str, seed: int, args: argparse.Namespace) -> dict:
     model, stream, evaluate, lr = TASKS[task](seed)
     _train(model, [next(stream) for _ in range(args.warmup)], lr)
@@ -190,13 +202,14 @@ def run(task: str, seed: int, args: argparse.Namespace) -> dict:
         budget=args.budget,
         cost="b200-peak",
         grad_budget=args.grad_budget,
+        max_flushed=args.max_flushed,
         check_batches=checks,
         seed=seed,
     )
     print(plan.table(), flush=True)
     data = [next(stream) for _ in range(args.steps)]
     out = {"task": task, "seed": seed, "plan": json.loads(plan.to_json()), "runs": {}}
-    for name, formats in _assignments(plan, args.rule_formats).items():
+    for name, formats in {**_assignments(plan, args.rule_formats), **_extra(args.extra)}.items():
         trained = copy.deepcopy(model)
         torch.manual_seed(seed)
         PrecisionPlan(formats, plan.layers, plan.reasons, plan.budget, plan.measured).apply(trained)
@@ -270,6 +283,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--budget", type=float, default=0.01)
     parser.add_argument("--grad-budget", type=float, default=None)
+    parser.add_argument("--max-flushed", type=float, default=0.15)
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        metavar="NAME:LAYER=FORMAT,...",
+        help="more assignments to train, e.g. fc1-nvfp4:fc1=nvfp4,fc2=mxfp8,fc3=mxfp8,head=mxfp8",
+    )
     parser.add_argument("--plan-batches", type=int, default=2)
     parser.add_argument("--check-batches", type=int, default=0)
     parser.add_argument("--rule-formats", nargs="+", default=["nvfp4", "mxfp8"])
