@@ -23,9 +23,9 @@ forward loss divergence and backward weight divergence, then an integer program 
    of the nonzero values of the layer's forward input or weight to zero (``fprop_flushed``) is not a
    candidate for that layer: the signal it drops is one the model may not use yet, so a loss measured
    at one point of training cannot see what it costs later. On the inputs of lognormal channel scale of
-   ``benchmarks/plan_precision.py``'s teacher task nvfp4 flushed 22-29 % of a first layer's inputs
-   (5-11 % in every other layer of its tasks); that layer alone in nvfp4 changed the loss by 0.3 %,
-   and training with it so lost 17 % of held-out loss.
+   ``benchmarks/plan_precision.py``'s teacher task nvfp4 flushed 22-32 % of a first layer's inputs
+   (4-11 % in every other layer of its tasks); that layer alone in nvfp4 changed the loss by 0.1-0.3 %,
+   and training with it so raised the held-out loss by 11-24 %.
    With ``grad_budget``, the root-sum-square of the chosen formats' weight-gradient divergences must fit
    it too (a second knapsack constraint, the layers' gradient errors taken as independent).
 4. **Measure the plan as a whole** (all its layers swapped at once, one forward/backward over the
