@@ -144,6 +144,9 @@ def test_a_format_that_flushes_a_layers_forward_input_is_not_a_candidate():
     assert fc1["nvfp4"]["fprop_flushed"] > 0.15 >= fc1["mxfp8"]["fprop_flushed"]
     assert all(limited.layers[f]["divergence"]["nvfp4"]["fprop_flushed"] <= 0.15 for f in ("fc2", "fc3"))
     assert limited.formats["fc1"] != "nvfp4" and "flushes" in limited.reasons["fc1"], limited.table()
+    assert fc1["nvfp4"]["loss"] is None  # ruled out from the captured operands, no pass
+    full = plan_precision(model, batches[:2], loss_fn, budget=0.05, cost="b200-peak", exhaustive=True)
+    assert full.formats == limited.formats and full.layers["fc1"]["divergence"]["nvfp4"]["loss"] > 0
     free = plan_precision(model, batches[:2], loss_fn, budget=0.05, cost="b200-peak", max_flushed=1.0)
     assert free.formats["fc1"] == "nvfp4", free.table()  # its loss change alone would have let it in
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

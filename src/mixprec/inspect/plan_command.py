@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grad-budget", type=float, default=None, help="optional bound on its weight-gradient change"
     )
+    parser.add_argument(
+        "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
+    )
     parser.add_argument("--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         budget=args.budget,
         cost=args.cost,
         grad_budget=args.grad_budget,
+        exhaustive=args.exhaustive,
         seed=args.seed,
     )
     print(plan.table())
