@@ -329,7 +329,9 @@ def _reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -
     return (
         ", ".join(scores)
         + (f" ({cheaper[0]}: " + ", ".join(details) + ")" if details else "")
-        + f"; budget {budget:.2e}{tightened}"
+        + f"; budget {budget:.2e}"
+        + ("" if grad_budget is None else f", grad_budget {grad_budget:.2e}")
+        + tightened
     )
 
 
