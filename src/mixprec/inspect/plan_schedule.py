@@ -135,7 +135,7 @@ class Replan:
         old = self.plan
         layers = old.layers if old else {}
         reasons = dict.fromkeys(names, f"phase change at step {step}: every layer {fmt}")
-        measured = old.measured if old else dict.fromkeys(("loss", "weight_grad", "score"), float("nan"))
+        measured = old.measured if old else dict.fromkeys(("loss", "weight_grad"), float("nan"))
         return PrecisionPlan(dict.fromkeys(names, fmt), layers, reasons, old.budget if old else 0.0, measured)
 
 
