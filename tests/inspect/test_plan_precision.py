@@ -298,3 +298,23 @@ def test_replan_from_a_plain_loop_replans_every_n_steps_and_switches_at_a_phase(
         Replan(make_plan, every=0)
     with pytest.raises(ValueError, match="unknown low-bit recipe 'fp5'"):
         Replan(make_plan, phases={3: "fp5"})
+
+
+def test_replan_refused_plan_changes_nothing_and_a_first_phase_has_a_share():
+    model, _ = _task()
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    good = PrecisionPlan(dict.fromkeys(names, "mxfp8"), {}, dict.fromkeys(names, "test"), 0.01, {})
+    replan = Replan(lambda m: good, every=2, phases={4: "nvfp4"})
+    replan.step(model, 0)
+    other = nn.Sequential(nn.Linear(4, 4))  # a model the applied plan's layers are not in
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="not nn.Linear modules"):
+        replan.step(other, 4)
+    assert replan.plan is good and len(replan.history) == 1 and not replan._fixed
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert replan.step(model, 6) is good  # still re-planning every 2 steps: the refused phase fixed nothing
+    # a fixed phase before any plan: every layer in one format, its low-precision share known without flops
+    plan = Replan(lambda m: good, phases={0: "nvfp4"}).step(model, 0)
+    assert plan is not None and set(plan.formats.values()) == {"nvfp4"}
+    assert plan.low_precision_share() == 1.0
+    assert Replan(lambda m: good, phases={0: "bf16"}).step(model, 0).low_precision_share() == 0.0

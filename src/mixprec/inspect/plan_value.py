@@ -64,7 +64,11 @@ class PrecisionPlan:
         return self.layers[fqn]["flops"] / total if total else 0.0
 
     def low_precision_share(self) -> float:
-        """Share of the GEMM FLOPs planned below bf16 (in a low-bit recipe)."""
+        """Share of the GEMM FLOPs planned below bf16 (in a low-bit recipe); 0.0 or 1.0 for a plan with one
+        format everywhere, even one made without measurements (a ``Replan`` phase before any plan)."""
+        low = {fmt not in HIGH_PRECISION for fmt in self.formats.values()}
+        if len(low) < 2:
+            return float(low == {True})
         return sum(self.flop_share(f) for f, fmt in self.formats.items() if fmt not in HIGH_PRECISION)
 
     def relative_cost(self) -> float:
