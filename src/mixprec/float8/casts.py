@@ -35,6 +35,7 @@ __all__ = [
     "ScalingGranularity",
     "ScalingType",
     "lowbit_format",
+    "recipe_casts",
 ]
 
 _DTYPE_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -181,3 +182,21 @@ def lowbit_format(cast: CastConfig, pow2: bool) -> str:
     if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
         return "fp8_tensorwise" + ("_e5m2" if e5m2 else "") + ("_pow2" if pow2 else "")
     return "fp8_rowwise" + ("_e5m2" if e5m2 else "") + ("" if pow2 else "_fp32")
+
+
+def recipe_casts(recipe: str) -> dict[str, CastConfig]:
+    """The casts torchao's ``Float8LinearConfig.from_recipe_name(recipe)`` sets (tensorwise: none)."""
+    axiswise = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=torch.float8_e4m3fn)
+    if recipe == "rowwise":
+        return dict.fromkeys(("cast_config_input", "cast_config_weight", "cast_config_grad_output"), axiswise)
+    if recipe == "rowwise_with_gw_hp":
+        disabled = CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=torch.float8_e4m3fn)
+        return {
+            "cast_config_input": axiswise,
+            "cast_config_weight": axiswise,
+            "cast_config_grad_output": axiswise,
+            "cast_config_weight_for_grad_input": CastConfig(),
+            "cast_config_input_for_grad_weight": disabled,
+            "cast_config_grad_output_for_grad_weight": disabled,
+        }
+    return {}

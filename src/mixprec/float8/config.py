@@ -16,9 +16,8 @@ from mixprec.float8.casts import (
     Float8UsageError,
     LinearMMConfig,
     ScaledMMConfig,
-    ScalingGranularity,
-    ScalingType,
     lowbit_format,
+    recipe_casts,
 )
 
 __all__ = [
@@ -247,27 +246,9 @@ _GEMM_OPERANDS = (
 _GEMM_FIELDS = ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weight")
 
 
-def _recipe_casts(recipe: str) -> dict[str, CastConfig]:
-    """The casts torchao's ``Float8LinearConfig.from_recipe_name(recipe)`` sets (tensorwise: none)."""
-    axiswise = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=_E4M3)
-    if recipe == "rowwise":
-        return dict.fromkeys(_SHORT.values(), axiswise)
-    if recipe == "rowwise_with_gw_hp":
-        disabled = CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=_E4M3)
-        return {
-            "cast_config_input": axiswise,
-            "cast_config_weight": axiswise,
-            "cast_config_grad_output": axiswise,
-            "cast_config_weight_for_grad_input": CastConfig(),
-            "cast_config_input_for_grad_weight": disabled,
-            "cast_config_grad_output_for_grad_weight": disabled,
-        }
-    return {}
-
-
 def _resolve_operands(config: Float8Config) -> dict[str, object]:
     """The resolved cast and GEMM config fields of ``config``, validated as torchao validates them."""
-    preset = _recipe_casts(config.recipe)
+    preset = recipe_casts(config.recipe)
     out: dict[str, object] = {}
     for name in _SHORT.values():
         value = getattr(config, name)
