@@ -99,8 +99,8 @@ class Float8Config:
 
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an
-            ``amax_history_len`` or ``margin`` outside its range, ``scaling="delayed"`` with casts that are
-            not all dynamic tensorwise at their default dtypes.
+            ``amax_history_len`` or ``margin`` outside its range, ``scaling="delayed"`` or a ``margin``
+            with casts that are not all dynamic tensorwise at their default dtypes.
         Float8UsageError: (a ValueError, and the AssertionError torchao raises for the same configs) when
             one operand of a GEMM is DISABLED and the other is not ("incompatible operand precision for
             output"), or one tensor is cast to two fp8 dtypes in its two GEMMs.
@@ -163,7 +163,6 @@ class Float8Config:
             raise Float8UsageError(
                 f"recipe_name must be one of {', '.join(map(repr, RECIPE_NAMES))}; got {recipe_name!r}"
             )
-        name = getattr(recipe_name, "value", recipe_name)
         fields = {"recipe": name, "round_scales_to_power_of_2": name != "tensorwise"}
         return cls(**{**fields, **overrides})
 
