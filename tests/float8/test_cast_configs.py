@@ -205,3 +205,17 @@ def test_a_torchao_cast_config_is_read_not_changed() -> None:
         config.short_str() == "casts"
         and mf.Float8Config.from_recipe_name("rowwise").short_str() == "rowwise,pow2"
     )
+
+
+def test_a_per_operand_config_compiles_in_one_graph_and_matches_eager() -> None:
+    torch.manual_seed(0)
+    config = mf.Float8Config(emulate=True, **_casts(mf.CastConfig, **CASES["dgrad_w_tensorwise"]))
+    base, x, grad = nn.Linear(32, 16), torch.randn(8, 32), torch.randn(8, 16)
+    eager = mf.Float8Linear.from_float(copy.deepcopy(base), config)
+    compiled = torch.compile(
+        mf.Float8Linear.from_float(copy.deepcopy(base), config), backend="aot_eager", fullgraph=True
+    )
+    for name, a, b in zip(
+        ("out", "grad_x", "grad_w"), _run(eager, x, grad), _run(compiled, x, grad), strict=True
+    ):
+        assert torch.equal(a, b), name
