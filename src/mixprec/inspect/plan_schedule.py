@@ -16,6 +16,7 @@ Layers are swapped in place and share their parameters, so the optimizer (and it
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,6 +97,39 @@ class Replan:
         self.plan = plan
         self.history.append((step, dict(plan.formats)))
         return plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to carry on: the applied plan (its JSON, or None), the history and
+        whether a fixed phase has stopped the ``every`` re-plans; plain types only (str, int, bool, dict,
+        list), so ``torch.load(weights_only=True)`` reads it. The constructor's arguments are not in it."""
+        return {
+            "plan": None if self.plan is None else self.plan.to_json(),
+            "history": [[step, dict(formats)] for step, formats in self.history],
+            "fixed": self._fixed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the plan is not applied here (``replan.plan.apply(model)`` does).
+
+        Raises:
+            ValueError: for a state that is not one of :meth:`state_dict` (nothing is changed then).
+        """
+        if not isinstance(state, Mapping) or set(state) != {"plan", "history", "fixed"}:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"not a Replan state_dict (keys plan, history, fixed), got {keys}")
+        text, history = state["plan"], state["history"]
+        plan = None if text is None else PrecisionPlan.from_json(text)
+        if not isinstance(history, list) or not all(
+            isinstance(entry, (list, tuple))
+            and len(entry) == 2
+            and isinstance(entry[0], int)
+            and not isinstance(entry[0], bool)
+            and isinstance(entry[1], dict)
+            for entry in history
+        ):
+            raise ValueError("Replan state_dict 'history' must be a list of [step, {layer: format}] pairs")
+        self.plan, self._fixed = plan, bool(state["fixed"])
+        self.history = [(step, dict(formats)) for step, formats in history]
 
     def _uniform(self, names: list[str], fmt: str, step: int) -> PrecisionPlan:
         old = self.plan
