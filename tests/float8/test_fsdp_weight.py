@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from mixprec import formats
-from mixprec.float8 import Float8Config, Float8Linear, convert_to_float8_training
+from mixprec.float8 import (
+    CastConfig,
+    Float8Config,
+    Float8Linear,
+    ScalingGranularity,
+    convert_to_float8_training,
+)
 from mixprec.float8.fsdp import (
     Float8AllGatherWeight,
     Float8GatheredWeight,
@@ -43,6 +49,11 @@ def _pair(**fields: object) -> tuple[nn.Module, nn.Module]:
         ({"scaling": "delayed"}, ValueError, "scaling='delayed'"),
         ({"recipe": "rowwise"}, ValueError, "recipe='rowwise'"),
         ({"enable_fsdp_float8_all_gather": "yes"}, TypeError, "'yes'"),
+        (
+            {"cast_config_weight": CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)},
+            ValueError,
+            "every",
+        ),
     ],
 )
 def test_config_flag_is_checked(fields, error, words) -> None:
