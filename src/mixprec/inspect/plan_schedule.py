@@ -80,8 +80,7 @@ class Replan:
         fmt = self.phases.get(step)
         if fmt is not None and fmt != REPLAN:
             names = list(self.plan.formats) if self.plan else _linears(model)
-            plan = self._uniform(names, fmt, step)
-            self._fixed = True
+            plan, fixed = self._uniform(names, fmt, step), True
         elif (
             fmt == REPLAN
             or self.plan is None
@@ -90,11 +89,11 @@ class Replan:
             plan = self.make_plan(model)
             if not isinstance(plan, PrecisionPlan):
                 raise TypeError(f"make_plan must return a PrecisionPlan, got {type(plan).__name__}")
-            self._fixed = False
+            fixed = False
         else:
             return None
-        plan.apply(model, self.generator)
-        self.plan = plan
+        plan.apply(model, self.generator)  # validates before it converts: a refusal changes nothing
+        self.plan, self._fixed = plan, fixed
         self.history.append((step, dict(plan.formats)))
         return plan
 
@@ -135,7 +134,7 @@ class Replan:
         old = self.plan
         layers = old.layers if old else {}
         reasons = dict.fromkeys(names, f"phase change at step {step}: every layer {fmt}")
-        measured = old.measured if old else dict.fromkeys(("loss", "weight_grad", "score"), float("nan"))
+        measured = old.measured if old else dict.fromkeys(("loss", "weight_grad"), float("nan"))
         return PrecisionPlan(dict.fromkeys(names, fmt), layers, reasons, old.budget if old else 0.0, measured)
 
 
