@@ -85,20 +85,20 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     Returns:
         False when the guard skipped the step: weights, Kahan buffers and state unchanged (none created).
     """
-    grads = [[p.grad.view(-1) for p in unit.params] for unit in units]
+    used: dict[tuple[Any, ...], Any] = {}
     folded = guard and _foldable(units, workspace)
-    if guard and not (_copied_grads_fit(units, grads, workspace) if folded else grads_fit(units)):
+    if guard and not (_copied_grads_fit(units, workspace, used) if folded else grads_fit(units)):
         return False
-    used: dict[tuple[Any, ...], list[_Chunk]] = {}
     offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
-    for unit, flat_grads in zip(units, grads, strict=True):
+    for unit in units:
         _prepare(unit)
+        flat_grads = [] if folded else [p.grad.view(-1) for p in unit.params]
         for chunk in _plan(unit, workspace, used, offset if folded else None):
             if not folded:
                 pieces = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
                 torch._foreach_copy_(chunk.work["grad"], pieces)
             _update(unit, chunk, workspace)
-        offset += sum(g.numel() for g in flat_grads)
+        offset += sum(p.numel() for p in unit.params)
     workspace.plans = used  # plans of replaced tensors go, and with them their views
     return True
 
@@ -109,16 +109,18 @@ def _foldable(units: list[AdamUnit], workspace: Workspace) -> bool:
     return total <= workspace.fold_numel and len({unit.params[0].device for unit in units}) == 1
 
 
-def _copied_grads_fit(units: list[AdamUnit], grads: list[list[torch.Tensor]], workspace: Workspace) -> bool:
-    """Copy every flat gradient into the "grad" buffer (unit after unit, in param order: the layout the
-    folded plans read) and check the copy: its squared L2 norm (inf/nan for any inf/nan) at most ``max / 2``
-    of the narrowest second-moment dtype."""
-    flat = [g for unit_grads in grads for g in unit_grads]
-    total = sum(g.numel() for g in flat)
-    buffer = workspace.get(units[0].params[0].device, _F32, "grad", total)[:total]
-    torch._foreach_copy_(views(buffer, flat), flat)
+def _copied_grads_fit(units: list[AdamUnit], workspace: Workspace, used: dict[tuple[Any, ...], Any]) -> bool:
+    """Copy every gradient into the "grad" buffer (unit after unit, in param order: the layout the folded
+    plans read) and check the copy: its squared L2 norm (inf/nan for any inf/nan) at most ``max / 2`` of
+    the narrowest second-moment dtype. The buffer's views are kept with the plans (keyed by the shapes)."""
+    grads = [p.grad for unit in units for p in unit.params]
+    total = sum(g.numel() for g in grads)
+    buffer = workspace.get(units[0].params[0].device, _F32, "grad", total)
+    key = ("fold", workspace.generation, *(g.shape for g in grads))
+    copies = used[key] = workspace.plans.get(key) or views(buffer, grads)
+    torch._foreach_copy_(copies, grads)
     limit = min(torch.finfo(unit.moment_dtypes[1]).max / 2 for unit in units)
-    return torch.dot(buffer, buffer).item() <= limit  # nan compares False
+    return torch.dot(buffer[:total], buffer[:total]).item() <= limit  # nan compares False
 
 
 @dataclass
@@ -134,7 +136,7 @@ class _Chunk:
 
 
 def _plan(
-    unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], list[_Chunk]], grads_at: int | None
+    unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], Any], grads_at: int | None
 ) -> list[_Chunk]:
     """The chunks of ``unit``, built once and reused while its tensors and the workspace stay the same
     (the plan holds views of them, so a tensor it names cannot be freed and its address reused).
