@@ -79,7 +79,8 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
 
     Args:
         units: the groups to step.
-        workspace: the scratch buffers (its ``numel`` bounds every buffer).
+        workspace: the scratch buffers (its ``numel`` bounds every buffer, ``fold_numel`` the gradient
+            copies of a folded step).
         guard: skip the step when a gradient is non-finite or too large (see the module docstring).
 
     Returns:
