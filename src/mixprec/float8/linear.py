@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec.float8.casts import LinearMMConfig
 from mixprec.float8.config import Float8Config
 from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
 from mixprec.lowbit.gemm import LowbitLinearFunction
@@ -121,8 +122,14 @@ class Float8Linear(nn.Linear):
             state_dict.pop(key, None)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
+    @property
+    def linear_mm_config(self) -> LinearMMConfig:
+        """torchao's per-GEMM settings (``output``, ``grad_input``, ``grad_weight``), read from ``config``."""
+        return self.config.linear_mm_config
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.config.short_str()}"
+        casts = self.config.cast_configs_str()
+        return f"{super().extra_repr()}, cast_configs={casts}, fp8={self.config.short_str()}"
 
     def last_amax(self) -> dict[str, float]:
         """The amax of input, weight and grad_output at their last cast (0.0 before any); host sync."""
