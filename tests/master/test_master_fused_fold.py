@@ -160,3 +160,21 @@ def test_the_fold_is_bounded_and_larger_steps_check_separately(monkeypatch):
     opt.step()
     assert calls[0] == 1
     assert opt.workspace.buffers[("cpu", torch.float32, "grad")].numel() == total
+
+
+@pytest.mark.parametrize("bad_in", ["fused", "unfused"])
+def test_a_first_step_skipped_by_either_check_creates_no_state(bad_in):
+    """bf16 params step fused, an fp32 param unfused; a nan in either skips the step, no state left."""
+    model = mlp()
+    model[4].bias.data = model[4].bias.data.float()  # one fp32 param: the unfused path
+    opt = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "kahan")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-2
+    target = model[4].bias if bad_in == "unfused" else model[0].weight
+    target.grad.view(-1)[0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="skipped an optimizer step"):
+        opt.step()
+    assert opt.last_step_skipped and len(opt.optimizer.state) == 0
+    target.grad.view(-1)[0] = 0.0
+    opt.step()
+    assert len(opt.optimizer.state) == len(list(model.parameters()))

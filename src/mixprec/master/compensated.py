@@ -194,10 +194,10 @@ class CompensatedOptimizer(OptimizerWrapper):
                     fused.append(AdamUnit(group, states, bucket, kahan, dtypes, generator))
                 else:
                     unfused.append((group, bucket, low, torch.float32 if torch.float32 in dtypes else dtype))
-        if self.skip_nonfinite and unfused:
-            if not updates.grads_fit([p for _, bucket, _, _ in unfused for p in bucket]):
-                return False
-        if fused and not adam_step(fused, self.workspace, self.skip_nonfinite):
+        unfused_fit = not (self.skip_nonfinite and unfused) or updates.grads_fit(
+            [p for _, bucket, _, _ in unfused for p in bucket]
+        )
+        if not unfused_fit or (fused and not adam_step(fused, self.workspace, self.skip_nonfinite)):
             for param in fresh:  # the state dicts the units were handed, still empty: as before the step
                 del self.optimizer.state[param]
             return False
