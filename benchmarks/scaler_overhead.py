@@ -10,10 +10,12 @@ mixprec / torch.
     python benchmarks/scaler_overhead.py --optimizer adam-fused --no-unscale --dtype bfloat16
     python benchmarks/scaler_overhead.py --clock cpu --threads 1 --json scaler.json
     python benchmarks/scaler_overhead.py --optimizer adamw-fused --no-unscale --no-underflow-restart
+    python benchmarks/scaler_overhead.py --optimizer adamw-fused --no-unscale --underflow-check-interval 1
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared machine a
 preempted phase then costs what it computed, not how long it waited. The spread printed is the
-interquartile range.
+interquartile range. The last line is the per-iteration ratio of the two totals (each iteration of one
+scaler against the other's in the same round), its median and interquartile range.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def parse_args() -> argparse.Namespace:
         "--no-underflow-restart",
         action="store_true",
         help="mixprec's DynamicScale(underflow_restart=False): torch's rule exactly, no amax to measure",
+    )
+    parser.add_argument(
+        "--underflow-check-interval",
+        type=int,
+        default=None,
+        help="DynamicScale(underflow_check_interval=K): fused steps measure amax every K-th update "
+        "(default: the rule's default)",
     )
     parser.add_argument(
         "--no-unscale",
@@ -106,11 +115,13 @@ def time_iteration(scaler, params, grads, optimizer, loss: torch.Tensor, unscale
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     """Seconds per phase per iteration, for each scaler; the two alternate going first."""
+    rule_args = {"underflow_restart": not args.no_underflow_restart}
+    if args.underflow_check_interval is not None:
+        rule_args["underflow_check_interval"] = args.underflow_check_interval
     scalers = {
         "torch": torch.amp.GradScaler("cpu", growth_interval=10**9),
         "mixprec": mixprec.scaling.GradScaler(
-            "cpu",
-            rule=mixprec.DynamicScale(growth_interval=10**9, underflow_restart=not args.no_underflow_restart),
+            "cpu", rule=mixprec.DynamicScale(growth_interval=10**9, **rule_args)
         ),
     }
     setups = {name: make_setup(args) for name in scalers}
@@ -151,7 +162,16 @@ def report(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, fl
     ratio_total = summary["mixprec"]["total"] / summary["torch"]["total"]
     ratio_scaler = summary["mixprec"]["scaler"] / summary["torch"]["scaler"]
     print(f"ratio mixprec / torch: total {ratio_total:.2f}x, scale+unscale_+update {ratio_scaler:.2f}x")
-    summary["ratio"] = {"total": ratio_total, "scaler": ratio_scaler}
+    totals = {name: [sum(row) for row in zip(*samples[name].values(), strict=True)] for name in samples}
+    paired = [m / t for m, t in zip(totals["mixprec"], totals["torch"], strict=True)]
+    q = statistics.quantiles(paired, n=4)
+    print(f"per-iteration total ratio: median {statistics.median(paired):.3f}x, IQR {q[0]:.3f}-{q[2]:.3f}")
+    summary["ratio"] = {
+        "total": ratio_total,
+        "scaler": ratio_scaler,
+        "paired_median": statistics.median(paired),
+        "paired_iqr": [q[0], q[2]],
+    }
     return summary
 
 
