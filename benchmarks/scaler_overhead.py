@@ -11,6 +11,11 @@ mixprec / torch.
     python benchmarks/scaler_overhead.py --clock cpu --threads 1 --json scaler.json
     python benchmarks/scaler_overhead.py --optimizer adamw-fused --no-unscale --no-underflow-restart
     python benchmarks/scaler_overhead.py --optimizer adamw-fused --no-unscale --underflow-check-interval 1
+    python benchmarks/scaler_overhead.py --kernels --clock cpu --threads 1 --values 4e5
+
+``--kernels`` times the candidate check passes of a fused step alone, interleaved: torch's check op (found_inf
+only), mixprec's amax-measuring CPU kernel (per-tensor ``aminmax``), and one ``_foreach_norm(inf)`` plus a
+reduction (found_inf and amax from one multi-tensor call).
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared machine a
 preempted phase then costs what it computed, not how long it waited. The spread printed is the
@@ -66,6 +71,7 @@ def parse_args() -> argparse.Namespace:
         help="DynamicScale(underflow_check_interval=K): fused steps measure amax every K-th update "
         "(default: the rule's default)",
     )
+    parser.add_argument("--kernels", action="store_true", help="time the check passes alone (see above)")
     parser.add_argument(
         "--no-unscale",
         action="store_true",
@@ -175,6 +181,36 @@ def report(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, fl
     return summary
 
 
+def measure_kernels(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per check pass over the same gradients, the candidates interleaved in every round."""
+    grads = make_setup(args)[1]
+    one = torch.ones(())
+
+    def torch_op() -> None:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(()), one)
+
+    def foreach_norm() -> None:
+        amax = torch.stack(torch._foreach_norm(grads, float("inf"))).max()
+        (~torch.isfinite(amax)).float()
+
+    candidates = {
+        "torch check op": torch_op,
+        "aminmax per tensor": lambda: mixprec.scaling.kernels.per_tensor_kernel(grads, None),
+        "_foreach_norm(inf)": foreach_norm,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for iteration in range(args.warmup + args.repeats):
+        for name, run in candidates.items():
+            start = now()
+            run()
+            if iteration >= args.warmup:
+                samples[name].append(now() - start)
+    for name, values in samples.items():
+        ms = [v * 1e3 for v in values]
+        print(f"{name:<22}{statistics.median(ms):>9.3f} ms  IQR {_iqr(ms)}")
+    return samples
+
+
 def main() -> None:
     global now
     args = parse_args()
@@ -184,6 +220,12 @@ def main() -> None:
     values = sum(p.numel() for p in make_setup(args)[0])
     print(f"{args.tensors} tensors, {values / 1e6:.2f}M values, {args.dtype}, optimizer={args.optimizer}, "
           f"threads={torch.get_num_threads()}, repeats={args.repeats}")  # fmt: skip
+    if args.kernels:
+        kernel_samples = measure_kernels(args)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"args": vars(args), "samples_s": kernel_samples}, handle, indent=1)
+        return
     samples = measure(args)
     summary = report(samples)
     if args.json:

@@ -76,16 +76,18 @@ class DynamicScale(ScaleRule):
     gradients are genuinely all zero at a lowered scale costs at most a few skipped steps. Without amax
     (``update(found_inf)``) the rule is torch's.
 
-    Where amax comes from, and what it costs: a step that syncs anyway (a non-fused optimizer's skip
-    decision) reads the scale in that sync and, when it is below 1 on a clean step, measures amax at once.
-    A fused optimizer's step (``AdamW(fused=True)``) has no sync and no unscale pass, only a check, and
-    torch's check op gives found_inf but no amax: measuring amax there means public-op kernels instead
-    (per-tensor ``aminmax``: on 200 tensors, one CPU thread, 0.40 ms against 0.10 ms for torch's op at 0.4M
-    values, 2.0 ms against 1.3 ms at 8M; ``_foreach_norm(inf)`` is worse on a CPU, 1.3 and 22 ms). So fused
-    steps measure amax only on every ``underflow_check_interval``-th update (a host-side counter, no sync),
-    and run torch's op on the others: a stall is then noticed within ``underflow_check_interval`` steps
-    instead of at once, for 1/16 of the measuring cost at the default (see the README's scaler-overhead
-    figures). ``underflow_check_interval=1`` measures on every fused step.
+    Where amax comes from, and the trade-off: a non-fused step that checks the gradients itself syncs
+    anyway for its skip decision; it reads the scale in that sync and, below 1 on a clean step, measures
+    amax at once. A fused optimizer's step (``AdamW(fused=True)``) has no sync and only a check pass, and
+    torch's check op gives found_inf but no amax; measuring it there takes public-op kernels instead
+    (``python benchmarks/scaler_overhead.py --kernels``: per-tensor ``aminmax`` is ~4x torch's op at 0.4M
+    values and ~1.5x at 8M on one CPU thread; one ``_foreach_norm(inf)`` plus a reduction, the other
+    candidate, is slower still on a CPU). An explicit ``unscale_`` has no sync either, and the user may edit
+    the gradients after it (clipping an inf norm zeroes them all, which is not underflow). So those passes
+    measure amax only on every ``underflow_check_interval``-th update (a host-side counter, saved in
+    ``state_dict``) and run torch's op on the others: a stall is noticed within ``underflow_check_interval``
+    updates instead of at once, and the measuring pass costs 1/16 of itself per step at the default (the
+    README's scaler-overhead figures). ``underflow_check_interval=1`` measures on every such pass.
 
     Args:
         init_scale: starting scale.
@@ -99,7 +101,8 @@ class DynamicScale(ScaleRule):
         max_scale: cap, in the same range; None means none (growth still stops short of inf).
         underflow_restart: the underflow recovery above; False gives torch's rule exactly, and lets a fused
             optimizer's check pass run torch's own op (no amax to measure), at torch's cost.
-        underflow_check_interval: fused-optimizer steps measure amax on every this-many-th update, >= 1.
+        underflow_check_interval: passes without a sync (fused steps, explicit ``unscale_``) measure amax
+            on every this-many-th update, >= 1.
         raise_at_min_scale: raise RuntimeError when a skipped step would back off from the floor
             (checked when the scaler has already synced for the skip decision, so never on fused steps).
 

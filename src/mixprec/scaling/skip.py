@@ -133,8 +133,9 @@ class SkipMonitor:
         else:          skip_run = 0
 
     folded in batches: ``record`` keeps each iteration's found_inf tensor and every ``FOLD_EVERY``-th call
-    (or a read of the counters) applies the batch with a dozen tensor ops, instead of four per iteration,
-    which on a fused optimizer's step would cost more than the scale update itself. Whenever the scaler
+    applies the batch with a dozen tensor ops, instead of four per iteration, which on a fused optimizer's
+    step would cost more than the scale update itself; reading the counters counts the batch so far
+    without changing anything. Whenever the scaler
     has synced anyway (a skipped non-fused step, or reading the counters)::
 
         if skip_run >= warn_after and not warned:  warn once
@@ -179,29 +180,34 @@ class SkipMonitor:
             self._fold()
 
     def _fold(self) -> None:
-        """Apply the pending iterations to the counters, oldest first (no sync)."""
-        if not self._pending:
-            return
+        """Apply the pending iterations to the counters (no sync)."""
+        if self._pending:
+            assert self._skipped is not None and self._run is not None
+            skipped, run = self._counted()
+            self._pending = []
+            self._skipped.copy_(skipped)
+            self._run.copy_(run)
+
+    def _counted(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(skipped_steps, skip_run)`` with the pending iterations counted, oldest first; no change."""
         assert self._skipped is not None and self._run is not None
+        if not self._pending:
+            return self._skipped, self._run
         device = self._skipped.device
         flags = (torch.stack([found.to(device) for found in self._pending]) > 0).long()
         count = len(self._pending)
-        self._pending = []
         trailing = flags.flip(0).cumprod(0).sum()  # skips at the end of the batch
-        self._skipped.add_(flags.sum())
-        self._run.copy_(torch.where(trailing == count, self._run + count, trailing))
+        return self._skipped + flags.sum(), torch.where(trailing == count, self._run + count, trailing)
 
     @property
     def skipped_steps(self) -> int:
         """Iterations in which at least one optimizer step was skipped (a host sync)."""
-        self._fold()
-        return self._init["skipped_steps"] if self._skipped is None else int(self._skipped.item())
+        return self._init["skipped_steps"] if self._skipped is None else int(self._counted()[0].item())
 
     @property
     def skip_run(self) -> int:
         """Skipped iterations in a row up to the last update (a host sync)."""
-        self._fold()
-        return self._init["_skip_run"] if self._run is None else int(self._run.item())
+        return self._init["_skip_run"] if self._run is None else int(self._counted()[1].item())
 
     def check(self, pending: int, scale: float) -> None:
         """Warn once if ``skip_run + pending`` reached ``warn_after``; call only where a sync just happened.
