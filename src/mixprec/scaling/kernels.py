@@ -311,7 +311,7 @@ def _max(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def combine_max(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The largest of 0-dim tensors from any devices, on ``device`` (nan if any is nan; 0.0 if none)."""
-    moved = [tensor.to(device, non_blocking=True) for tensor in tensors]
+    moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
     return _max(moved) if moved else torch.zeros((), dtype=torch.float32, device=device)
 
 
