@@ -232,3 +232,28 @@ def test_collect_grads_groups_plain_gradients_as_the_per_gradient_loop():
     complex_param.grad = torch.ones(2, dtype=torch.complex64)
     groups = kernels.collect_grads([params[0], complex_param], allow_fp16=False)
     assert [g.shape for g in groups[torch.device("cpu")][torch.float32]] == [(1,), (2, 2)]  # real view
+
+
+@pytest.mark.parametrize("how", ["float", "tensor", "load", "min_scale"])
+def test_a_scale_put_below_the_floor_stays_until_a_back_off(how):
+    """The default update clamps to the floor in one op only while the scale is known to be at or above it;
+    every way of putting it below keeps the documented rule (the floor applies on back-off only)."""
+    rule = DynamicScale(4.0, min_scale=2.0 if how != "min_scale" else None)
+    rule.ensure_state(torch.device("cpu"))
+    if how == "float":
+        rule.set_scale(1.0)
+    elif how == "tensor":
+        rule.set_scale(torch.tensor(1.0))
+    elif how == "load":
+        rule.load_state_dict({**rule.state_dict(), "scale": 1.0})
+    else:
+        rule.set_scale(1.0)
+        rule.min_scale = 2.0
+    rule.update(torch.zeros(()))
+    assert rule.get_scale() == 1.0
+    rule.update(torch.ones(()))
+    assert rule.get_scale() == 2.0
+    rule.set_scale(8.0)  # known above the floor again: the one-op clamp
+    for _ in range(4):
+        rule.update(torch.ones(()))
+    assert rule.get_scale() == 2.0

@@ -136,10 +136,11 @@ class DynamicScale(ScaleRule):
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.hysteresis = check_count("hysteresis", hysteresis)
-        self.min_scale = _check_bound("min_scale", min_scale)
+        self.min_scale = min_scale
         self.max_scale = _check_bound("max_scale", max_scale)
         self.raise_at_min_scale = check_flag("raise_at_min_scale", raise_at_min_scale)
         _check_bounds(self.min_scale, self.max_scale, self.init_scale)
+        self._floor_holds = True  # the scale is known to be >= the floor (init_scale is)
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_left: torch.Tensor | None = None
         self._init_growth_tracker = 0
@@ -176,6 +177,20 @@ class DynamicScale(ScaleRule):
         self._tracker_unchecked = True
 
     @property
+    def min_scale(self) -> float | None:
+        """The floor on back-off; None means the smallest normal float32."""
+        return self._min_scale
+
+    @min_scale.setter
+    def min_scale(self, value: float | None) -> None:
+        self._min_scale = _check_bound("min_scale", value)
+        self._floor_holds = False  # the scale may now be below the new floor
+
+    def set_scale(self, new_scale: float | torch.Tensor) -> None:
+        super().set_scale(new_scale)
+        self._floor_holds = not isinstance(new_scale, torch.Tensor) and new_scale >= self.floor
+
+    @property
     def amax_use(self) -> str:  # type: ignore[override]
         """``"when_free"``: amax == 0 is the underflow signal; ``"none"`` without ``underflow_restart``."""
         return "when_free" if self.underflow_restart else "none"
@@ -203,13 +218,14 @@ class DynamicScale(ScaleRule):
         Around torch's one op, each only where configured or needed: the tracker clamped below the interval
         once after ``growth_interval`` was lowered or loaded (so growth happens at ``>=``), hysteresis (a
         tolerated overflow keeps the scale it had), the floor on back-off, the cap on growth, the underflow
-        restart. No host sync.
+        restart. No host sync. The default (torch's arguments) is two ops: torch's and the floor as one
+        clamp, exact while the scale is known to be at or above the floor (then only a back-off can take it
+        below); after a scale set below the floor, the floor applies on back-off only (three ops).
         """
         scale = self._require_state()
         tracker, left = self._growth_tracker, self._hysteresis_left
         assert tracker is not None and left is not None
         self._underflow_check_tracker = (self._underflow_check_tracker + 1) % self.underflow_check_interval
-        found = found_inf > 0
         if self._tracker_unchecked:
             tracker.clamp_max_(self.growth_interval - 1)
             self._tracker_unchecked = False
@@ -217,16 +233,23 @@ class DynamicScale(ScaleRule):
         kernels.update_scale_(
             scale, tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
         )
+        restarts = amax is not None and self.underflow_restart
+        if before is None and self._floor_holds:
+            scale.clamp_min_(self.floor)
+            if self.max_scale is None and not restarts:
+                return
+        found = found_inf > 0
         if before is not None:  # Megatron/DeepSpeed hysteresis: back off only once the tolerance is used up
             left_after = (left - found.int()).clamp_min_(0)
             tolerated = found & (left_after > 0)
             scale.copy_(torch.where(tolerated, before, torch.maximum(scale, found * self.floor)))
             left.copy_(left_after.masked_fill_(~found & (tracker == 0), self.hysteresis))
-        else:
+        elif not self._floor_holds:
             torch.maximum(scale, found * self.floor, out=scale)  # the floor, where it backed off
         if self.max_scale is not None:  # the cap, where it grew (the tracker restarts only on growth)
             scale.copy_(torch.where(~found & (tracker == 0), scale.clamp_max(self.max_scale), scale))
-        if amax is not None and self.underflow_restart:
+        if restarts:
+            assert amax is not None
             restart = min(self.init_scale, self.max_scale or math.inf)
             underflow = (amax.to(scale.device) == 0) & ~found & (scale < restart)
             scale.masked_fill_(underflow, restart)
@@ -324,6 +347,7 @@ class DynamicScale(ScaleRule):
         self._growth_interval = values["growth_interval"]
         self.hysteresis = values["hysteresis"]
         self.min_scale, self.max_scale = values["min_scale"], values["max_scale"]
+        self._floor_holds = values["scale"] >= self.floor
         self.raise_at_min_scale = values["raise_at_min_scale"]
         self.underflow_restart = values["underflow_restart"]
         self.underflow_check_interval = values["underflow_check_interval"]
