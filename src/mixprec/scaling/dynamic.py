@@ -80,7 +80,7 @@ class DynamicScale(ScaleRule):
     anyway for its skip decision; it reads the scale in that sync and, below 1 on a clean step, measures
     amax at once. A fused optimizer's step (``AdamW(fused=True)``) has no sync and only a check pass, and
     torch's check op gives found_inf but no amax; measuring it there takes public-op kernels instead
-    (``python benchmarks/scaler_overhead.py --kernels``: per-tensor ``aminmax`` is ~4x torch's op at 0.4M
+    (``python benchmarks/scaler_overhead.py --kernels``: per-tensor ``aminmax`` is ~3x torch's op at 0.4M
     values and ~1.5x at 8M on one CPU thread; one ``_foreach_norm(inf)`` plus a reduction, the other
     candidate, is slower still on a CPU). An explicit ``unscale_`` has no sync either, and the user may edit
     the gradients after it (clipping an inf norm zeroes them all, which is not underflow). So those passes
