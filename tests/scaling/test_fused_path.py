@@ -257,3 +257,24 @@ def test_a_scale_put_below_the_floor_stays_until_a_back_off(how):
     for _ in range(4):
         rule.update(torch.ones(()))
     assert rule.get_scale() == 2.0
+
+
+def test_the_grad_scaler_protocol_check_is_cached_and_takes_any_callable():
+    class Step:  # unhashable (__eq__ without __hash__): asked every time, never cached
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+        def __call__(self, grad_scaler=None):  # the signature inspect sees
+            return None
+
+    class Fused:
+        _step_supports_amp_scaling = True
+
+    optimizer = Fused()
+    optimizer.step = Step()
+    for _ in range(2):
+        with pytest.raises(TypeError, match="grad_scaler argument"):
+            kernels.supports_fused_scaling(optimizer)
+    optimizer.step = lambda closure=None: None
+    assert kernels.supports_fused_scaling(optimizer) and kernels.supports_fused_scaling(optimizer)
+    assert kernels._TAKES_GRAD_SCALER.get(optimizer.step) is False
