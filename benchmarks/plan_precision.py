@@ -1,21 +1,43 @@
 """The precision planner against uniform nvfp4 and two hand rules, by held-out loss after training.
 
-Two tasks: ``digits`` (scikit-learn's bundled 8x8 digits, flattened, a 4-layer ReLU MLP whose third layer is
-fed one channel 300x the others, its weight column divided by 300: the outlier case) and ``lm`` (the bench's
-character-level GPT, ``mixprec.bench`` workload ``lm`` at its ``tiny`` size, Python stdlib sources). Per
-task and seed: train ``--warmup`` steps under bf16 autocast, plan on two training batches
-(``mixprec.inspect.plan_precision``, formats nvfp4 / mxfp8 / bf16, ``--budget``, cost ``b200-peak``), then
-from that same state train ``--steps`` more steps under each assignment, bf16 autocast around all of them:
+Three tasks:
 
-* ``bf16``: every linear in bf16;  ``nvfp4``: every linear nvfp4 (the full recipe: SR, RHT, 2-D weights);
+* ``teacher``: a classification task whose held-out loss resolves a few percent: 64 input channels of
+  lognormal scale, labels sampled from a fixed random teacher MLP's softmax (noisy, so the task cannot be
+  memorised), 32768 train / 8192 held-out examples drawn from the seed; the outlier MLP
+  (``mixprec.inspect.demo.OutlierMLP``: 64-128-128-128-10, its third layer fed one channel 300x the
+  others, that layer's weight column divided by 300);
+* ``digits``: scikit-learn's bundled 8x8 digits, flattened, the same outlier MLP. Kept for comparison: its
+  360 held-out images cannot resolve a few percent (the ``fp32`` run below shows by how much rounding
+  alone moves that loss);
+* ``lm``: the bench's character-level GPT (``mixprec.bench`` workload ``lm`` at its ``tiny`` size, Python
+  stdlib sources).
+
+Per task and seed: train ``--warmup`` steps under bf16 autocast, plan on ``--plan-batches`` training
+batches (``mixprec.inspect.plan_precision``, formats nvfp4 / mxfp8 / bf16, ``--budget``, cost
+``b200-peak``, optionally ``--grad-budget``, the whole plan also checked on ``--check-batches`` other
+training batches), then from
+that same state train ``--steps`` more steps under each assignment, bf16 autocast around all of them:
+
+* ``bf16``: every linear in bf16;  ``fp32``: no autocast at all (the noise floor: how far rounding
+  alone moves the held-out loss);  ``nvfp4``: every linear nvfp4 (the full recipe: SR, RHT, 2-D weights);
 * ``plan``: the planner's formats;
-* ``first-last``: the first and last linear layers (and, widening inward, more) in bf16, the rest nvfp4,
-  widened until its GEMM cost (the plan's cost model) is the closest to the plan's;
-* ``size``: the smallest layers (by N x K, as torchtitan's ``auto_filter_small_kn``) in bf16, the rest
-  nvfp4, at the cost closest to the plan's.
+* ``first-last``: the first and last linear layers (widening inward, more) in bf16, the rest in the rule's
+  format, as many kept as brings the share of GEMM FLOPs below bf16 closest to the plan's;
+* ``size``: the smallest layers (by N x K, as torchtitan's ``auto_filter_small_kn``) in bf16, the rest in
+  the rule's format, matched to the plan's low-precision share the same way.
 
-The hand rules are matched on cost, not on the share of FLOPs below bf16: the plan mixes 8- and 4-bit
-formats, and a rule at the plan's share in nvfp4 alone would be cheaper than the plan.
+``--extra NAME:LAYER=FORMAT,...`` trains more assignments beside them (e.g. one layer in nvfp4, the rest
+mxfp8), and ``--max-flushed`` sets the planner's forward-flush limit (1 turns it off).
+
+Each rule runs once per ``--rule-formats`` entry (nvfp4: the NVFP4 recipe's choice; mxfp8: torchtitan's
+filter is for 8-bit training), named e.g. ``size/nvfp4``. At the same share an nvfp4 rule is cheaper than a
+plan that mixes 8- and 4-bit formats and an mxfp8 rule dearer; the table prints each cost.
+
+With ``--planning-rounds R`` it trains nothing after the warm-up and times the planner instead: R
+interleaved rounds of a lazy plan (the default: each layer's cheapest admissible format first) and an
+``exhaustive=True`` one (every layer in every format), their passes and CPU seconds (median, IQR), and
+whether they chose the same formats.
 
 Reports held-out loss, the gap to bf16, the plan's measured divergence against the budget, and planning CPU
 time against one training step (process time; the machine is shared with other jobs, so wall time is
@@ -24,7 +46,8 @@ not used). GEMMs are emulated on a CPU (exact, slow): the loss is the figure tha
 Usage::
 
     python benchmarks/plan_precision.py --threads 1 --json benchmarks/plan_precision.json
-    python benchmarks/plan_precision.py --tasks digits --seeds 0 1 2
+    python benchmarks/plan_precision.py --tasks teacher --seeds 0 1 2
+    python benchmarks/plan_precision.py --tasks teacher lm --planning-rounds 5
 """
 
 from __future__ import annotations
@@ -48,22 +71,37 @@ from mixprec.inspect.demo import OutlierMLP
 FMT = ("nvfp4", "mxfp8", "bf16")
 
 
-def _digits(seed: int):
-    split = datasets.sklearn_digits(seed)
+def _stream(split: datasets.Split, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        idx = torch.randint(0, len(split.y_train), (64,), generator=g)
+        yield split.x_train[idx], split.y_train[idx]
+
+
+def _classify(split: datasets.Split, seed: int):
     torch.manual_seed(seed)
     model = OutlierMLP()
-    g = torch.Generator().manual_seed(seed)
 
-    def batches():
-        while True:
-            idx = torch.randint(0, len(split.y_train), (64,), generator=g)
-            yield split.x_train[idx], split.y_train[idx]
-
-    def evaluate(m: nn.Module) -> float:
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+    def evaluate(m: nn.Module, autocast: bool = True) -> float:
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             return F.cross_entropy(m(split.x_test).float(), split.y_test).item()
 
-    return model, batches(), evaluate, 2e-3
+    return model, _stream(split, seed), evaluate, 2e-3
+
+
+def _digits(seed: int):
+    return _classify(datasets.sklearn_digits(seed), seed)
+
+
+def _teacher(seed: int):
+    g = torch.Generator().manual_seed(1000 + seed)
+    scales = torch.exp(torch.randn(64, generator=g))  # lognormal channel magnitudes: a few outliers
+    teacher = [torch.randn(64, 128, generator=g) / 8, torch.randn(128, 10, generator=g) / 4]
+    x = torch.randn(40960, 64, generator=g) * scales
+    logits = torch.tanh((x / scales) @ teacher[0]) @ teacher[1] * 3
+    y = torch.multinomial(torch.softmax(logits, 1), 1, generator=g).squeeze(1)
+    split = datasets.Split(x[:32768], y[:32768], x[32768:], y[32768:], source="random teacher MLP")
+    return _classify(split, seed)
 
 
 def _lm(seed: int):
@@ -73,14 +111,14 @@ def _lm(seed: int):
     corpus = datasets.text_corpus(preset.params["corpus_bytes"])
     work = spec.build(corpus, preset, seed, 1, torch.device("cpu"))
 
-    def evaluate(m: nn.Module) -> float:
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+    def evaluate(m: nn.Module, autocast: bool = True) -> float:
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             return work.evaluate(m)[0]
 
     return work.model, work.batches, evaluate, preset.params["lr"]
 
 
-TASKS = {"digits": _digits, "lm": _lm}
+TASKS = {"teacher": _teacher, "digits": _digits, "lm": _lm}
 
 
 def loss_fn(model: nn.Module, batch) -> torch.Tensor:
@@ -88,13 +126,13 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
 
 
-def _train(model: nn.Module, batches: list, lr: float) -> float:
-    """Train on ``batches`` under bf16 autocast; returns the median CPU seconds per step."""
+def _train(model: nn.Module, batches: list, lr: float, autocast: bool = True) -> float:
+    """Train on ``batches`` under bf16 autocast (or none); returns the median CPU seconds per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     times = []
     for batch in batches:
         start = time.process_time()
-        with torch.autocast("cpu", torch.bfloat16):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,63 +147,97 @@ def _cost(plan: PrecisionPlan, formats: dict[str, str]) -> float:
     return total / sum(info["cost"]["bf16"] for info in plan.layers.values())
 
 
-def _matched(plan: PrecisionPlan, order: list[str]) -> dict[str, str]:
-    """nvfp4 everywhere but a prefix of ``order`` in bf16: the prefix whose cost is closest to the plan's."""
+def _low_share(plan: PrecisionPlan, formats: dict[str, str]) -> float:
+    return sum(plan.flop_share(f) for f, fmt in formats.items() if fmt not in ("bf16", "fp32"))
+
+
+def _matched(plan: PrecisionPlan, order: list[str], low: str) -> dict[str, str]:
+    """``low`` everywhere but a prefix of ``order`` in bf16: the prefix whose share of GEMM FLOPs below
+    bf16 is closest to the plan's (the shorter prefix on a tie)."""
     best = None
     for keep in range(len(order) + 1):
-        formats = {f: ("bf16" if f in order[:keep] else "nvfp4") for f in plan.formats}
-        gap = abs(_cost(plan, formats) - plan.relative_cost())
+        formats = {f: ("bf16" if f in order[:keep] else low) for f in plan.formats}
+        gap = abs(_low_share(plan, formats) - plan.low_precision_share())
         if best is None or gap < best[0] - 1e-12:
             best = (gap, formats)
     return best[1]
 
 
-def _assignments(plan: PrecisionPlan) -> dict[str, dict[str, str]]:
+def _assignments(plan: PrecisionPlan, rule_formats: list[str]) -> dict[str, dict[str, str]]:
     names = list(plan.formats)
     inward = [n for pair in zip(names, reversed(names), strict=True) for n in pair]
     inward = list(dict.fromkeys(inward))
     by_size = sorted(names, key=lambda n: plan.layers[n]["shape"][1] * plan.layers[n]["shape"][2])
-    return {
+    runs = {
         "bf16": dict.fromkeys(names, "bf16"),
+        "fp32": dict.fromkeys(names, "fp32"),
         "nvfp4": dict.fromkeys(names, "nvfp4"),
         "plan": dict(plan.formats),
-        "first-last": _matched(plan, inward),
-        "size": _matched(plan, by_size),
     }
+    for low in rule_formats:
+        runs[f"first-last/{low}"] = _matched(plan, inward, low)
+        runs[f"size/{low}"] = _matched(plan, by_size, low)
+    return runs
+
+
+def _extra(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME:LAYER=FORMAT,...`` -> {NAME: {LAYER: FORMAT}}."""
+    out = {}
+    for spec in specs:
+        name, _, pairs = spec.partition(":")
+        out[name] = dict(pair.split("=", 1) for pair in pairs.split(","))
+    return out
 
 
 def run(task: str, seed: int, args: argparse.Namespace) -> dict:
     model, stream, evaluate, lr = TASKS[task](seed)
     _train(model, [next(stream) for _ in range(args.warmup)], lr)
-    planning = [next(stream) for _ in range(2)]
+    planning = [next(stream) for _ in range(args.plan_batches)]
+    checks = [next(stream) for _ in range(args.check_batches)] or None
     plan = plan_precision(
-        model, planning, loss_fn, formats=FMT, budget=args.budget, cost="b200-peak", seed=seed
+        model,
+        planning,
+        loss_fn,
+        formats=FMT,
+        budget=args.budget,
+        cost="b200-peak",
+        grad_budget=args.grad_budget,
+        max_flushed=args.max_flushed,
+        check_batches=checks,
+        seed=seed,
     )
     print(plan.table(), flush=True)
     data = [next(stream) for _ in range(args.steps)]
     out = {"task": task, "seed": seed, "plan": json.loads(plan.to_json()), "runs": {}}
-    for name, formats in _assignments(plan).items():
+    for name, formats in {**_assignments(plan, args.rule_formats), **_extra(args.extra)}.items():
         trained = copy.deepcopy(model)
         torch.manual_seed(seed)
         PrecisionPlan(formats, plan.layers, plan.reasons, plan.budget, plan.measured).apply(trained)
-        step = _train(trained, data, lr)
-        share = sum(plan.flop_share(f) for f, fmt in formats.items() if fmt != "bf16")
-        cost = _cost(plan, formats)
-        out["runs"][name] = {"loss": evaluate(trained), "low_share": share, "cost": cost, "step_s": step}
-        out["runs"][name]["formats"] = formats
+        autocast = name != "fp32"
+        step = _train(trained, data, lr, autocast)
+        share, cost = _low_share(plan, formats), _cost(plan, formats)
+        loss = evaluate(trained, autocast)
+        out["runs"][name] = {
+            "loss": loss,
+            "low_share": share,
+            "cost": cost,
+            "step_s": step,
+            "formats": formats,
+        }
         print(
-            f"{task} seed {seed} {name:<10} held-out loss {out['runs'][name]['loss']:.4f} "
+            f"{task} seed {seed} {name:<16} held-out loss {loss:.4f} "
             f"low-bit FLOPs {share:.0%} cost {cost:.2f} step {step * 1e3:.1f} ms",
             flush=True,
         )
     runs = out["runs"]
+    rules = [name for name in runs if "/" in name]
     differ = {
         rule: {
             f: (fmt, runs[rule]["formats"][f])
             for f, fmt in plan.formats.items()
             if fmt != runs[rule]["formats"][f]
         }
-        for rule in ("first-last", "size")
+        for rule in rules
     }
     print(f"{task} seed {seed}: where the plan differs from each hand rule, layer: (plan, rule): {differ}")
     out["differs"] = differ
@@ -173,30 +245,91 @@ def run(task: str, seed: int, args: argparse.Namespace) -> dict:
     return out
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return [q[0], statistics.median(values), q[-1]]
+
+
+def planning(task: str, seed: int, args: argparse.Namespace) -> dict:
+    """Lazy against exhaustive measurement of one plan, interleaved: passes and CPU seconds."""
+    model, stream, _evaluate, lr = TASKS[task](seed)
+    _train(model, [next(stream) for _ in range(args.warmup)], lr)
+    batches = [next(stream) for _ in range(args.plan_batches)]
+    kwargs = {"formats": FMT, "budget": args.budget, "cost": "b200-peak", "grad_budget": args.grad_budget}
+    out: dict = {"task": task, "seed": seed, "lazy": [], "exhaustive": [], "same_formats": True}
+    for _ in range(args.planning_rounds):
+        for mode in ("lazy", "exhaustive"):
+            plan = plan_precision(
+                model, batches, loss_fn, exhaustive=mode == "exhaustive", seed=seed, **kwargs
+            )
+            out[mode].append({"seconds": plan.seconds, "passes": plan.passes, "formats": plan.formats})
+        out["same_formats"] &= out["lazy"][-1]["formats"] == out["exhaustive"][-1]["formats"]
+    for mode in ("lazy", "exhaustive"):
+        seconds = _quartiles([r["seconds"] for r in out[mode]])
+        out[f"{mode}_seconds"], out[f"{mode}_passes"] = seconds, out[mode][-1]["passes"]
+        print(
+            f"{task} seed {seed} {mode:<10} {out[mode][-1]['passes']:>3} passes, planning {seconds[1]:.3f} s "
+            f"CPU (IQR {seconds[0]:.3f}-{seconds[2]:.3f}), formats {out[mode][-1]['formats']}",
+            flush=True,
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=["teacher", "lm"], choices=list(TASKS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--budget", type=float, default=0.1)
+    parser.add_argument("--budget", type=float, default=0.01)
+    parser.add_argument("--grad-budget", type=float, default=None)
+    parser.add_argument("--max-flushed", type=float, default=0.15)
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        metavar="NAME:LAYER=FORMAT,...",
+        help="more assignments to train, e.g. fc1-nvfp4:fc1=nvfp4,fc2=mxfp8,fc3=mxfp8,head=mxfp8",
+    )
+    parser.add_argument("--plan-batches", type=int, default=2)
+    parser.add_argument("--check-batches", type=int, default=0)
+    parser.add_argument("--rule-formats", nargs="+", default=["nvfp4", "mxfp8"])
+    parser.add_argument("--planning-rounds", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = [run(task, seed, args) for task in args.tasks for seed in args.seeds]
-    print(f"\n{'task':<7} {'seed':>4} {'run':<10} {'held-out':>9} {'vs bf16':>8} {'low-bit':>8} {'cost':>5}")
-    for r in results:
+    results = []
+    if args.planning_rounds > 0:
+        results = [planning(task, seed, args) for task in args.tasks for seed in args.seeds]
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"args": vars(args), "results": results}, handle, indent=1)
+        return
+    for task in args.tasks:
+        for seed in args.seeds:
+            results.append(run(task, seed, args))
+            _summary(results, args)  # so a run stopped early leaves what it measured
+    _summary(results, args, show=True)
+
+
+def _summary(results: list[dict], args: argparse.Namespace, show: bool = False) -> None:
+    if show:
+        head = (
+            f"{'task':<7} {'seed':>4} {'run':<16} {'held-out':>9} {'vs bf16':>8} {'low-bit':>8} {'cost':>5}"
+        )
+        print("\n" + head)
+    for r in results if show else []:
         base = r["runs"]["bf16"]["loss"]
         for name, v in r["runs"].items():
             print(
-                f"{r['task']:<7} {r['seed']:>4} {name:<10} {v['loss']:>9.4f} {v['loss'] / base - 1:>+8.1%} "
+                f"{r['task']:<7} {r['seed']:>4} {name:<16} {v['loss']:>9.4f} {v['loss'] / base - 1:>+8.2%} "
                 f"{v['low_share']:>8.0%} {v['cost']:>5.2f}"
             )
         m = r["plan"]["measured"]
         print(
-            f"        plan measured loss divergence {m['loss']:.3g} / score {m['score']:.3g} "
-            f"(budget {r['plan']['budget']:g}); planning {r['plan_seconds']:.1f} s CPU = "
+            f"        plan measured loss divergence {m['loss']:.3g} (budget {r['plan']['budget']:g}), "
+            f"weight-gradient divergence {m['weight_grad']:.3g}; planning {r['plan_seconds']:.1f} s CPU = "
             f"{r['plan_seconds'] / r['step_seconds']:.0f} bf16 training steps"
         )
     if args.json:

@@ -16,3 +16,11 @@ def test_readme_fp8_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert block, "no python block under '## fp8 training'"
     exec(compile(block.group(1), "README.md#fp8-training", "exec"), {})
     assert "keep in bf16:" in capsys.readouterr().out
+
+
+def test_readme_torchao_config_example_prints_its_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    section = README.read_text().split("\n## fp8 training", 1)[1].split("\n## ", 1)[0]
+    block = next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "cast_config_input" in b)
+    exec(compile(block, "README.md#code-written-for-torchaofloat8", "exec"), {})
+    printed = block.split("print(config.lowbit_recipe)  # ")[1].splitlines()[0]
+    assert capsys.readouterr().out.strip() == printed

@@ -66,8 +66,9 @@ def test_from_float_is_from_linear() -> None:
 def test_a_root_linear_with_children_is_refused_not_silently_stripped() -> None:
     root = nn.Linear(4, 4)
     root.extra = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"root Linear with child modules \['extra'\]"):
-        convert_to_float8_training(root)
+    for error in (ValueError, AssertionError):  # mixprec's bad-input error and torchao's
+        with pytest.raises(error, match=r"Does not support a root nn.Linear with children.*\['extra'\]"):
+            convert_to_float8_training(root)
     assert type(root) is nn.Linear and type(root.extra) is nn.Linear
 
 

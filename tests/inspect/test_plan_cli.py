@@ -37,13 +37,23 @@ def factory(tmp_path, monkeypatch):
 
 def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys):
     out_json, out_png = factory / "p.json", factory / "p.png"
-    argv = ["plan", "--from", "plan_factory:make", "--budget", "0.05", "--formats", "mxfp8,bf16"]
+    argv = [
+        "plan",
+        "--from",
+        "plan_factory:make",
+        "--budget",
+        "0.05",
+        "--formats",
+        "mxfp8,bf16",
+        "--exhaustive",
+    ]
     assert main([*argv, "--json", str(out_json), "--plot", str(out_png)]) == 0
     printed = capsys.readouterr().out
     plan = PrecisionPlan.from_json(out_json.read_text())
     assert set(plan.formats) == {"0", "2"} and set(plan.formats.values()) <= {"mxfp8", "bf16"}
     assert "below bf16" in printed and "wrote" in printed
-    assert plan.measured["score"] <= 0.05
+    assert plan.measured["loss"] <= 0.05
+    assert all(set(info["divergence"]) >= {"mxfp8", "bf16"} for info in plan.layers.values())
     assert out_png.stat().st_size > 1000
     json.loads(out_json.read_text())
 
@@ -56,6 +66,7 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory:not_a_triple"], "must return (model, batches, loss_fn)"),
         (["--from", "plan_factory:make", "--formats", "fp7"], "unknown format 'fp7'"),
         (["--from", "plan_factory:make", "--budget", "0"], "budget must be > 0"),
+        (["--from", "plan_factory:make", "--grad-budget", "-1"], "grad_budget must be > 0"),
         (["--workload", "nope"], "unknown workload 'nope'"),
         (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
     ],

@@ -81,7 +81,7 @@ def test_outlier_layer_stays_out_of_4bit_and_half_the_flops_go_below_bf16(planne
 
 def test_measured_divergence_fits_and_matches_an_independent_run(planned):
     model, batches, plan, _ = planned
-    assert plan.measured["loss"] <= plan.measured["score"] <= BUDGET
+    assert plan.measured["loss"] <= BUDGET
     # Oracle: the fp32 model and a copy converted by the plan (its bf16 layers' GEMMs run in bf16 here),
     # losses computed here from scratch.
     quantized = plan.apply(copy.deepcopy(model))
@@ -151,7 +151,7 @@ def test_no_mix_fits_falls_back_to_the_models_precision():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plan = plan_precision(model, batches[:1], loss_fn, formats=("nvfp4",), budget=1e-9, max_rounds=2)
     assert set(plan.formats.values()) == {"fp32"}
-    assert plan.measured["score"] == 0.0
+    assert plan.measured["loss"] == 0.0
     assert "kept in the model's precision" in plan.reasons["fc3"]
     assert _same_state(model, before)
 
@@ -164,6 +164,11 @@ def test_no_mix_fits_falls_back_to_the_models_precision():
         ({"budget": "0.01"}, ValueError, "budget must be a finite number"),
         ({"budget": float("nan")}, ValueError, "budget must be a finite number"),
         ({"budget": True}, ValueError, "budget must be a finite number"),
+        ({"grad_budget": 0.0}, ValueError, "grad_budget must be > 0"),
+        ({"grad_budget": float("inf")}, ValueError, "grad_budget must be a finite number"),
+        ({"max_flushed": 0.0}, ValueError, "max_flushed must be a share in"),
+        ({"max_flushed": 1.5}, ValueError, "max_flushed must be a share in"),
+        ({"check_batches": []}, ValueError, "check_batches is empty"),
         ({"formats": ("nvfp4", "fp7")}, ValueError, "unknown format 'fp7'"),
         ({"formats": ()}, ValueError, "formats must be a non-empty"),
         ({"cost": "a100"}, ValueError, "unknown cost target 'a100'"),
@@ -209,29 +214,45 @@ def test_a_model_without_linears_or_that_is_one_is_refused():
 def test_knapsack_is_the_brute_force_optimum():
     g = torch.Generator().manual_seed(1)
     fmts = ("a", "b", "c")
-    for trial in range(30):
+    for trial in range(40):
         layers = {}
         for i in range(4):
-            scores = torch.rand(3, generator=g).tolist()
-            costs = torch.rand(3, generator=g).tolist()
+            losses, grads, costs, flushed = torch.rand(4, 3, generator=g).tolist()
+            costs[1] = costs[0] if trial % 2 else costs[1]  # equal costs: the weight gradient decides
             layers[f"l{i}"] = {
                 "cost": dict(zip(fmts, costs, strict=True)),
-                "divergence": {f: {"score": s} for f, s in zip(fmts, scores, strict=True)},
+                "divergence": {
+                    f: {"loss": s, "weight_grad": w, "fprop_flushed": x}
+                    for f, s, w, x in zip(fmts, losses, grads, flushed, strict=True)
+                },
             }
-        budget = 0.4 + trial * 0.05
+        budget, grad_limit, max_flushed = 0.4 + trial * 0.05, (0.7, math.inf)[trial % 3 > 0], 0.8
         best = None
+        margin = 1 - 4 / (100 if math.isfinite(grad_limit) else 1000)  # 4 items, each rounded up a step
         for pick in itertools.product(fmts, repeat=4):
-            total = sum(layers[f"l{i}"]["divergence"][p]["score"] for i, p in enumerate(pick))
-            cost = sum(layers[f"l{i}"]["cost"][p] for i, p in enumerate(pick))
-            if total <= budget * (1 - 4 / 1000) and (best is None or cost < best[0]):
-                best = (cost, pick)
-        chosen = _knapsack(layers, budget)
+            ds = [layers[f"l{i}"]["divergence"][p] for i, p in enumerate(pick)]
+            if any(d["fprop_flushed"] > max_flushed for d in ds):
+                continue
+            fits = sum(d["loss"] for d in ds) <= budget * margin
+            fits &= sum(d["weight_grad"] ** 2 for d in ds) <= grad_limit**2 * margin
+            key = (
+                sum(layers[f"l{i}"]["cost"][p] for i, p in enumerate(pick)),
+                sum(d["weight_grad"] for d in ds),
+            )
+            if fits and (best is None or key < best[0]):
+                best = (key, pick)
+        chosen = _knapsack(layers, budget, grad_limit, max_flushed)
         if not chosen:
             assert best is None
             continue
-        assert sum(layers[f]["divergence"][p]["score"] for f, p in chosen.items()) <= budget
-        cost = sum(layers[f]["cost"][p] for f, p in chosen.items())
-        assert best is None or cost <= best[0] + 1e-12
+        ds = [layers[f]["divergence"][p] for f, p in chosen.items()]
+        assert sum(d["loss"] for d in ds) <= budget
+        assert sum(d["weight_grad"] ** 2 for d in ds) <= grad_limit**2
+        assert all(d["fprop_flushed"] <= max_flushed for d in ds)
+        key = (sum(layers[f]["cost"][p] for f, p in chosen.items()), sum(d["weight_grad"] for d in ds))
+        if best is not None:  # the DP's rounding admits a superset of the brute force's choices
+            (cost, wgrad), _ = best
+            assert key[0] < cost - 1e-12 or (key[0] <= cost + 1e-12 and key[1] <= wgrad + 1e-12)
 
 
 def test_cost_model_fp4_gain_shrinks_on_small_matrices_and_hopper_has_no_fp4():
@@ -277,3 +298,23 @@ def test_replan_from_a_plain_loop_replans_every_n_steps_and_switches_at_a_phase(
         Replan(make_plan, every=0)
     with pytest.raises(ValueError, match="unknown low-bit recipe 'fp5'"):
         Replan(make_plan, phases={3: "fp5"})
+
+
+def test_replan_refused_plan_changes_nothing_and_a_first_phase_has_a_share():
+    model, _ = _task()
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    good = PrecisionPlan(dict.fromkeys(names, "mxfp8"), {}, dict.fromkeys(names, "test"), 0.01, {})
+    replan = Replan(lambda m: good, every=2, phases={4: "nvfp4"})
+    replan.step(model, 0)
+    other = nn.Sequential(nn.Linear(4, 4))  # a model the applied plan's layers are not in
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="not nn.Linear modules"):
+        replan.step(other, 4)
+    assert replan.plan is good and len(replan.history) == 1 and not replan._fixed
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert replan.step(model, 6) is good  # still re-planning every 2 steps: the refused phase fixed nothing
+    # a fixed phase before any plan: every layer in one format, its low-precision share known without flops
+    plan = Replan(lambda m: good, phases={0: "nvfp4"}).step(model, 0)
+    assert plan is not None and set(plan.formats.values()) == {"nvfp4"}
+    assert plan.low_precision_share() == 1.0
+    assert Replan(lambda m: good, phases={0: "bf16"}).step(model, 0).low_precision_share() == 0.0

@@ -2,9 +2,14 @@
 
 * :func:`convert_to_float8_training` swaps ``nn.Linear`` for :class:`Float8Linear` (torchao's name and
   ``module_filter_fn(module, fqn) -> bool`` contract);
-* :class:`Float8Config` picks the recipe: ``"dynamic"`` (scale from the tensor's own amax, as torchao) or
-  ``"delayed"`` (Transformer Engine: scale from an amax history kept in buffers);
+* :class:`Float8Config` (alias ``Float8LinearConfig``) picks the recipe: ``"dynamic"`` (scale from the
+  tensor's own amax, as torchao) or ``"delayed"`` (Transformer Engine: scale from an amax history kept in
+  buffers); torchao's per-operand :class:`CastConfig` (``ScalingType.DISABLED`` keeps an operand in high
+  precision, ``ScalingGranularity.AXISWISE`` scales per row) and per-GEMM :class:`Float8GemmConfig`;
 * :func:`sync_float8_amax_history` agrees the delayed amaxes across data-parallel ranks in one all-reduce;
+* ``Float8Config(enable_fsdp_float8_all_gather=True)``: FSDP2 all-gathers the weights in fp8, and
+  :func:`precompute_float8_dynamic_scale_for_fsdp` computes all their scales in one all-reduce
+  (:mod:`mixprec.float8.fsdp`);
 * the matmuls run in ``torch._scaled_mm`` (CPU with torch >= 2.13: an exact emulation, slower than bf16;
   Hopper-class GPUs: real fp8 tensor cores).
 
@@ -20,7 +25,16 @@ Example::
 The per-layer fp8 diagnostics are in :mod:`mixprec.inspect.fp8`.
 """
 
-from mixprec.float8.config import Float8Config
+from mixprec.float8.casts import (
+    CastConfig,
+    Float8GemmConfig,
+    Float8UsageError,
+    LinearMMConfig,
+    ScaledMMConfig,
+    ScalingGranularity,
+    ScalingType,
+)
+from mixprec.float8.config import Float8Config, Float8LinearConfig
 from mixprec.float8.convert import (
     ModuleFilter,
     convert_to_float8_training,
@@ -28,15 +42,25 @@ from mixprec.float8.convert import (
     skip_fqns,
     sync_float8_amax_history,
 )
+from mixprec.float8.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from mixprec.float8.linear import Float8Linear
 from mixprec.float8.matmul import scaled_mm
 
 __all__ = [
+    "CastConfig",
     "Float8Config",
+    "Float8GemmConfig",
     "Float8Linear",
+    "Float8LinearConfig",
+    "Float8UsageError",
+    "LinearMMConfig",
     "ModuleFilter",
+    "ScaledMMConfig",
+    "ScalingGranularity",
+    "ScalingType",
     "convert_to_float8_training",
     "float8_linears",
+    "precompute_float8_dynamic_scale_for_fsdp",
     "scaled_mm",
     "skip_fqns",
     "sync_float8_amax_history",

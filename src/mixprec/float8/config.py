@@ -8,6 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from mixprec.float8.casts import (
+    CastConfig,
+    Float8GemmConfig,
+    Float8UsageError,
+    LinearMMConfig,
+    ScaledMMConfig,
+    lowbit_format,
+    recipe_casts,
+)
+
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "MAX_AMAX_HISTORY_LEN",
@@ -15,6 +27,7 @@ __all__ = [
     "RECIPE_NAMES",
     "SCALINGS",
     "Float8Config",
+    "Float8LinearConfig",
 ]
 
 #: Accepted values of :attr:`Float8Config.scaling`.
@@ -29,6 +42,9 @@ MAX_MARGIN = 14
 #: Largest ``amax_history_len`` (64 times Transformer Engine's default of 1024): three float32 rows of it
 #: per layer, 768 KiB.
 MAX_AMAX_HISTORY_LEN = 2**16
+# torchao's GEMM defaults: fast accumulation for the forward GEMM only.
+_FAST_ACCUM = Float8GemmConfig(use_fast_accum=True)
+_ACCURATE = Float8GemmConfig()
 
 
 @dataclass(frozen=True)
@@ -57,11 +73,43 @@ class Float8Config:
             recipes are :mod:`mixprec.lowbit`'s ``fp8_rowwise`` / ``fp8_rowwise_gw_hp`` and dynamic only.
         round_scales_to_power_of_2: round every scale down to a power of two (torchao's flag; its rowwise
             recipes set it, and ``from_recipe_name`` does too).
+        enable_fsdp_float8_all_gather: FSDP2 (``fully_shard``) all-gathers the weights in e4m3 with the
+            whole weight's scale, half the bytes of a bf16 all-gather (torchao's flag;
+            :mod:`mixprec.float8.fsdp`); tensorwise dynamic scaling only.
+
+    torchao's per-operand fields (``torchao.float8.Float8LinearConfig``'s names and defaults; torchao's own
+    :class:`CastConfig` / :class:`Float8GemmConfig` objects are accepted too):
+
+    Args:
+        cast_config_input, cast_config_weight, cast_config_grad_output: how each tensor is cast for its
+            first GEMM (output, output, grad_input); None takes ``recipe``'s (``"tensorwise"``: dynamic
+            tensorwise, e4m3 / e4m3 / e5m2). ``ScalingType.DISABLED`` leaves the operand in high precision.
+        cast_config_input_for_grad_weight, cast_config_weight_for_grad_input,
+        cast_config_grad_output_for_grad_weight: the second use of each (grad_weight, grad_input,
+            grad_weight GEMMs); None takes ``recipe``'s, else the first use's, as torchao. After
+            construction all six are resolved :class:`CastConfig` values with a ``target_dtype``, so
+            ``dataclasses.replace(config, recipe=...)`` keeps them: use :meth:`from_recipe_name`.
+        gemm_config_output, gemm_config_grad_input, gemm_config_grad_weight: each GEMM's
+            :class:`Float8GemmConfig`; ``use_fast_accum`` (default True for output, as torchao) is passed to
+            ``torch._scaled_mm`` and has no effect on the emulated GEMMs (the CPU emulation included).
+        pad_inner_dim: zero-pad each fp8 GEMM's reduction dimension to a multiple of 16 (after the cast,
+            so the scales are the unpadded tensor's), which CUDA's ``torch._scaled_mm`` needs; the result is
+            the same up to the order of accumulation.
+
+    A config that is dynamic tensorwise in all six casts runs :mod:`mixprec.float8`'s own fp8 GEMMs
+    (with delayed scaling, margins and ``torch._scaled_mm``); any other runs the :mod:`mixprec.lowbit`
+    recipe of :attr:`lowbit_recipe` (per-row scales, high-precision operands, emulated on a CPU).
 
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an
-            ``amax_history_len`` or ``margin`` outside its range.
-        TypeError: for a field of the wrong type (``amax_history_len=2.5``, ``emulate="yes"``).
+            ``amax_history_len`` or ``margin`` outside its range, ``scaling="delayed"`` or a ``margin``
+            with casts that are not all dynamic tensorwise at their default dtypes, or
+            ``enable_fsdp_float8_all_gather`` with such casts or delayed scaling.
+        Float8UsageError: (a ValueError, and the AssertionError torchao raises for the same configs) when
+            one operand of a GEMM is DISABLED and the other is not ("incompatible operand precision for
+            output"), or one tensor is cast to two fp8 dtypes in its two GEMMs.
+        TypeError: for a field of the wrong type (``amax_history_len=2.5``, ``emulate="yes"``,
+            ``cast_config_input="dynamic"``).
     """
 
     scaling: str = "dynamic"
@@ -71,6 +119,18 @@ class Float8Config:
     emulate: bool = False
     recipe: str = "tensorwise"
     round_scales_to_power_of_2: bool = False
+    # torchao's per-operand cast configs, per-GEMM configs and padding (resolved in __post_init__).
+    cast_config_input: CastConfig | None = None
+    cast_config_input_for_grad_weight: CastConfig | None = None
+    cast_config_weight: CastConfig | None = None
+    cast_config_weight_for_grad_input: CastConfig | None = None
+    cast_config_grad_output: CastConfig | None = None
+    cast_config_grad_output_for_grad_weight: CastConfig | None = None
+    gemm_config_output: Float8GemmConfig = _FAST_ACCUM
+    gemm_config_grad_input: Float8GemmConfig = _ACCURATE
+    gemm_config_grad_weight: Float8GemmConfig = _ACCURATE
+    pad_inner_dim: bool = False
+    enable_fsdp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALINGS)
@@ -84,10 +144,15 @@ class Float8Config:
             raise TypeError(
                 f"round_scales_to_power_of_2 must be a bool, got {self.round_scales_to_power_of_2!r}"
             )
-        if self.recipe != "tensorwise" and self.delayed:
+        resolved = _resolve_operands(self)  # validates all before any field is written
+        if self.delayed and not _all_tensorwise(resolved):
             raise ValueError(
-                f"recipe {self.recipe!r} scales dynamically; scaling='delayed' needs 'tensorwise'"
+                f"recipe {self.recipe!r} with these cast configs scales dynamically; scaling='delayed' needs "
+                "'tensorwise' and every cast dynamic tensorwise at its default dtype"
             )
+        _check_fsdp_float8_all_gather(self, resolved)
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_recipe_name(cls, recipe_name: str, **overrides: object) -> Float8Config:
@@ -96,24 +161,47 @@ class Float8Config:
         ``"tensorwise"`` is the default config; the rowwise recipes set ``round_scales_to_power_of_2``.
 
         Raises:
-            ValueError: for a name outside :data:`RECIPE_NAMES`.
+            Float8UsageError: (a ValueError and an AssertionError, as torchao raises) for a name outside
+                :data:`RECIPE_NAMES`.
         """
-        _check_choice("recipe_name", getattr(recipe_name, "value", recipe_name), RECIPE_NAMES)
         name = getattr(recipe_name, "value", recipe_name)
+        if not isinstance(name, str) or name not in RECIPE_NAMES:
+            raise Float8UsageError(
+                f"recipe_name must be one of {', '.join(map(repr, RECIPE_NAMES))}; got {recipe_name!r}"
+            )
         fields = {"recipe": name, "round_scales_to_power_of_2": name != "tensorwise"}
         return cls(**{**fields, **overrides})
 
     @property
     def lowbit_recipe(self) -> str | None:
-        """The :mod:`mixprec.lowbit` recipe a rowwise config runs, or None for tensorwise."""
-        if self.recipe == "tensorwise":
+        """The :mod:`mixprec.lowbit` recipe string this config runs (operands ``fprop=input,weight
+        dgrad=grad_output,weight_for_grad_input wgrad=grad_output_for_grad_weight,input_for_grad_weight``),
+        or None when every cast is dynamic tensorwise at its default dtype (mixprec.float8's own GEMMs)."""
+        if _all_tensorwise({n: getattr(self, n) for n in _OPERANDS}):
             return None
-        pow2 = self.round_scales_to_power_of_2
-        row = "fp8_rowwise" if pow2 else "fp8_rowwise_fp32"
-        if self.recipe == "rowwise":
-            return f"fprop={row},{row} dgrad={row},{row} wgrad={row},{row}"
-        w_gi = "fp8_tensorwise_pow2" if pow2 else "fp8_tensorwise"
-        return f"fprop={row},{row} dgrad={row},{w_gi} wgrad=hp,hp"
+        fmt = {n: lowbit_format(getattr(self, n), self.round_scales_to_power_of_2) for n in _OPERANDS}
+        return (
+            f"fprop={fmt['cast_config_input']},{fmt['cast_config_weight']} "
+            f"dgrad={fmt['cast_config_grad_output']},{fmt['cast_config_weight_for_grad_input']} "
+            f"wgrad={fmt['cast_config_grad_output_for_grad_weight']},{fmt['cast_config_input_for_grad_weight']}"
+        )
+
+    @property
+    def linear_mm_config(self) -> LinearMMConfig:
+        """The GEMMs' settings in torchao's ``LinearMMConfig`` form (output, grad_input, grad_weight)."""
+        gemms = (self.gemm_config_output, self.gemm_config_grad_input, self.gemm_config_grad_weight)
+        return LinearMMConfig(
+            *(ScaledMMConfig(self.emulate, g.use_fast_accum, False, self.pad_inner_dim) for g in gemms)
+        )
+
+    def cast_configs_str(self) -> str:
+        """torchao's repr of the casts: ``"i:dyn_ten_e4m3,w:dyn_ten_e4m3,go:dyn_ten_e5m2"``, with
+        ``i_gw`` / ``w_gi`` / ``go_gw`` parts where a second use differs from the first."""
+        parts = [f"{short}:{getattr(self, name).short_str()}" for short, name in _SHORT.items()]
+        for short, name, first in _SECOND_USE:
+            if getattr(self, name) != getattr(self, first):
+                parts.append(f"{short}:{getattr(self, name).short_str()}")
+        return ",".join(parts)
 
     @property
     def delayed(self) -> bool:
@@ -121,15 +209,100 @@ class Float8Config:
         return self.scaling == "delayed"
 
     def short_str(self) -> str:
-        """A one-line summary for a module's repr: ``"dynamic"``, ``"delayed(len=16,max,margin=0)"``."""
+        """A one-line summary for a module's repr: ``"dynamic"``, ``"delayed(len=16,max,margin=0)"``,
+        ``"rowwise"``, or ``"casts"`` for per-operand casts that are not a named recipe's."""
         if not self.delayed:
             text = "dynamic" if self.margin == 0 else f"dynamic(margin={self.margin})"
         else:
             text = f"delayed(len={self.amax_history_len},{self.amax_compute_algo},margin={self.margin})"
-        if self.recipe != "tensorwise":
-            text = self.recipe
+        if self.lowbit_recipe is not None:
+            preset = Float8Config(recipe=self.recipe)
+            text = self.recipe if all(getattr(self, n) == getattr(preset, n) for n in _OPERANDS) else "casts"
         text += ",pow2" if self.round_scales_to_power_of_2 else ""
+        text += ",fsdp_fp8_all_gather" if self.enable_fsdp_float8_all_gather else ""
         return text + (",emulate" if self.emulate else "")
+
+
+#: torchao's class name for the config.
+Float8LinearConfig = Float8Config
+
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+#: The six cast-config fields with their default dtypes, first uses first.
+_DEFAULT_DTYPES = {
+    "cast_config_input": _E4M3,
+    "cast_config_weight": _E4M3,
+    "cast_config_grad_output": _E5M2,
+    "cast_config_input_for_grad_weight": _E4M3,
+    "cast_config_weight_for_grad_input": _E4M3,
+    "cast_config_grad_output_for_grad_weight": _E5M2,
+}
+_OPERANDS = tuple(_DEFAULT_DTYPES)
+_SHORT = {"i": "cast_config_input", "w": "cast_config_weight", "go": "cast_config_grad_output"}
+_SECOND_USE = (
+    ("i_gw", "cast_config_input_for_grad_weight", "cast_config_input"),
+    ("w_gi", "cast_config_weight_for_grad_input", "cast_config_weight"),
+    ("go_gw", "cast_config_grad_output_for_grad_weight", "cast_config_grad_output"),
+)
+#: The two operands of each GEMM, named as torchao names the GEMM.
+_GEMM_OPERANDS = (
+    ("output", "cast_config_input", "cast_config_weight"),
+    ("grad_input", "cast_config_grad_output", "cast_config_weight_for_grad_input"),
+    ("grad_weight", "cast_config_input_for_grad_weight", "cast_config_grad_output_for_grad_weight"),
+)
+_GEMM_FIELDS = ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weight")
+
+
+def _resolve_operands(config: Float8Config) -> dict[str, object]:
+    """The resolved cast and GEMM config fields of ``config``, validated as torchao validates them."""
+    preset = recipe_casts(config.recipe)
+    out: dict[str, object] = {}
+    for name in _SHORT.values():
+        value = getattr(config, name)
+        out[name] = CastConfig.of(
+            preset.get(name, CastConfig()) if value is None else value, name, _DEFAULT_DTYPES[name]
+        )
+    for _, name, first in _SECOND_USE:
+        value = getattr(config, name)
+        value = preset.get(name, out[first]) if value is None else value
+        out[name] = CastConfig.of(value, name, _DEFAULT_DTYPES[name])
+    for gemm, a, b in _GEMM_OPERANDS:
+        if out[a].disabled != out[b].disabled:
+            raise Float8UsageError(
+                f"incompatible operand precision for {gemm}: {a} is {out[a].scaling_type.name} and {b} is "
+                f"{out[b].scaling_type.name}; a GEMM's two operands are both fp8 or both DISABLED"
+            )
+    for _, second, first in _SECOND_USE:
+        if out[first].target_dtype != out[second].target_dtype:
+            raise Float8UsageError(
+                f"{first.removeprefix('cast_config_')} must be cast to the same dtype in both matmuls it's "
+                f"used in: {first} has {out[first].target_dtype}, {second} {out[second].target_dtype}"
+            )
+    for name in _GEMM_FIELDS:
+        out[name] = Float8GemmConfig.of(getattr(config, name), name)
+    if not isinstance(config.pad_inner_dim, bool):
+        raise TypeError(f"pad_inner_dim must be a bool, got {config.pad_inner_dim!r}")
+    if config.margin and not _all_tensorwise(out):
+        raise ValueError(f"margin={config.margin} applies to the tensorwise casts only; these are not")
+    return out
+
+
+def _check_fsdp_float8_all_gather(config: Float8Config, resolved: dict[str, object]) -> None:
+    # The fp8 all-gather casts each weight shard to e4m3 with the whole weight's current amax: it needs
+    # mixprec.float8's own dynamic tensorwise casts.
+    flag = config.enable_fsdp_float8_all_gather
+    if not isinstance(flag, bool):
+        raise TypeError(f"enable_fsdp_float8_all_gather must be a bool, got {flag!r}")
+    if flag and (config.delayed or not _all_tensorwise(resolved)):
+        raise ValueError(
+            "enable_fsdp_float8_all_gather=True needs scaling='dynamic' and every cast dynamic tensorwise "
+            f"at its default dtype (recipe 'tensorwise'), got recipe={config.recipe!r}, "
+            f"scaling={config.scaling!r}"
+        )
+
+
+def _all_tensorwise(resolved: dict[str, object]) -> bool:
+    """Whether all six casts are dynamic tensorwise at their default dtypes."""
+    return all(resolved[name] == CastConfig(target_dtype=dtype) for name, dtype in _DEFAULT_DTYPES.items())
 
 
 def _check_choice(name: str, value: object, accepted: tuple[str, ...]) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.float8.casts import Float8UsageError
 from mixprec.float8.config import Float8Config
 from mixprec.float8.linear import Float8Linear, _check_config, check_float8_state
 
@@ -62,7 +63,8 @@ def convert_to_float8_training(
         TypeError: if ``model`` is not an ``nn.Module``, ``config`` not a :class:`Float8Config`,
             ``module_filter_fn`` not callable with ``(module, fqn)`` or returning a non-bool; nothing is
             converted then.
-        ValueError: if ``model`` is an ``nn.Linear`` with child modules (they would be dropped).
+        Float8UsageError: (a ValueError, and the AssertionError torchao raises) if ``model`` is an
+            ``nn.Linear`` with child modules (they would be dropped).
 
     Warns:
         UserWarning: naming the subclasses of ``nn.Linear`` that were kept as they are (only exact
@@ -76,7 +78,10 @@ def convert_to_float8_training(
     if _wanted(model, "", module_filter_fn, skipped):
         children = [name for name, _ in model.named_children()]
         if children:  # torchao refuses these too: the swapped module would lose them
-            raise ValueError(f"cannot convert a root {type(model).__name__} with child modules {children}")
+            raise Float8UsageError(
+                f"Does not support a root nn.Linear with children: cannot convert a root "
+                f"{type(model).__name__} with child modules {children} (they would be dropped)"
+            )
         return Float8Linear.from_linear(model, config)
     swaps = [
         (fqn, module)

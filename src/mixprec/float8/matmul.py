@@ -20,6 +20,7 @@ import torch
 
 from mixprec import formats
 from mixprec.float8.config import Float8Config
+from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from mixprec.float8.scaling import amax_of, amax_to_scale, delayed_scale, push_amax, to_float8
 
 __all__ = ["scaled_mm"]
@@ -40,13 +41,21 @@ def scaled_mm(
     out_dtype: torch.dtype,
     *,
     emulate: bool = False,
+    use_fast_accum: bool = False,
+    pad_inner_dim: bool = False,
 ) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale)`` in ``out_dtype`` for fp8 ``a`` (M, K) and ``b`` (K, N).
 
     Uses ``torch._scaled_mm`` (which takes the inverse scales, the dequantisation factors) unless
     ``emulate`` or the shapes are ones it rejects; the emulation is torchao's: a float32 ``torch.mm`` of
-    the dequantized operands, cast to ``out_dtype``.
+    the dequantized operands, cast to ``out_dtype``. ``use_fast_accum`` is passed to ``torch._scaled_mm``
+    (the emulation ignores it); ``pad_inner_dim`` zero-pads K to a multiple of 16 first (torchao's
+    ``pad_inner_dim``: zeros add nothing to the products).
     """
+    if pad_inner_dim and a.shape[1] % 16:
+        pad = -a.shape[1] % 16
+        a = torch.nn.functional.pad(a, (0, pad))
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad))
     if not emulate and out_dtype in _SCALED_MM_OUT and _scaled_mm_accepts(a, b):
         return torch._scaled_mm(
             a.contiguous(),
@@ -54,6 +63,7 @@ def scaled_mm(
             scale_a=a_scale.reciprocal(),
             scale_b=b_scale.reciprocal(),
             out_dtype=out_dtype,
+            use_fast_accum=use_fast_accum,
         )
     return torch.mm(a.to(torch.float32) / a_scale, b.to(torch.float32) / b_scale).to(out_dtype)
 
@@ -68,6 +78,12 @@ def _scaled_mm_accepts(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device.type != "cuda" or (a.dtype == E5M2.dtype and b.dtype == E5M2.dtype):
         return False
     return all(size % 16 == 0 for size in (*a.shape, b.shape[1]))
+
+
+def _gemm_kwargs(config: Float8Config, gemm: int) -> dict[str, bool]:
+    """:func:`scaled_mm`'s settings for GEMM ``gemm`` (0 output, 1 grad_input, 2 grad_weight)."""
+    mm = config.linear_mm_config[gemm]
+    return {"emulate": mm.emulate, "use_fast_accum": mm.use_fast_accum, "pad_inner_dim": mm.pad_inner_dim}
 
 
 def _scale_for(
@@ -94,6 +110,23 @@ def _scale_for(
     return scale
 
 
+def _weight_to_float8(
+    weight: torch.Tensor,
+    config: Float8Config,
+    history: torch.Tensor | None,
+    stats: torch.Tensor,
+    update: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's e4m3 cast and its scale; under FSDP2's fp8 all-gather, the cast that was gathered."""
+    if isinstance(weight, Float8GatheredWeight):
+        stats[0, WEIGHT], stats[1, WEIGHT] = weight._amax, weight._scale
+        return weight._data, weight._scale
+    if isinstance(weight, Float8AllGatherWeight):  # not sharded (yet): cast the wrapped weight here
+        weight = weight._tensor
+    w_scale = _scale_for(WEIGHT, weight, E4M3, config, history, stats, update)
+    return to_float8(weight, w_scale, E4M3), w_scale
+
+
 class Float8LinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with all three matmuls in fp8 (see the module doc); bias is added by the caller.
 
@@ -115,10 +148,9 @@ class Float8LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             x_scale = _scale_for(INPUT, x2, E4M3, config, history, stats, update)
-            w_scale = _scale_for(WEIGHT, weight, E4M3, config, history, stats, update)
+            w8, w_scale = _weight_to_float8(weight, config, history, stats, update)
             x8 = to_float8(x2, x_scale, E4M3)
-            w8 = to_float8(weight, w_scale, E4M3)
-            out = scaled_mm(x8, x_scale, w8.t(), w_scale, x.dtype, emulate=config.emulate)
+            out = scaled_mm(x8, x_scale, w8.t(), w_scale, x.dtype, **_gemm_kwargs(config, 0))
         ctx.save_for_backward(x8, x_scale, w8, w_scale)
         ctx.history, ctx.stats, ctx.config, ctx.update = history, stats, config, update
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -134,9 +166,9 @@ class Float8LinearFunction(torch.autograd.Function):
             go_scale = _scale_for(GRAD_OUTPUT, go2, E5M2, config, ctx.history, ctx.stats, ctx.update)
             go8 = to_float8(go2, go_scale, E5M2)
             if ctx.needs_input_grad[0]:
-                grad_x = scaled_mm(go8, go_scale, w8, w_scale, grad_out.dtype, emulate=config.emulate)
+                grad_x = scaled_mm(go8, go_scale, w8, w_scale, grad_out.dtype, **_gemm_kwargs(config, 1))
                 grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                grad_w = scaled_mm(go8.t(), go_scale, x8, x_scale, grad_out.dtype, emulate=config.emulate)
+                grad_w = scaled_mm(go8.t(), go_scale, x8, x_scale, grad_out.dtype, **_gemm_kwargs(config, 2))
                 grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None, None

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.lowbit import LowbitLinear
+from mixprec.inspect.lowbit import _layer
+from mixprec.lowbit import LowbitLinear, get_recipe
 
 #: The formats that are not a :mod:`mixprec.lowbit` recipe: a layer left in a float dtype.
 HIGH_PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -51,6 +52,7 @@ class Slots:
     def __init__(self, model: nn.Module, fqns: Sequence[str]) -> None:
         self.model = model
         self.originals = {fqn: model.get_submodule(fqn) for fqn in fqns}
+        self.passes = 0  # forward/backward passes over a set of batches, for the plan's record
 
     def set(self, formats: dict[str, str], generator: torch.Generator | None) -> None:
         for fqn, fmt in formats.items():
@@ -87,6 +89,7 @@ def run_pass(
     With ``capture``, the first batch's layer inputs, weights and output gradients are kept (float32,
     flattened to 2-D) for the quantization statistics.
     """
+    slots.passes += 1
     fqns = list(slots.originals)
     weights = [slots.originals[f].weight for f in fqns]
     result = PassResult([], [torch.zeros_like(w, dtype=torch.float32) for w in weights], [])
@@ -168,3 +171,79 @@ def divergences(ref: PassResult, run: PassResult, fqn: str | None) -> dict[str, 
         den = sum(float(b.square().sum()) for _, b in pairs)
         out["input_grad"] = (num / max(den, tiny)) ** 0.5
     return out
+
+
+#: The divergences of a layer left in the model's precision: the reference itself.
+EXACT = {"loss": 0.0, "weight_grad": 0.0, "input_grad": 0.0}
+EXACT.update(error=0.0, flushed=0.0, saturated=0.0, outlier_blocks=0.0, fprop_flushed=0.0)
+_STATS = ("error", "flushed", "saturated", "outlier_blocks")
+
+
+class Measurer:
+    """Each layer's divergences per format (``layers[fqn]["divergence"][fmt]``), measured on demand and
+    each (layer, format) at most once: one forward/backward over the batches with that layer alone in
+    that format. Quantization statistics come from the reference pass's captured operands, so a format
+    over ``max_flushed`` needs no pass to be ruled out (unless ``exhaustive``)."""
+
+    def __init__(self, slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, limits) -> None:
+        self.slots, self.ref, self.batches, self.loss_fn = slots, ref, batches, loss_fn
+        self.seed, self.generator, self.formats = seed, generator, formats
+        self.max_flushed, self.exhaustive = limits
+        self.layers: dict[str, dict[str, Any]] = {}
+        for fqn in slots.originals:
+            captured = ref.captured.get(fqn)
+            if captured is None:
+                continue  # never called on these batches: nothing to measure, left as it is
+            m, k = captured["x"].shape
+            n = captured["w"].shape[0]
+            costs = {fmt: float(cost_fn(fmt, m, n, k)) for fmt in (*formats, "bf16", "fp32")}
+            self.layers[fqn] = {"shape": [m, n, k], "flops": 6 * m * n * k, "cost": costs, "divergence": {}}
+
+    def measure(self, fqn: str, fmt: str) -> dict[str, Any]:
+        done = self.layers[fqn]["divergence"]
+        if fmt not in done:
+            done[fmt] = self._one(fqn, fmt)
+        return done[fmt]
+
+    def cheapest(self, grad_limit: float) -> None:
+        """Per layer, the formats in order of cost until the cheapest admissible one (and its equals)."""
+        for fqn, info in self.layers.items():
+            found = None
+            for fmt in sorted(self.formats, key=lambda f: info["cost"][f]):
+                if found is not None and info["cost"][fmt] > found:
+                    break
+                d = self.measure(fqn, fmt)
+                flushed = d["fprop_flushed"] > self.max_flushed
+                if d["loss"] is not None and not flushed and d["weight_grad"] <= grad_limit:
+                    found = info["cost"][fmt]
+
+    def complete(self) -> bool:
+        """Measure every (layer, format) not measured yet; True if there was any."""
+        todo = [
+            (f, fmt)
+            for f, info in self.layers.items()
+            for fmt in self.formats
+            if fmt not in info["divergence"]
+        ]
+        for fqn, fmt in todo:
+            self.measure(fqn, fmt)
+        return bool(todo)
+
+    def _one(self, fqn: str, fmt: str) -> dict[str, Any]:
+        if fmt == "fp32":
+            return dict(EXACT)
+        stats = dict.fromkeys(_STATS, 0.0)
+        forward = 0.0
+        if fmt not in HIGH_PRECISION:
+            per_operand = _layer(self.ref.captured[fqn], get_recipe(fmt), 8.0)
+            stats = {key: max((getattr(s, key) for s in per_operand.values()), default=0.0) for key in stats}
+            forward = max((s.flushed for op, s in per_operand.items() if op.startswith("fprop")), default=0.0)
+        stats["fprop_flushed"] = forward
+        if forward > self.max_flushed and not self.exhaustive:  # ruled out: no pass needed
+            return {"loss": None, "weight_grad": None, "input_grad": None, **stats}
+        self.slots.set({fqn: fmt}, self.generator)
+        try:
+            run = run_pass(self.slots, self.batches, self.loss_fn, self.seed)
+        finally:
+            self.slots.set({fqn: "fp32"}, self.generator)
+        return {**divergences(self.ref, run, fqn), **stats}

@@ -7,20 +7,35 @@ forward loss divergence and backward weight divergence, then an integer program 
    linear layer at the model's own (high) precision: losses, every linear's weight gradient, every
    layer's input gradient, and (first batch) each layer's input, weight and output gradient.
 2. **Per layer and format**, that layer alone swapped to the format, one forward/backward over the
-   batches: the forward divergence ``sum_b |L_b - L_ref_b| / sum_b |L_ref_b|``, the backward divergences
+   batches: the forward divergence ``sum_b |L_b - L_ref_b| / sum_b |L_ref_b|`` (the relative loss
+   change, an upper bound of the relative increase of the mean loss), the backward divergences
    ``||G - G_ref|| / ||G_ref||`` of all linears' weight gradients and of the layer's input gradient, and
    the quantization statistics of its six GEMM operands (:func:`mixprec.inspect.lowbit_report`'s error,
-   flushed, saturated and outlier-set-block shares). The layer's **score** in that format is
-   ``loss + backward_weight * weight_grad``.
-3. **Choose** the cheapest assignment, one format per layer, whose summed score fits the budget: a
-   multiple-choice knapsack (Sinha and Zoltners, Operations Research 27(3), 1979; Kellerer, Pferschy and
-   Pisinger, "Knapsack Problems", Springer 2004, ch. 11), solved exactly by dynamic programming over
-   the budget in 1000 steps with each score rounded up, so the sum never undercounts.
+   flushed, saturated and outlier-set-block shares, from the reference's captured operands, no pass).
+   Measured on demand, each (layer, format) at most once: first each layer's cheapest admissible
+   format; if that assignment fits the budget no other is cheaper, so the other formats are measured
+   only when it does not (``exhaustive=True`` measures all of them up front, for the table and plot).
+3. **Choose** the cheapest assignment, one format per layer, whose summed loss divergence fits the
+   budget (ties: the smaller summed weight-gradient divergence): a multiple-choice knapsack (Sinha and
+   Zoltners, Operations Research 27(3), 1979; Kellerer, Pferschy and Pisinger, "Knapsack Problems",
+   Springer 2004, ch. 11), solved exactly by dynamic programming over the budget in 1000 steps with each
+   divergence rounded up, so the sum never undercounts. A format that flushes more than ``max_flushed``
+   of the nonzero values of the layer's forward input or weight to zero (``fprop_flushed``) is not a
+   candidate for that layer: the signal it drops is one the model may not use yet, so a loss measured
+   at one point of training cannot see what it costs later. On the inputs of lognormal channel scale of
+   ``benchmarks/plan_precision.py``'s teacher task nvfp4 flushed 22-32 % of a first layer's inputs
+   (4-11 % in every other layer of its tasks); that layer alone in nvfp4 changed the loss by 0.1-0.3 %,
+   and training with it so raised the held-out loss by 11-24 %.
+   With ``grad_budget``, the root-sum-square of the chosen formats' weight-gradient divergences must fit
+   it too (a second knapsack constraint, the layers' gradient errors taken as independent).
 4. **Measure the plan as a whole** (all its layers swapped at once, one forward/backward over the
-   batches). Effects of layers do not simply add, so while the measured score is over the budget, the
-   solver's budget is cut by ``0.8 * budget / measured`` and the plan re-solved and re-measured
-   (at most ``max_rounds`` solves); the returned plan's measured score fits the budget, and if no mix of
-   the given formats does, every layer stays in the model's precision (``"fp32"``, divergence 0).
+   batches, and over ``check_batches`` when given: batches the layers were not measured on, so the
+   choice cannot have picked their noise). Effects of layers do not simply add, so while the measured
+   loss divergence (the larger of the two sets) is over the budget, the solver's budget is cut by
+   ``0.8 * budget / measured`` and the plan re-solved and re-measured (and likewise the weight-gradient
+   limit against ``grad_budget``), at most ``max_rounds`` solves; the returned plan's measured loss
+   divergence fits the budget, and if no mix of the given formats does, every layer stays in the model's
+   precision (``"fp32"``, divergence 0).
 
 The cost of a format for a layer is the roofline time of its three training GEMMs on a named GPU
 (:mod:`mixprec.inspect.plan_cost`), or a user's ``cost(format, m, n, k)``.
@@ -37,9 +52,16 @@ import torch
 from torch import nn
 
 from mixprec.inspect._modules import check_model
-from mixprec.inspect._plan_measure import HIGH_PRECISION, PassResult, Slots, divergences, run_pass
+from mixprec.inspect._plan_measure import (
+    EXACT,
+    HIGH_PRECISION,
+    Measurer,
+    PassResult,
+    Slots,
+    divergences,
+    run_pass,
+)
 from mixprec.inspect._restore import preserved
-from mixprec.inspect.lowbit import _layer
 from mixprec.inspect.plan_cost import CostFn, resolve_cost
 from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.lowbit import RECIPES, get_recipe
@@ -47,9 +69,7 @@ from mixprec.lowbit import RECIPES, get_recipe
 __all__ = ["plan_precision"]
 
 _STEPS = 1000
-#: The divergences of a layer left in the model's precision: the reference itself.
-_EXACT = {"loss": 0.0, "weight_grad": 0.0, "input_grad": 0.0, "score": 0.0}
-_EXACT.update(error=0.0, flushed=0.0, saturated=0.0, outlier_blocks=0.0)
+_STEPS_2D = 100
 
 
 def plan_precision(
@@ -60,11 +80,14 @@ def plan_precision(
     formats: Sequence[str] = ("nvfp4", "mxfp8", "bf16"),
     budget: float = 0.01,
     cost: str | CostFn | None = None,
-    backward_weight: float = 0.1,
+    grad_budget: float | None = None,
+    max_flushed: float = 0.15,
+    check_batches: Iterable[Any] | None = None,
+    exhaustive: bool = False,
     max_rounds: int = 6,
     seed: int = 0,
 ) -> PrecisionPlan:
-    """Plan a format per ``nn.Linear`` of ``model`` so that the whole plan's measured divergence fits.
+    """Plan a format per ``nn.Linear`` of ``model`` so that the whole plan's measured loss change fits.
 
     See the module doc for the method. The model is handed back exactly as it was (parameters, buffers,
     ``.grad``, modes, RNG state; layers already converted by :mod:`mixprec.lowbit` are measured and
@@ -75,9 +98,17 @@ def plan_precision(
         batches: the planning batches (a few; each is passed to ``loss_fn`` as is).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
         formats: candidate formats: :mod:`mixprec.lowbit` recipe names, ``"bf16"``, ``"fp32"``.
-        budget: the bound on the plan's measured score, a relative loss change (0.01 = 1 %), > 0.
+        budget: the bound (> 0) on the whole plan's measured relative loss change against the
+            high-precision run on these batches (0.01 = 1 %).
         cost: a target name (``"b200"`` default, ``"h100"``) or ``cost(format, m, n, k) -> float``.
-        backward_weight: the weight (>= 0) of the weight-gradient divergence in a layer's score.
+        grad_budget: an optional second bound (> 0) on the whole plan's measured relative change of the
+            weight gradients (all linears, ``||G - G_ref|| / ||G_ref||``); None: gradients only break ties.
+        max_flushed: the largest share (in (0, 1]) of the nonzero values of a layer's forward input or
+            weight that a candidate format may flush to zero (1: no limit).
+        check_batches: optional batches on which the whole plan must fit the budget too (not used to
+            measure single layers).
+        exhaustive: measure every layer in every format (for the table and plot) instead of only what
+            the choice needs; the plan is the same up to stochastic-rounding draws.
         max_rounds: solves at most (>= 1) before falling back to the model's precision.
         seed: seeds dropout (the same masks in every pass) and stochastic rounding.
 
@@ -86,13 +117,18 @@ def plan_precision(
 
     Raises:
         TypeError: for a non-module ``model``, a non-callable ``loss_fn`` or ``cost``.
-        ValueError: for a budget that is not a finite number > 0, an empty ``batches``, an unknown
-            format or cost target, a model without linear layers (or that is one), or a ``loss_fn`` that
-            returns a non-scalar loss, or a non-finite one at high precision. Nothing is changed then.
+        ValueError: for a budget or grad_budget that is not a finite number > 0, a max_flushed
+            outside (0, 1], an empty ``batches``
+            (or ``check_batches`` given empty), an unknown format or cost target, a model without linear
+            layers (or that is one), or a ``loss_fn`` that returns a non-scalar loss, or a non-finite one
+            at high precision. Nothing is changed then.
     """
     start = time.process_time()
     check_model(model)
-    formats, budget, batches = _check(formats, budget, batches, loss_fn, backward_weight, max_rounds)
+    formats, budget, grad_budget, batches, checks = _check(
+        formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds
+    )
+    _check_share("max_flushed", max_flushed)
     target, cost_fn = resolve_cost(cost)
     fqns = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not fqns:
@@ -107,28 +143,33 @@ def plan_precision(
             tick = time.process_time()
             ref = run_pass(slots, batches, loss_fn, seed, capture=True)
             step = (time.process_time() - tick) / len(batches)
-            if not all(math.isfinite(loss) for loss in ref.losses):
-                raise ValueError(f"loss_fn returned a non-finite loss at high precision: {ref.losses}")
-            layers = _measure(
-                slots, ref, formats, batches, loss_fn, seed, generator, cost_fn, backward_weight
+            sets = [(batches, ref)]
+            if checks:
+                sets.append((checks, run_pass(slots, checks, loss_fn, seed)))
+            losses = [loss for _, r in sets for loss in r.losses]
+            if not all(math.isfinite(loss) for loss in losses):
+                raise ValueError(f"loss_fn returned a non-finite loss at high precision: {losses}")
+            measurer = Measurer(
+                slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, (max_flushed, exhaustive)
             )
+            limits = (budget, grad_budget, float(max_flushed))
             chosen, measured, rounds = _solve_and_tighten(
-                slots, ref, layers, budget, batches, loss_fn, seed, generator, backward_weight, max_rounds
+                slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds
             )
         finally:
             slots.restore()
-    reasons = {f: _reason(f, chosen, layers, budget, rounds) for f in fqns}
+    layers = measurer.layers
+    reasons = {f: _reason(f, chosen, layers, limits, rounds) for f in fqns}
     seconds = time.process_time() - start
     return PrecisionPlan(
-        chosen, layers, reasons, budget, measured, rounds, target, backward_weight, seconds, step
+        chosen, layers, reasons, budget, measured, rounds, target, grad_budget, seconds, step, slots.passes
     )
 
 
-def _check(formats: Any, budget: Any, batches: Any, loss_fn: Any, backward_weight: Any, max_rounds: Any):
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
-        raise ValueError(f"budget must be a finite number > 0 (a relative loss change), got {budget!r}")
-    if budget <= 0:
-        raise ValueError(f"budget must be > 0 (a relative loss change, e.g. 0.01), got {budget!r}")
+def _check(formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds):
+    _check_bound("budget", budget)
+    if grad_budget is not None:
+        _check_bound("grad_budget", grad_budget)
     if isinstance(formats, str) or not isinstance(formats, Sequence) or not formats:
         raise ValueError(f"formats must be a non-empty sequence of format names, got {formats!r}")
     known = [*RECIPES, *HIGH_PRECISION]
@@ -142,124 +183,163 @@ def _check(formats: Any, budget: Any, batches: Any, loss_fn: Any, backward_weigh
                 raise ValueError(f"unknown format {fmt!r}; known: {', '.join(known)}") from None
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable loss_fn(model, batch) -> loss, got {loss_fn!r}")
-    bad_weight = isinstance(backward_weight, bool) or not isinstance(backward_weight, (int, float))
-    if bad_weight or not 0 <= backward_weight < math.inf:
-        raise ValueError(f"backward_weight must be a finite number >= 0, got {backward_weight!r}")
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
     batches = list(batches)
     if not batches:
         raise ValueError("batches is empty: the planner needs at least one batch to measure on")
-    return list(dict.fromkeys(formats)), float(budget), batches
+    checks = None if check_batches is None else list(check_batches)
+    if checks is not None and not checks:
+        raise ValueError("check_batches is empty: pass None to check the plan on the planning batches only")
+    grad = None if grad_budget is None else float(grad_budget)
+    return list(dict.fromkeys(formats)), float(budget), grad, batches, checks
 
 
-def _measure(slots, ref, formats, batches, loss_fn, seed, generator, cost_fn, backward_weight):
-    layers: dict[str, dict[str, Any]] = {}
-    for fqn in slots.originals:
-        captured = ref.captured.get(fqn)
-        if captured is None:
-            continue  # never called on these batches: nothing to measure, left as it is
-        m, k = captured["x"].shape
-        n = captured["w"].shape[0]
-        info: dict[str, Any] = {"shape": [m, n, k], "flops": 6 * m * n * k, "cost": {}, "divergence": {}}
-        for fmt in formats:
-            info["cost"][fmt] = float(cost_fn(fmt, m, n, k))
-            info["divergence"][fmt] = _one(slots, ref, fqn, fmt, captured, batches, loss_fn, seed, generator)
-            d = info["divergence"][fmt]
-            d["score"] = d["loss"] + backward_weight * d["weight_grad"]
-        for fmt in ("bf16", "fp32"):  # the baseline of relative_cost, and the fallback
-            info["cost"].setdefault(fmt, float(cost_fn(fmt, m, n, k)))
-        layers[fqn] = info
-    return layers
+def _check_bound(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number > 0 (a relative change), got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0 (a relative change, e.g. 0.01), got {value!r}")
 
 
-def _one(slots, ref, fqn, fmt, captured, batches, loss_fn, seed, generator) -> dict[str, Any]:
-    stats = {"error": 0.0, "flushed": 0.0, "saturated": 0.0, "outlier_blocks": 0.0}
-    if fmt == "fp32":
-        return {key: value for key, value in _EXACT.items() if key != "score"}
-    slots.set({fqn: fmt}, generator)
-    try:
-        run = run_pass(slots, batches, loss_fn, seed)
-    finally:
-        slots.set({fqn: "fp32"}, generator)
-    if fmt not in HIGH_PRECISION:
-        per_operand = _layer(captured, get_recipe(fmt), 8.0).values()
-        stats = {key: max((getattr(s, key) for s in per_operand), default=0.0) for key in stats}
-    return {**divergences(ref, run, fqn), **stats}
+def _check_share(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a share in (0, 1], got {value!r}")
 
 
-def _knapsack(layers: dict[str, dict[str, Any]], budget: float) -> dict[str, str]:
-    """The cheapest one-format-per-layer choice whose summed (rounded-up) score is <= ``budget``."""
-    inf = float("inf")
-    best = [0.0] * (_STEPS + 1)  # best[u]: least cost of the layers so far using at most u budget steps
-    choices: list[list[tuple[str, int] | None]] = []
+def _knapsack(
+    layers: dict[str, dict[str, Any]],
+    budget: float,
+    grad_limit: float = math.inf,
+    max_flushed: float = 1.0,
+) -> dict[str, str]:
+    """The cheapest one-format-per-layer choice whose summed (rounded-up) loss divergence is <= ``budget``
+    and, for a finite ``grad_limit``, whose root-sum-square weight-gradient divergence is <= it (the
+    layers' gradient errors taken as independent). Among choices of equal cost, the one with the smaller
+    summed weight-gradient divergence; formats over ``max_flushed`` (``fprop_flushed``) are left out.
+
+    Dynamic programming over the used resources (the loss in 1000 steps of the budget; with a gradient
+    bound, 100 steps each of the budget and of ``grad_limit ** 2``), each item's use rounded up.
+    """
+    two = math.isfinite(grad_limit)
+    steps = (_STEPS_2D, _STEPS_2D) if two else (_STEPS, 0)
+    best: dict[tuple[int, int], tuple[float, float]] = {(0, 0): (0.0, 0.0)}  # used -> least (cost, wgrad)
+    backs: list[dict[tuple[int, int], tuple[str, tuple[int, int]]]] = []
     for info in layers.values():
         items = []
         for fmt, d in info["divergence"].items():
-            if math.isfinite(d["score"]):
-                steps = math.ceil(d["score"] / budget * _STEPS - 1e-9) if d["score"] > 0 else 0
-                items.append((fmt, steps, info["cost"][fmt] + 1e-15 * d["score"]))
-        new, pick = [inf] * (_STEPS + 1), [None] * (_STEPS + 1)
-        for u in range(_STEPS + 1):
-            for fmt, steps, c in items:
-                if steps <= u and best[u - steps] + c < new[u]:
-                    new[u], pick[u] = best[u - steps] + c, (fmt, steps)
+            wgrad = d.get("weight_grad", 0.0)
+            if d["loss"] is None or not math.isfinite(d["loss"]) or wgrad > grad_limit:
+                continue  # ruled out without a pass, non-finite, or over the gradient limit alone
+            if d.get("fprop_flushed", 0.0) <= max_flushed:
+                du = _use(d["loss"], budget, steps[0])
+                dv = _use(wgrad**2, grad_limit**2, steps[1]) if two else 0
+                items.append((fmt, du, dv, info["cost"][fmt], wgrad))
+        new: dict[tuple[int, int], tuple[float, float]] = {}
+        back: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}
+        for (u, v), (c0, w0) in best.items():
+            for fmt, du, dv, c, w in items:
+                key = (u + du, v + dv)
+                if (
+                    key[0] <= steps[0]
+                    and key[1] <= steps[1]
+                    and (key not in new or (c0 + c, w0 + w) < new[key])
+                ):
+                    new[key], back[key] = (c0 + c, w0 + w), (fmt, (u, v))
         best = new
-        choices.append(pick)
-    if best[_STEPS] == inf:
+        backs.append(back)
+    if not best:
         return {}
-    out, u = {}, _STEPS
-    for fqn, pick in zip(reversed(list(layers)), reversed(choices), strict=True):
-        fmt, steps = pick[u]
-        out[fqn], u = fmt, u - steps
+    key = min(best, key=best.__getitem__)
+    out = {}
+    for fqn, back in zip(reversed(list(layers)), reversed(backs), strict=True):
+        out[fqn], key = back[key]
     return dict(reversed(list(out.items())))
 
 
-def _solve_and_tighten(slots, ref, layers, budget, batches, loss_fn, seed, generator, bw, max_rounds):
+def _use(value: float, limit: float, steps: int) -> int:
+    """``value`` in steps of ``limit / steps``, rounded up (so a sum of uses never undercounts)."""
+    return math.ceil(value / limit * steps - 1e-9) if value > 0 else 0
+
+
+def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds):
+    """Solve, measure the whole plan, tighten; the first solve sees only each layer's cheapest admissible
+    formats (enough when they fit: no assignment is cheaper), the rest are measured when it does not."""
+    budget, grad_budget, max_flushed = limits
+    layers = measurer.layers
     rounds: list[dict[str, float]] = []
-    solver_budget = budget
-    for _ in range(max_rounds):
-        chosen = _knapsack(layers, solver_budget)
+    solver_budget, grad_limit = budget, math.inf if grad_budget is None else grad_budget
+    if measurer.exhaustive:
+        measurer.complete()
+    else:
+        measurer.cheapest(grad_limit)
+    while len(rounds) < max_rounds:
+        chosen = _knapsack(layers, solver_budget, grad_limit, max_flushed)
+        if not chosen and measurer.complete():
+            continue  # the cheapest formats did not fit: solve again with every format measured
         if not chosen:
             break
-        measured = _measure_plan(slots, ref, chosen, batches, loss_fn, seed, generator, bw)
-        rounds.append({"solver_budget": solver_budget, "measured": measured["score"]})
-        if measured["score"] <= budget:
+        measured = _measure_plan(slots, sets, chosen, loss_fn, seed, generator)
+        rounds.append({"solver_budget": solver_budget, "measured": measured["loss"]})
+        loss_ok = measured["loss"] <= budget
+        grad_ok = grad_budget is None or measured["weight_grad"] <= grad_budget
+        if loss_ok and grad_ok:
             return chosen, measured, rounds
-        solver_budget *= 0.8 * budget / measured["score"]
+        measurer.complete()
+        if not loss_ok:
+            solver_budget *= 0.8 * budget / measured["loss"]
+        if not grad_ok:
+            grad_limit *= 0.8 * grad_budget / measured["weight_grad"]
     fallback = dict.fromkeys(layers, "fp32")
     for info in layers.values():
-        info["divergence"].setdefault("fp32", dict(_EXACT))
+        info["divergence"].setdefault("fp32", dict(EXACT))
     rounds.append({"solver_budget": 0.0, "measured": 0.0})
-    return fallback, {"loss": 0.0, "weight_grad": 0.0, "score": 0.0}, rounds
+    return fallback, {"loss": 0.0, "weight_grad": 0.0}, rounds
 
 
-def _measure_plan(slots, ref, chosen, batches, loss_fn, seed, generator, bw) -> dict[str, float]:
+def _measure_plan(slots, sets, chosen, loss_fn, seed, generator) -> dict[str, float]:
+    """The whole plan's divergences: the larger over the planning batches and the check batches."""
     slots.set(chosen, generator)
     try:
-        run: PassResult = run_pass(slots, batches, loss_fn, seed)
+        runs: list[PassResult] = [run_pass(slots, batches, loss_fn, seed) for batches, _ in sets]
     finally:
         slots.set(dict.fromkeys(chosen, "fp32"), generator)
-    d = divergences(ref, run, None)
-    return {"loss": d["loss"], "weight_grad": d["weight_grad"], "score": d["loss"] + bw * d["weight_grad"]}
+    found = [divergences(ref, run, None) for (_, ref), run in zip(sets, runs, strict=True)]
+    out = {key: max(d[key] for d in found) for key in ("loss", "weight_grad")}
+    if len(found) > 1:
+        out["check_loss"], out["check_weight_grad"] = found[1]["loss"], found[1]["weight_grad"]
+    return out
 
 
-def _reason(fqn: str, chosen: dict, layers: dict, budget: float, rounds: list) -> str:
+def _reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -> str:
+    budget, grad_budget, max_flushed = limits
     fmt = chosen[fqn]
     info = layers[fqn]
     if rounds and rounds[-1]["solver_budget"] == 0.0:
         return "no mix of the given formats fit the budget when measured; kept in the model's precision"
     cheaper = [f for f, c in info["cost"].items() if c < info["cost"][fmt] and f in info["divergence"]]
-    own = info["divergence"][fmt]["score"]
+    own = info["divergence"][fmt]["loss"]
     if not cheaper:
-        return f"cheapest format; score {own:.2e} ({own / budget:.0%} of the budget)"
+        return f"cheapest format; loss divergence {own:.2e} ({own / budget:.0%} of the budget)"
     cheaper.sort(key=lambda g: info["cost"][g])
     d = info["divergence"][cheaper[0]]
     details = [f"{key} {d[key]:.1%}" for key in ("flushed", "saturated", "outlier_blocks") if d[key] >= 0.01]
-    scores = [f"{g} would score {info['divergence'][g]['score']:.2e}" for g in cheaper]
+    scores = [_why_not(g, info["divergence"][g], grad_budget, max_flushed) for g in cheaper]
     tightened = " after tightening" if len(rounds) > 1 else ""
     return (
         ", ".join(scores)
         + (f" ({cheaper[0]}: " + ", ".join(details) + ")" if details else "")
-        + f"; budget {budget:.2e}{tightened}"
+        + f"; budget {budget:.2e}"
+        + ("" if grad_budget is None else f", grad_budget {grad_budget:.2e}")
+        + tightened
     )
+
+
+def _why_not(fmt: str, d: dict[str, Any], grad_budget: float | None, max_flushed: float) -> str:
+    if d["fprop_flushed"] > max_flushed:
+        return (
+            f"{fmt} flushes {d['fprop_flushed']:.0%} of its forward input or weight (over {max_flushed:.0%})"
+        )
+    if grad_budget is not None and d["weight_grad"] > grad_budget:
+        return f"{fmt} would change the weight gradients {d['weight_grad']:.2e} (over {grad_budget:.2e})"
+    return f"{fmt} would change the loss {d['loss']:.2e}"

@@ -34,7 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="tiny", help="bench workload size (default tiny)")
     parser.add_argument("--batches", type=int, default=2, help="planning batches of a workload (default 2)")
     parser.add_argument("--formats", default="nvfp4,mxfp8,bf16", help="comma-separated candidate formats")
-    parser.add_argument("--budget", type=float, default=0.01, help="bound on the measured divergence")
+    parser.add_argument(
+        "--budget", type=float, default=0.01, help="bound on the plan's measured relative loss change"
+    )
+    parser.add_argument(
+        "--grad-budget", type=float, default=None, help="optional bound on its weight-gradient change"
+    )
+    parser.add_argument(
+        "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
+    )
     parser.add_argument("--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
@@ -52,7 +60,15 @@ def run(args: argparse.Namespace) -> int:
     model, batches, loss_fn = _from_factory(args.factory) if args.factory else _from_workload(args)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     plan = plan_precision(
-        model, batches, loss_fn, formats=formats, budget=args.budget, cost=args.cost, seed=args.seed
+        model,
+        batches,
+        loss_fn,
+        formats=formats,
+        budget=args.budget,
+        cost=args.cost,
+        grad_budget=args.grad_budget,
+        exhaustive=args.exhaustive,
+        seed=args.seed,
     )
     print(plan.table())
     write_atomic(args.json, plan.to_json())  # complete or absent, see mixprec._files

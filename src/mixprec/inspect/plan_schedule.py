@@ -16,6 +16,7 @@ Layers are swapped in place and share their parameters, so the optimizer (and it
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,8 +80,7 @@ class Replan:
         fmt = self.phases.get(step)
         if fmt is not None and fmt != REPLAN:
             names = list(self.plan.formats) if self.plan else _linears(model)
-            plan = self._uniform(names, fmt, step)
-            self._fixed = True
+            plan, fixed = self._uniform(names, fmt, step), True
         elif (
             fmt == REPLAN
             or self.plan is None
@@ -89,19 +89,52 @@ class Replan:
             plan = self.make_plan(model)
             if not isinstance(plan, PrecisionPlan):
                 raise TypeError(f"make_plan must return a PrecisionPlan, got {type(plan).__name__}")
-            self._fixed = False
+            fixed = False
         else:
             return None
-        plan.apply(model, self.generator)
-        self.plan = plan
+        plan.apply(model, self.generator)  # validates before it converts: a refusal changes nothing
+        self.plan, self._fixed = plan, fixed
         self.history.append((step, dict(plan.formats)))
         return plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to carry on: the applied plan (its JSON, or None), the history and
+        whether a fixed phase has stopped the ``every`` re-plans; plain types only (str, int, bool, dict,
+        list), so ``torch.load(weights_only=True)`` reads it. The constructor's arguments are not in it."""
+        return {
+            "plan": None if self.plan is None else self.plan.to_json(),
+            "history": [[step, dict(formats)] for step, formats in self.history],
+            "fixed": self._fixed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the plan is not applied here (``replan.plan.apply(model)`` does).
+
+        Raises:
+            ValueError: for a state that is not one of :meth:`state_dict` (nothing is changed then).
+        """
+        if not isinstance(state, Mapping) or set(state) != {"plan", "history", "fixed"}:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"not a Replan state_dict (keys plan, history, fixed), got {keys}")
+        text, history = state["plan"], state["history"]
+        plan = None if text is None else PrecisionPlan.from_json(text)
+        if not isinstance(history, list) or not all(
+            isinstance(entry, (list, tuple))
+            and len(entry) == 2
+            and isinstance(entry[0], int)
+            and not isinstance(entry[0], bool)
+            and isinstance(entry[1], dict)
+            for entry in history
+        ):
+            raise ValueError("Replan state_dict 'history' must be a list of [step, {layer: format}] pairs")
+        self.plan, self._fixed = plan, bool(state["fixed"])
+        self.history = [(step, dict(formats)) for step, formats in history]
 
     def _uniform(self, names: list[str], fmt: str, step: int) -> PrecisionPlan:
         old = self.plan
         layers = old.layers if old else {}
         reasons = dict.fromkeys(names, f"phase change at step {step}: every layer {fmt}")
-        measured = old.measured if old else dict.fromkeys(("loss", "weight_grad", "score"), float("nan"))
+        measured = old.measured if old else dict.fromkeys(("loss", "weight_grad"), float("nan"))
         return PrecisionPlan(dict.fromkeys(names, fmt), layers, reasons, old.budget if old else 0.0, measured)
 
 

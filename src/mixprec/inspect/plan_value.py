@@ -18,7 +18,7 @@ from mixprec.lowbit import LowbitLinear, get_recipe
 
 __all__ = ["PrecisionPlan"]
 
-_VERSION = 1
+_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -28,17 +28,21 @@ class PrecisionPlan:
     Attributes:
         formats: qualified name -> format (a :mod:`mixprec.lowbit` recipe name, ``"bf16"`` or ``"fp32"``).
         layers: qualified name -> ``{"shape": [M, N, K], "flops": int, "cost": {format: float},
-            "divergence": {format: {"loss", "weight_grad", "input_grad", "score", "error", "flushed",
-            "saturated", "outlier_blocks"}}}``: ``M`` rows of input (tokens) over the planning batches' first
-            batch, ``N`` outputs, ``K`` inputs; ``flops`` of the three training GEMMs (``6 M N K``); cost in
-            the cost model's unit; the divergences are relative (0.01 = 1 %), quantization shares in [0, 1].
+            "divergence": {format: {"loss", "weight_grad", "input_grad", "error", "flushed",
+            "saturated", "outlier_blocks", "fprop_flushed"}}}``: ``M`` rows of input (tokens) over the
+            planning batches' first batch, ``N`` outputs, ``K`` inputs; ``flops`` of the three training
+            GEMMs (``6 M N K``); cost in the cost model's unit; the divergences are relative (0.01 = 1 %),
+            quantization shares in [0, 1] (``fprop_flushed``: of the forward input and weight only).
         reasons: qualified name -> why its format was chosen, in words.
         budget: the bound on the measured relative loss change of the whole plan.
-        measured: the whole plan's measured divergences (``loss``, ``weight_grad``, ``score``).
-        rounds: one entry per solve: the budget the solver was given and the plan's measured score.
-        target: the cost model's name; backward_weight: the weight of the weight-gradient divergence in
-            the score; seconds: planning CPU time (process time, s); step_seconds: the CPU time of one
-            reference forward/backward of one batch (s).
+        measured: the whole plan's measured divergences (``loss``, ``weight_grad``; with check batches
+            also ``check_loss``, ``check_weight_grad``; ``loss`` and ``weight_grad`` are the larger of
+            the two sets), relative.
+        rounds: one entry per solve: the budget the solver was given and the plan's measured loss change.
+        target: the cost model's name; grad_budget: the bound on ``measured["weight_grad"]`` (None: none);
+            seconds: planning CPU time (process time, s); step_seconds: the CPU time of one reference
+            forward/backward of one batch (s); passes: forward/backward passes over a set of batches the
+            planning ran (the reference, one per layer and format measured, one per whole-plan check).
     """
 
     formats: dict[str, str]
@@ -48,9 +52,10 @@ class PrecisionPlan:
     measured: dict[str, float]
     rounds: list[dict[str, float]] = field(default_factory=list)
     target: str = "b200"
-    backward_weight: float = 0.0
+    grad_budget: float | None = None
     seconds: float = 0.0
     step_seconds: float = 0.0
+    passes: int = 0
 
     # ------------------------------------------------------------------ reading
     def flop_share(self, fqn: str) -> float:
@@ -59,7 +64,11 @@ class PrecisionPlan:
         return self.layers[fqn]["flops"] / total if total else 0.0
 
     def low_precision_share(self) -> float:
-        """Share of the GEMM FLOPs planned below bf16 (in a low-bit recipe)."""
+        """Share of the GEMM FLOPs planned below bf16 (in a low-bit recipe); 0.0 or 1.0 for a plan with one
+        format everywhere, even one made without measurements (a ``Replan`` phase before any plan)."""
+        low = {fmt not in HIGH_PRECISION for fmt in self.formats.values()}
+        if len(low) < 2:
+            return float(low == {True})
         return sum(self.flop_share(f) for f, fmt in self.formats.items() if fmt not in HIGH_PRECISION)
 
     def relative_cost(self) -> float:
@@ -123,14 +132,15 @@ class PrecisionPlan:
         lines.append(
             f"plan: {self.low_precision_share():.1%} of GEMM FLOPs below bf16, "
             f"cost {self.relative_cost():.3f}x bf16 on {self.target}; "
-            f"measured loss divergence {m['loss']:.2e}, score {m['score']:.2e} "
-            f"(budget {self.budget:.2e}) after {len(self.rounds)} solve(s); planning {self.seconds:.2f} s "
-            f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps"
+            f"measured loss divergence {m['loss']:.2e} (budget {self.budget:.2e}), "
+            f"weight-gradient divergence {m['weight_grad']:.2e} after {len(self.rounds)} solve(s); "
+            f"planning {self.seconds:.2f} s "
+            f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps, {self.passes} passes"
         )
         return "\n".join(lines)
 
     def plot(self, path: str | Path | None = None, ax: Any = None) -> Any:
-        """Divergence score per layer (x) and format (one line each, log scale), the chosen one circled.
+        """Loss divergence per layer (x) and format (one line each, log scale), the chosen one circled.
 
         Returns the matplotlib ``Figure``; written to ``path`` when given.
         """
@@ -145,14 +155,14 @@ class PrecisionPlan:
         fmts = list(dict.fromkeys(f for info in self.layers.values() for f in info["divergence"]))
         floor = 1e-9
         for fmt in fmts:
-            ys = [max(self.layers[n]["divergence"][fmt]["score"], floor) for n in names]
+            ys = [_shown(self.layers[n]["divergence"].get(fmt, {}).get("loss"), floor) for n in names]
             ax.plot(range(len(names)), ys, marker=".", label=fmt)
-        chosen = [max(self.layers[n]["divergence"][self.formats[n]]["score"], floor) for n in names]
+        chosen = [max(self.layers[n]["divergence"][self.formats[n]]["loss"], floor) for n in names]
         ax.scatter(range(len(names)), chosen, s=120, facecolors="none", edgecolors="black", label="chosen")
         ax.axhline(self.budget, color="grey", linestyle="--", label="budget")
         ax.set_yscale("log")
         ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
-        ax.set_ylabel("divergence score (relative)")
+        ax.set_ylabel("relative loss change, layer alone")
         ax.set_title(f"precision plan ({self.target}, budget {self.budget:g})")
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -185,6 +195,11 @@ class PrecisionPlan:
         if unknown:
             raise ValueError(f"plan formats name layers without measurements: {unknown}")
         return plan
+
+
+def _shown(value: float | None, floor: float) -> float:
+    """A divergence on a log axis: not measured (None) is a gap, zero sits at ``floor``."""
+    return float("nan") if value is None else max(value, floor)
 
 
 def _plain(module: nn.Linear) -> nn.Linear:

@@ -1,10 +1,13 @@
 """`mixprec.integrations`: mixprec inside the trainers people already use.
 
-* :mod:`mixprec.integrations.lightning`: ``MixprecPrecision``, a Lightning precision plugin, and
-  ``MixprecDiagnostics``, a callback that explains a skipped step or a non-finite loss;
+* :mod:`mixprec.integrations.lightning`: ``MixprecPrecision``, a Lightning precision plugin,
+  ``MixprecDiagnostics``, a callback that explains a skipped step or a non-finite loss, and
+  ``MixprecReplan``, a callback that re-plans the layers' formats during training;
 * :mod:`mixprec.integrations.fabric`: ``MixprecPrecision``, the same for ``lightning.fabric.Fabric``;
 * :mod:`mixprec.integrations.transformers`: ``MixprecTrainer``, the HF ``Trainer`` under a mixprec policy and
-  scaler;
+  scaler, and ``MixprecReplanCallback``, the re-planning callback for any ``Trainer``;
+* :mod:`mixprec.integrations.replan`: ``ReplanSchedule``, what both re-planning callbacks drive, for
+  Fabric and plain loops;
 * :mod:`mixprec.integrations.accelerate`: ``MixprecAccelerator``, an ``accelerate.Accelerator`` whose
   autocast, loss scaling and unscaling are mixprec's.
 

@@ -1,4 +1,4 @@
-"""Lightning: ``MixprecPrecision``, a precision plugin, and ``MixprecDiagnostics``, a callback.
+"""Lightning: ``MixprecPrecision`` (precision plugin); ``MixprecDiagnostics``, ``MixprecReplan`` (callbacks).
 
 Usage::
 
@@ -13,7 +13,8 @@ The plugin takes the place of Lightning's ``MixedPrecision`` (one hook per conce
 do): the forward of every training/validation/test/predict step runs under :class:`mixprec.autocast`, the
 loss is scaled by a :class:`mixprec.GradScaler`, the optimizer step is unscaled, skipped and updated by it,
 and ``loss_scale`` and ``skipped_steps`` are logged each step. Its ``state_dict`` (the scaler's) is saved in
-Lightning checkpoints and restored on resume. Needs ``pip install 'mixprec[lightning]'``.
+Lightning checkpoints and restored on resume. ``MixprecReplan`` changes the layers' formats during
+training (a precision plan re-made or switched). Needs ``pip install 'mixprec[lightning]'``.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ from mixprec.integrations._common import (
     region_dtype,
     scaler_metrics,
 )
+from mixprec.integrations.replan import ReplanSchedule
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
-__all__ = ["MixprecDiagnostics", "MixprecPrecision"]
+__all__ = ["MixprecDiagnostics", "MixprecPrecision", "MixprecReplan"]
 
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -314,3 +316,39 @@ class MixprecDiagnostics(pl.Callback):
                 rename=lambda name: name.removeprefix("module").removeprefix("."),
                 window=window if skips else None,
             )
+
+
+class MixprecReplan(pl.Callback):
+    """Re-plan the LightningModule's layer formats as a :class:`~mixprec.integrations.replan.ReplanSchedule`
+    (``every``, ``phases``, ``lr_decay``, ``lr_fraction``, ``generator``: its arguments) says, before each
+    optimizer step's first forward (``on_train_batch_start``, once per global step; ``lr_decay`` reads the
+    first optimizer's first group). Layers keep their ``nn.Parameter`` objects, so the optimizer's state
+    carries on. Logs ``low_precision_flop_share`` each step (``log_metrics``); checkpoints keep the
+    schedule's state, and a resumed fit re-applies its plan first. ``make_plan(pl_module) -> PrecisionPlan``.
+
+    Raises:
+        TypeError / ValueError: as ``ReplanSchedule``; during ``fit``, a ``make_plan`` that fails or returns
+        a plan that does not fit the module stops it, the module unchanged.
+    """
+
+    def __init__(
+        self, make_plan: Callable[[nn.Module], Any], *, log_metrics: bool = True, **schedule: Any
+    ) -> None:
+        self.schedule = ReplanSchedule(make_plan, **schedule)
+        self.log_metrics = bool(log_metrics)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        optimizers = trainer.optimizers
+        lr = float(optimizers[0].param_groups[0]["lr"]) if optimizers else None
+        self.schedule.begin_step(pl_module, trainer.global_step, lr)
+        if self.log_metrics:
+            for name, value in self.schedule.metrics().items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(state_dict)

@@ -48,10 +48,11 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from mixprec import autocast
 from mixprec.integrations._common import Diagnoser, checkpoint_in_region, scaler_metrics, settings
+from mixprec.integrations.replan import ReplanSchedule
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
-__all__ = ["MixprecTrainer"]
+__all__ = ["MixprecReplanCallback", "MixprecTrainer"]
 
 # transformers 4.x names scaler.pt but neither saves nor loads it; 5.x does both (_save_scaler, _load_scaler).
 _TRAINER_KEEPS_SCALER = hasattr(transformers.Trainer, "_save_scaler")
@@ -226,7 +227,64 @@ class MixprecTrainer(transformers.Trainer):
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.mixprec_scaler is not None and "loss" in logs:
             logs = {**logs, **scaler_metrics(self.mixprec_scaler)}
+        for callback in self.callback_handler.callbacks:  # before the reporting callbacks see the logs
+            if isinstance(callback, MixprecReplanCallback) and "loss" in logs:
+                logs = {**logs, **callback.schedule.metrics()}
         super().log(logs, *args, **kwargs)
+
+
+class MixprecReplanCallback(transformers.TrainerCallback):
+    """Re-plan the model's layer formats during ``Trainer`` training, as a
+    :class:`~mixprec.integrations.replan.ReplanSchedule` (``every``, ``phases``, ``lr_decay``,
+    ``lr_fraction``, ``generator``: its arguments) says; works with ``transformers.Trainer`` and
+    :class:`MixprecTrainer`.
+
+    ``on_step_begin`` (before an optimizer step's first micro-batch) applies the step's plan, if any, to the
+    model in place (``state.global_step`` numbers the steps); the layers keep their ``nn.Parameter``
+    objects, so the optimizer and its state carry on. The learning rate read for ``lr_decay`` is the
+    optimizer's first group's. Each training log gains ``low_precision_flop_share`` (with
+    ``MixprecTrainer`` before any reporting callback sees it; with the plain ``Trainer`` in
+    ``state.log_history`` and for the callbacks after this one). Checkpoints carry the schedule's state in
+    ``trainer_state.json`` (key ``"mixprec_replan"``); resuming re-applies its plan before the first step.
+
+    Args:
+        make_plan: ``make_plan(model) -> PrecisionPlan``, ``model`` being the Trainer's (unwrapped) model.
+
+    Raises:
+        TypeError / ValueError: as ``ReplanSchedule``; during ``train``, a ``make_plan`` that fails or
+        returns a plan that does not fit the model stops it, the model unchanged.
+    """
+
+    def __init__(self, make_plan: Any, **schedule: Any) -> None:
+        self.schedule = ReplanSchedule(make_plan, **schedule)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        saved = (state.stateful_callbacks or {}).get(_REPLAN_KEY)
+        if saved is not None and state.global_step > 0:  # resuming from a checkpoint this callback saved
+            self.schedule.load_state_dict(saved)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        optimizer = kwargs.get("optimizer")
+        lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+        self.schedule.begin_step(kwargs["model"], state.global_step, lr)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # every step: a checkpoint ("steps", "epoch" or "best") may follow any of them
+        state.stateful_callbacks[_REPLAN_KEY] = self.schedule.state_dict()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if not logs or "loss" not in logs:
+            return
+        metrics = self.schedule.metrics()
+        logs.update(metrics)
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and "loss" in last:
+            last.update(metrics)
+
+
+# Not the class name: the Trainer's restore_callback_states_from_checkpoint rebuilds callbacks stored under
+# their class name with no arguments, which a callback holding a make_plan function cannot be.
+_REPLAN_KEY = "mixprec_replan"
 
 
 def _dtype_of(args: Any) -> torch.dtype | None:
