@@ -7,6 +7,9 @@
   buffers); torchao's per-operand :class:`CastConfig` (``ScalingType.DISABLED`` keeps an operand in high
   precision, ``ScalingGranularity.AXISWISE`` scales per row) and per-GEMM :class:`Float8GemmConfig`;
 * :func:`sync_float8_amax_history` agrees the delayed amaxes across data-parallel ranks in one all-reduce;
+* ``Float8Config(enable_fsdp_float8_all_gather=True)``: FSDP2 all-gathers the weights in fp8, and
+  :func:`precompute_float8_dynamic_scale_for_fsdp` computes all their scales in one all-reduce
+  (:mod:`mixprec.float8.fsdp`);
 * the matmuls run in ``torch._scaled_mm`` (CPU with torch >= 2.13: an exact emulation, slower than bf16;
   Hopper-class GPUs: real fp8 tensor cores).
 
@@ -39,6 +42,7 @@ from mixprec.float8.convert import (
     skip_fqns,
     sync_float8_amax_history,
 )
+from mixprec.float8.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from mixprec.float8.linear import Float8Linear
 from mixprec.float8.matmul import scaled_mm
 
@@ -56,6 +60,7 @@ __all__ = [
     "ScalingType",
     "convert_to_float8_training",
     "float8_linears",
+    "precompute_float8_dynamic_scale_for_fsdp",
     "scaled_mm",
     "skip_fqns",
     "sync_float8_amax_history",

@@ -73,6 +73,9 @@ class Float8Config:
             recipes are :mod:`mixprec.lowbit`'s ``fp8_rowwise`` / ``fp8_rowwise_gw_hp`` and dynamic only.
         round_scales_to_power_of_2: round every scale down to a power of two (torchao's flag; its rowwise
             recipes set it, and ``from_recipe_name`` does too).
+        enable_fsdp_float8_all_gather: FSDP2 (``fully_shard``) all-gathers the weights in e4m3 with the
+            whole weight's scale, half the bytes of a bf16 all-gather (torchao's flag;
+            :mod:`mixprec.float8.fsdp`); tensorwise dynamic scaling only.
 
     torchao's per-operand fields (``torchao.float8.Float8LinearConfig``'s names and defaults; torchao's own
     :class:`CastConfig` / :class:`Float8GemmConfig` objects are accepted too):
@@ -100,7 +103,8 @@ class Float8Config:
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an
             ``amax_history_len`` or ``margin`` outside its range, ``scaling="delayed"`` or a ``margin``
-            with casts that are not all dynamic tensorwise at their default dtypes.
+            with casts that are not all dynamic tensorwise at their default dtypes, or
+            ``enable_fsdp_float8_all_gather`` with such casts or delayed scaling.
         Float8UsageError: (a ValueError, and the AssertionError torchao raises for the same configs) when
             one operand of a GEMM is DISABLED and the other is not ("incompatible operand precision for
             output"), or one tensor is cast to two fp8 dtypes in its two GEMMs.
@@ -126,6 +130,7 @@ class Float8Config:
     gemm_config_grad_input: Float8GemmConfig = _ACCURATE
     gemm_config_grad_weight: Float8GemmConfig = _ACCURATE
     pad_inner_dim: bool = False
+    enable_fsdp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALINGS)
@@ -145,6 +150,7 @@ class Float8Config:
                 f"recipe {self.recipe!r} with these cast configs scales dynamically; scaling='delayed' needs "
                 "'tensorwise' and every cast dynamic tensorwise at its default dtype"
             )
+        _check_fsdp_float8_all_gather(self, resolved)
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
 
@@ -213,6 +219,7 @@ class Float8Config:
             preset = Float8Config(recipe=self.recipe)
             text = self.recipe if all(getattr(self, n) == getattr(preset, n) for n in _OPERANDS) else "casts"
         text += ",pow2" if self.round_scales_to_power_of_2 else ""
+        text += ",fsdp_fp8_all_gather" if self.enable_fsdp_float8_all_gather else ""
         return text + (",emulate" if self.emulate else "")
 
 
@@ -277,6 +284,20 @@ def _resolve_operands(config: Float8Config) -> dict[str, object]:
     if config.margin and not _all_tensorwise(out):
         raise ValueError(f"margin={config.margin} applies to the tensorwise casts only; these are not")
     return out
+
+
+def _check_fsdp_float8_all_gather(config: Float8Config, resolved: dict[str, object]) -> None:
+    # The fp8 all-gather casts each weight shard to e4m3 with the whole weight's current amax: it needs
+    # mixprec.float8's own dynamic tensorwise casts.
+    flag = config.enable_fsdp_float8_all_gather
+    if not isinstance(flag, bool):
+        raise TypeError(f"enable_fsdp_float8_all_gather must be a bool, got {flag!r}")
+    if flag and (config.delayed or not _all_tensorwise(resolved)):
+        raise ValueError(
+            "enable_fsdp_float8_all_gather=True needs scaling='dynamic' and every cast dynamic tensorwise "
+            f"at its default dtype (recipe 'tensorwise'), got recipe={config.recipe!r}, "
+            f"scaling={config.scaling!r}"
+        )
 
 
 def _all_tensorwise(resolved: dict[str, object]) -> bool:

@@ -7,6 +7,7 @@ from torch import nn
 
 from mixprec.float8.casts import LinearMMConfig
 from mixprec.float8.config import Float8Config
+from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.recipes import get_recipe
@@ -57,6 +58,7 @@ class Float8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config
         self._add_buffers(self.weight.device)
+        self._wrap_weight_for_fsdp()
 
     def _add_buffers(self, device: torch.device) -> None:
         if self.config.delayed:
@@ -83,8 +85,19 @@ class Float8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new._add_buffers(linear.weight.device)
+        new._wrap_weight_for_fsdp()
         new.train(linear.training)
         return new
+
+    def _wrap_weight_for_fsdp(self) -> None:
+        # FSDP2 all-gathers a Float8AllGatherWeight in fp8 (mixprec.float8.fsdp); it shares the storage.
+        if self.config.enable_fsdp_float8_all_gather and not isinstance(self.weight, Float8AllGatherWeight):
+            wrapped = Float8AllGatherWeight(self.weight.detach(), self.config)
+            self.weight = nn.Parameter(wrapped, requires_grad=self.weight.requires_grad)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._wrap_weight_for_fsdp()  # an fp8 all-gather weight is pickled as the plain one
 
     @classmethod
     def from_float(cls, mod: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
@@ -142,7 +155,8 @@ class Float8Linear(nn.Linear):
 
 def _quantized_for_inference(weight: torch.Tensor) -> bool:
     """A frozen tensor-subclass weight (torchao's ``quantize_`` after training) runs its own linear."""
-    return not weight.requires_grad and type(weight) not in (torch.Tensor, nn.Parameter)
+    own = (torch.Tensor, nn.Parameter, Float8AllGatherWeight, Float8GatheredWeight)
+    return not weight.requires_grad and type(weight) not in own
 
 
 class AmaxHistoryError(ValueError, RuntimeError):

@@ -20,6 +20,7 @@ import torch
 
 from mixprec import formats
 from mixprec.float8.config import Float8Config
+from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from mixprec.float8.scaling import amax_of, amax_to_scale, delayed_scale, push_amax, to_float8
 
 __all__ = ["scaled_mm"]
@@ -109,6 +110,23 @@ def _scale_for(
     return scale
 
 
+def _weight_to_float8(
+    weight: torch.Tensor,
+    config: Float8Config,
+    history: torch.Tensor | None,
+    stats: torch.Tensor,
+    update: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's e4m3 cast and its scale; under FSDP2's fp8 all-gather, the cast that was gathered."""
+    if isinstance(weight, Float8GatheredWeight):
+        stats[0, WEIGHT], stats[1, WEIGHT] = weight._amax, weight._scale
+        return weight._data, weight._scale
+    if isinstance(weight, Float8AllGatherWeight):  # not sharded (yet): cast the wrapped weight here
+        weight = weight._tensor
+    w_scale = _scale_for(WEIGHT, weight, E4M3, config, history, stats, update)
+    return to_float8(weight, w_scale, E4M3), w_scale
+
+
 class Float8LinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with all three matmuls in fp8 (see the module doc); bias is added by the caller.
 
@@ -130,9 +148,8 @@ class Float8LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             x_scale = _scale_for(INPUT, x2, E4M3, config, history, stats, update)
-            w_scale = _scale_for(WEIGHT, weight, E4M3, config, history, stats, update)
+            w8, w_scale = _weight_to_float8(weight, config, history, stats, update)
             x8 = to_float8(x2, x_scale, E4M3)
-            w8 = to_float8(weight, w_scale, E4M3)
             out = scaled_mm(x8, x_scale, w8.t(), w_scale, x.dtype, **_gemm_kwargs(config, 0))
         ctx.save_for_backward(x8, x_scale, w8, w_scale)
         ctx.history, ctx.stats, ctx.config, ctx.update = history, stats, config, update
