@@ -13,7 +13,11 @@ fp32-v-foreach      12     bf16 m, fp32 v, foreach ops (mixed bf16/fp32 ops are 
 fp32-v-upcast       12     bf16 m, fp32 v, gradients copied to fp32 first so v's ops are fp32 only
 bf16-v-stochastic   10     bf16 m and v, v's update rounded stochastically (unbiased decay)
 fused-chunks        12     mixprec's path: torch's fused Adam kernel on fp32 copies of 2**18-element
-                           chunks, bf16 m, fp32 v (``mixprec.master.fused_adam``)
+                           chunks, bf16 m, fp32 v (``mixprec.master.fused_adam``), no non-finite check
+fused-folded        12     the same with the check folded into the pass (the default under 2**20
+                           values: one dot of the fp32 gradient copies the kernel needs anyway)
+fused-separate      12     the same with the check as a separate read of the bf16 gradients first
+fused-stochastic    10     the default path with stochastic rounding instead of a Kahan buffer (checked)
 fp32-state          14     mixprec with ``state_dtype=torch.float32`` (fp32 m and v, unfused)
 ==================  =====  ====================================================================
 
@@ -103,12 +107,14 @@ class Prototype:
         torch._foreach_copy_(self.v, self.views)
 
 
-def mixprec_step(params, **kwargs):
+def mixprec_step(params, method="kahan", check=False, fold=True, **kwargs):
     weights = [nn.Parameter(p.detach().clone()) for p in params]
     for w, p in zip(weights, params, strict=True):
         w.grad = p.grad.clone()
     inner = torch.optim.AdamW(weights, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    opt = CompensatedOptimizer(inner, "kahan", skip_nonfinite=False, **kwargs)
+    opt = CompensatedOptimizer(inner, method, skip_nonfinite=check, **kwargs)
+    if not fold:
+        opt.workspace.fold_numel = 0
     return opt.step
 
 
@@ -129,6 +135,9 @@ def candidates(params) -> dict:
         "fp32-v-upcast": Prototype(params, torch.float32, upcast=True).step,
         "bf16-v-stochastic": Prototype(params, torch.bfloat16, stochastic_v=True).step,
         "fused-chunks": mixprec_step(params),
+        "fused-folded": mixprec_step(params, check=True),
+        "fused-separate": mixprec_step(params, check=True, fold=False),
+        "fused-stochastic": mixprec_step(params, "stochastic", check=True),
         "fp32-state": mixprec_step(params, state_dtype=torch.float32),
     }
 
@@ -139,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=30, help="at least 2 (for the IQR)")
     parser.add_argument("--repeat", type=int, default=3, help="steps per candidate per round")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--candidates", help="comma-separated subset to time (optimi always runs)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.rounds < 2:
@@ -146,6 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     params = make_grads(args.width)
     steps = candidates(params)
+    if args.candidates:
+        chosen = {"optimi", *args.candidates.split(",")}
+        if chosen - steps.keys():
+            parser.error(f"unknown candidates {sorted(chosen - steps.keys())}; accepted: {list(steps)}")
+        steps = {name: step for name, step in steps.items() if name in chosen}
     for step in steps.values():
         step()  # state creation and workspace allocation happen outside the timing
     times: dict[str, list[float]] = {name: [] for name in steps}

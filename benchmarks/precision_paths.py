@@ -8,6 +8,7 @@ bf16                weights cast to bf16, torch AdamW (its state bf16 too): lose
 optimi-kahan        torch-optimi ``AdamW(kahan_sum=True)`` on bf16 weights: the peer for pure bf16
 bf16-true+kahan     ``mixprec.initialize(model, AdamW, "bf16-true", weight_update="kahan")`` (guarded)
 kahan-nocheck       bf16-true+kahan with ``loss_scale=None``: no inf/nan check before the step (as optimi)
+kahan-sepcheck      bf16-true+kahan with the check as a separate read of the gradients (no folding)
 kahan-fp32state     bf16-true+kahan with ``CompensatedOptimizer(state_dtype=torch.float32)``: fp32 moments
 bf16-true+sr        the same with ``weight_update="stochastic"`` (guarded)
 O1                  ``initialize(..., "O1")``: fp32 weights, mixprec autocast, dynamic loss scale
@@ -50,6 +51,7 @@ PATHS = (
     "optimi-kahan",
     "bf16-true+kahan",
     "kahan-nocheck",
+    "kahan-sepcheck",
     "kahan-fp32state",
     "bf16-true+sr",
     "O1",
@@ -105,10 +107,14 @@ def build(path: str, width: int, depth: int, lr: float, betas: tuple[float, floa
     if path == "kahan-fp32state":
         inner = CompensatedOptimizer(optimizer, "kahan", state_dtype=torch.float32)
         return model, MixedPrecisionOptimizer(inner, scaler=1.0, master_weights=False)
-    update = {"bf16-true+kahan": "kahan", "kahan-nocheck": "kahan", "bf16-true+sr": "stochastic"}
+    update = {"bf16-true+kahan": "kahan", "kahan-nocheck": "kahan", "kahan-sepcheck": "kahan"}
+    update["bf16-true+sr"] = "stochastic"
     if path in update:
         scale = {"loss_scale": None} if path == "kahan-nocheck" else {}
-        return initialize(model, optimizer, "bf16-true", weight_update=update[path], **scale)
+        model, wrapped = initialize(model, optimizer, "bf16-true", weight_update=update[path], **scale)
+        if path == "kahan-sepcheck":
+            wrapped.optimizer.workspace.fold_numel = 0  # every step reads its gradients once more first
+        return model, wrapped
     return initialize(model, optimizer, path)
 
 

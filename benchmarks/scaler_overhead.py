@@ -10,10 +10,17 @@ mixprec / torch.
     python benchmarks/scaler_overhead.py --optimizer adam-fused --no-unscale --dtype bfloat16
     python benchmarks/scaler_overhead.py --clock cpu --threads 1 --json scaler.json
     python benchmarks/scaler_overhead.py --optimizer adamw-fused --no-unscale --no-underflow-restart
+    python benchmarks/scaler_overhead.py --optimizer adamw-fused --no-unscale --underflow-check-interval 1
+    python benchmarks/scaler_overhead.py --kernels --clock cpu --threads 1 --values 4e5
+
+``--kernels`` times the candidate check passes of a fused step alone, interleaved: torch's check op (found_inf
+only), mixprec's amax-measuring CPU kernel (per-tensor ``aminmax``), and one ``_foreach_norm(inf)`` plus a
+reduction (found_inf and amax from one multi-tensor call).
 
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared machine a
 preempted phase then costs what it computed, not how long it waited. The spread printed is the
-interquartile range.
+interquartile range. The last line is the per-iteration ratio of the two totals (each iteration of one
+scaler against the other's in the same round), its median and interquartile range.
 """
 
 from __future__ import annotations
@@ -57,6 +64,14 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="mixprec's DynamicScale(underflow_restart=False): torch's rule exactly, no amax to measure",
     )
+    parser.add_argument(
+        "--underflow-check-interval",
+        type=int,
+        default=None,
+        help="DynamicScale(underflow_check_interval=K): fused steps measure amax every K-th update "
+        "(default: the rule's default)",
+    )
+    parser.add_argument("--kernels", action="store_true", help="time the check passes alone (see above)")
     parser.add_argument(
         "--no-unscale",
         action="store_true",
@@ -106,11 +121,13 @@ def time_iteration(scaler, params, grads, optimizer, loss: torch.Tensor, unscale
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     """Seconds per phase per iteration, for each scaler; the two alternate going first."""
+    rule_args = {"underflow_restart": not args.no_underflow_restart}
+    if args.underflow_check_interval is not None:
+        rule_args["underflow_check_interval"] = args.underflow_check_interval
     scalers = {
         "torch": torch.amp.GradScaler("cpu", growth_interval=10**9),
         "mixprec": mixprec.scaling.GradScaler(
-            "cpu",
-            rule=mixprec.DynamicScale(growth_interval=10**9, underflow_restart=not args.no_underflow_restart),
+            "cpu", rule=mixprec.DynamicScale(growth_interval=10**9, **rule_args)
         ),
     }
     setups = {name: make_setup(args) for name in scalers}
@@ -151,8 +168,47 @@ def report(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, fl
     ratio_total = summary["mixprec"]["total"] / summary["torch"]["total"]
     ratio_scaler = summary["mixprec"]["scaler"] / summary["torch"]["scaler"]
     print(f"ratio mixprec / torch: total {ratio_total:.2f}x, scale+unscale_+update {ratio_scaler:.2f}x")
-    summary["ratio"] = {"total": ratio_total, "scaler": ratio_scaler}
+    totals = {name: [sum(row) for row in zip(*samples[name].values(), strict=True)] for name in samples}
+    paired = [m / t for m, t in zip(totals["mixprec"], totals["torch"], strict=True)]
+    q = statistics.quantiles(paired, n=4)
+    print(f"per-iteration total ratio: median {statistics.median(paired):.3f}x, IQR {q[0]:.3f}-{q[2]:.3f}")
+    summary["ratio"] = {
+        "total": ratio_total,
+        "scaler": ratio_scaler,
+        "paired_median": statistics.median(paired),
+        "paired_iqr": [q[0], q[2]],
+    }
     return summary
+
+
+def measure_kernels(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per check pass over the same gradients, the candidates interleaved in every round."""
+    grads = make_setup(args)[1]
+    one = torch.ones(())
+
+    def torch_op() -> None:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(()), one)
+
+    def foreach_norm() -> None:
+        amax = torch.stack(torch._foreach_norm(grads, float("inf"))).max()
+        (~torch.isfinite(amax)).float()
+
+    candidates = {
+        "torch check op": torch_op,
+        "aminmax per tensor": lambda: mixprec.scaling.kernels.per_tensor_kernel(grads, None),
+        "_foreach_norm(inf)": foreach_norm,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for iteration in range(args.warmup + args.repeats):
+        for name, run in candidates.items():
+            start = now()
+            run()
+            if iteration >= args.warmup:
+                samples[name].append(now() - start)
+    for name, values in samples.items():
+        ms = [v * 1e3 for v in values]
+        print(f"{name:<22}{statistics.median(ms):>9.3f} ms  IQR {_iqr(ms)}")
+    return samples
 
 
 def main() -> None:
@@ -164,6 +220,12 @@ def main() -> None:
     values = sum(p.numel() for p in make_setup(args)[0])
     print(f"{args.tensors} tensors, {values / 1e6:.2f}M values, {args.dtype}, optimizer={args.optimizer}, "
           f"threads={torch.get_num_threads()}, repeats={args.repeats}")  # fmt: skip
+    if args.kernels:
+        kernel_samples = measure_kernels(args)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"args": vars(args), "samples_s": kernel_samples}, handle, indent=1)
+        return
     samples = measure(args)
     summary = report(samples)
     if args.json:

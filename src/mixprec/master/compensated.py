@@ -26,7 +26,8 @@ the whole model.
 
 With ``skip_nonfinite`` (the default) a step is skipped, state and weights untouched, when a gradient is
 inf/nan or (Adam) its square would overflow the second moment; the fused Adam path checks inside its pass
-(no separate read of the gradients), the others check the gradients first. ``skipped_steps`` and
+(the fp32 copies of the gradients it makes anyway, before anything is written) when the step holds at most
+``lowp.FOLD`` values, the others and bigger steps check the gradients first. ``skipped_steps`` and
 ``last_step_skipped`` report it, and each skip warns.
 
 Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Measured in
@@ -47,7 +48,7 @@ from torch.optim import Optimizer
 
 from mixprec.master import updates
 from mixprec.master.fused_adam import AdamUnit, adam_step
-from mixprec.master.lowp import CHUNK, Workspace
+from mixprec.master.lowp import CHUNK, FOLD, Workspace
 from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
 
 __all__ = ["METHODS", "CompensatedOptimizer"]
@@ -115,7 +116,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.model_params: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
-        self.workspace = Workspace(min(CHUNK, scratch_numel or CHUNK))
+        self.workspace = Workspace(min(CHUNK, scratch_numel or CHUNK), min(FOLD, scratch_numel or FOLD))
         for group in optimizer.param_groups:
             self._adopt(group["params"])
 
@@ -174,7 +175,7 @@ class CompensatedOptimizer(OptimizerWrapper):
     def _step_fast(self) -> bool:
         """Torch's Adam/AdamW/SGD on the groups' own state; False when ``skip_nonfinite`` skipped it."""
         slots = {id(p): i for i, p in enumerate(self.model_params)}
-        fused, unfused = [], []
+        fused, unfused, fresh = [], [], []
         for group in self.param_groups:
             buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for param in group["params"]:
@@ -187,15 +188,18 @@ class CompensatedOptimizer(OptimizerWrapper):
                 if low and self.method == "kahan":
                     kahan = [self.compensation[slots[id(p)]] for p in bucket]
                 if self._fusable(dtype, bucket, kahan):
+                    fresh += [p for p in bucket if p not in self.optimizer.state]
                     states = [self.optimizer.state[p] for p in bucket]
                     generator = self._generator(device) if self.method == "stochastic" else None
                     fused.append(AdamUnit(group, states, bucket, kahan, dtypes, generator))
                 else:
                     unfused.append((group, bucket, low, torch.float32 if torch.float32 in dtypes else dtype))
-        if self.skip_nonfinite and unfused:
-            if not updates.grads_fit([p for _, bucket, _, _ in unfused for p in bucket]):
-                return False
-        if fused and not adam_step(fused, self.workspace, self.skip_nonfinite):
+        unfused_fit = not (self.skip_nonfinite and unfused) or updates.grads_fit(
+            [p for _, bucket, _, _ in unfused for p in bucket]
+        )
+        if not unfused_fit or (fused and not adam_step(fused, self.workspace, self.skip_nonfinite)):
+            for param in fresh:  # the state dicts the units were handed, still empty: as before the step
+                del self.optimizer.state[param]
             return False
         for group, bucket, low, state_dtype in unfused:
             self._step_unfused(group, bucket, low, state_dtype, slots)

@@ -19,10 +19,22 @@ One step from fresh state is therefore bit for bit torch's fused AdamW stepping 
 later steps differ only by the moments' storage rounding. Seven copies and one kernel replace the dozen
 bf16 foreach passes of torch-optimi's Kahan AdamW (measured in ``benchmarks/precision_paths.py``).
 
-The guard (``guard=True``) reads every gradient once before anything is written (one multi-tensor
-``_foreach_norm`` call) and skips the whole step when a gradient is inf/nan or a tensor's norm exceeds
-``sqrt(max / 2)`` of v's dtype (about 1.3e19), so that no square can overflow the second moment: either
-would make ``exp_avg_sq`` inf or nan and freeze the weight for good (``m / inf = 0`` every later step).
+The guard (``guard=True``) skips the whole step, before anything is created or written, when a gradient
+is inf/nan or so large (L2 norm over ``sqrt(max / 2)`` of v's dtype, about 1.3e19) that a square could
+overflow the second moment: either would make ``exp_avg_sq`` inf or nan and freeze the weight for good
+(``m / inf = 0`` every later step). Where it reads the gradients:
+
+* folded into the pass when the whole step holds at most ``workspace.fold_numel`` values (``lowp.FOLD``)
+  on one device: every gradient is copied into one fp32 workspace buffer first (the copy the kernel needs
+  anyway, done for all chunks before the first kernel), the check is one ``torch.dot`` of that hot copy
+  with itself (the squared norm of all gradients together: inf or nan exactly when a gradient is, or the
+  squares overflow) and one host read, and the chunks then step from those copies;
+* above that, one multi-tensor ``_foreach_norm`` of the bf16 gradients first (:func:`grads_fit`, each
+  tensor's norm against the limit), a read the size of such a step amortizes.
+
+The folded check bounds the norm of all gradients together, at least each tensor's, so it may skip a step
+of finite gradients a little earlier (norms near 1e19); a step it lets through is bit for bit the
+unfolded one.
 
 Sources: Adam (Kingma & Ba 2015) and torch's fused kernel; Kahan-compensated bf16 weights (Zamirai et al.
 2020, "Revisiting BFloat16 Training"; torch-optimi's ``kahan_sum``); bf16 state that freezes when
@@ -37,7 +49,7 @@ from typing import Any
 import torch
 
 from mixprec.master.guard import largest_norms
-from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits
+from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits, views
 
 __all__ = ["AdamUnit", "adam_step", "grads_fit"]
 
@@ -67,23 +79,49 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
 
     Args:
         units: the groups to step.
-        workspace: the scratch buffers (its ``numel`` bounds every buffer).
+        workspace: the scratch buffers (its ``numel`` bounds every buffer, ``fold_numel`` the gradient
+            copies of a folded step).
         guard: skip the step when a gradient is non-finite or too large (see the module docstring).
 
     Returns:
         False when the guard skipped the step: weights, Kahan buffers and state unchanged (none created).
     """
-    if guard and not grads_fit(units):
+    used: dict[tuple[Any, ...], Any] = {}
+    folded = guard and _foldable(units, workspace)
+    if guard and not (_copied_grads_fit(units, workspace, used) if folded else grads_fit(units)):
         return False
-    used: dict[tuple[Any, ...], list[_Chunk]] = {}
+    offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
     for unit in units:
         _prepare(unit)
-        flat_grads = [p.grad.view(-1) for p in unit.params]
-        for chunk in _plan(unit, workspace, used):
-            grads = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
-            _update(unit, chunk, grads, workspace)
+        flat_grads = [] if folded else [p.grad.view(-1) for p in unit.params]
+        for chunk in _plan(unit, workspace, used, offset if folded else None):
+            if not folded:
+                pieces = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
+                torch._foreach_copy_(chunk.work["grad"], pieces)
+            _update(unit, chunk, workspace)
+        offset += sum(p.numel() for p in unit.params)
     workspace.plans = used  # plans of replaced tensors go, and with them their views
     return True
+
+
+def _foldable(units: list[AdamUnit], workspace: Workspace) -> bool:
+    """Whether the whole step's gradients fit the workspace's fold buffer (one device)."""
+    total = sum(p.numel() for unit in units for p in unit.params)
+    return total <= workspace.fold_numel and len({unit.params[0].device for unit in units}) == 1
+
+
+def _copied_grads_fit(units: list[AdamUnit], workspace: Workspace, used: dict[tuple[Any, ...], Any]) -> bool:
+    """Copy every gradient into the "grad" buffer (unit after unit, in param order: the layout the folded
+    plans read) and check the copy: its squared L2 norm (inf/nan for any inf/nan) at most ``max / 2`` of
+    the narrowest second-moment dtype. The buffer's views are kept with the plans (keyed by the shapes)."""
+    grads = [p.grad for unit in units for p in unit.params]
+    total = sum(g.numel() for g in grads)
+    buffer = workspace.get(units[0].params[0].device, _F32, "grad", total)
+    key = ("fold", workspace.generation, *(g.shape for g in grads))
+    copies = used[key] = workspace.plans.get(key) or views(buffer, grads)
+    torch._foreach_copy_(copies, grads)
+    limit = min(torch.finfo(unit.moment_dtypes[1]).max / 2 for unit in units)
+    return torch.dot(buffer[:total], buffer[:total]).item() <= limit  # nan compares False
 
 
 @dataclass
@@ -98,12 +136,17 @@ class _Chunk:
     steps: list[torch.Tensor]
 
 
-def _plan(unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], list[_Chunk]]) -> list[_Chunk]:
+def _plan(
+    unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], Any], grads_at: int | None
+) -> list[_Chunk]:
     """The chunks of ``unit``, built once and reused while its tensors and the workspace stay the same
-    (the plan holds views of them, so a tensor it names cannot be freed and its address reused)."""
+    (the plan holds views of them, so a tensor it names cannot be freed and its address reused).
+
+    ``grads_at``: None, every chunk's gradient copies reuse the start of the "grad" buffer; else the
+    folded step's copies of this unit's gradients start there, chunk after chunk."""
     tensors = [unit.params, [s["exp_avg"] for s in unit.states], [s["exp_avg_sq"] for s in unit.states]]
     tensors += [unit.kahan] if unit.kahan is not None else []
-    key = (workspace.generation, *((t.data_ptr(), t.numel()) for ts in tensors for t in ts))
+    key = (workspace.generation, grads_at, *((t.data_ptr(), t.numel()) for ts in tensors for t in ts))
     key += tuple(id(s["step"]) for s in unit.states)
     if key in workspace.plans:
         used[key] = workspace.plans[key]
@@ -113,14 +156,19 @@ def _plan(unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], list
     roles = ["values", "grad", "moment"] + (["kahan"] if unit.kahan is not None else [])
     roles += ["second"] if unit.moment_dtypes[1] != _F32 else []
     buffers = {role: workspace.get(unit.params[0].device, _F32, role, limit) for role in roles}
+    if grads_at is not None:
+        buffers["grad"] = workspace.get(unit.params[0].device, _F32, "grad", grads_at + total)[grads_at:]
     key = (workspace.generation, *key[1:])  # a buffer that grew starts a new generation
-    plan = []
+    plan, done = [], 0
     for segments in _segments([p.numel() for p in unit.params], limit):
         size = sum(stop - start for _, start, stop in segments)
         flat = [[ts[i].view(-1)[a:b] for i, a, b in segments] for ts in tensors]
         work = {role: _consecutive(buffer, segments) for role, buffer in buffers.items()}
+        if grads_at is not None:
+            work["grad"] = _consecutive(buffers["grad"][done:], segments)
         steps = [unit.states[i]["step"] for i, _, _ in segments]
         plan.append(_Chunk(segments, flat, work, buffers["values"][:size], steps))
+        done += size
     used[key] = plan
     return plan
 
@@ -178,8 +226,9 @@ def _prepare(unit: AdamUnit) -> None:
     torch._foreach_add_([state["step"] for state in unit.states], 1.0)  # torch: step_t += 1 first
 
 
-def _update(unit: AdamUnit, chunk: _Chunk, g: list[torch.Tensor], workspace: Workspace) -> None:
-    """The whole step for one chunk of one unit, through fp32 workspace copies and torch's fused kernel."""
+def _update(unit: AdamUnit, chunk: _Chunk, workspace: Workspace) -> None:
+    """The step for one chunk of one unit whose gradients are already copied into ``chunk.work["grad"]``,
+    through fp32 workspace copies and torch's fused kernel."""
     group, work = unit.group, chunk.work
     p, m, v = chunk.state[:3]
     t, g32, m32 = work["values"], work["grad"], work["moment"]
@@ -187,7 +236,6 @@ def _update(unit: AdamUnit, chunk: _Chunk, g: list[torch.Tensor], workspace: Wor
     if unit.kahan is not None:
         torch._foreach_copy_(work["kahan"], chunk.state[3])
         torch._foreach_add_(t, work["kahan"])
-    torch._foreach_copy_(g32, g)
     torch._foreach_copy_(m32, m)
     v32 = work.get("second", v)
     if v32 is not v:

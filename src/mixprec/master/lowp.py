@@ -2,9 +2,11 @@
 
 Temporaries (fp32 copies of the gradients and moments, Adam's denominator, stochastic rounding's values and
 random bits) live in a :class:`Workspace` of at most ``CHUNK`` elements per buffer that survives between
-steps: an update allocates nothing per step, and no scratch the size of a big model exists. Each chunk is a
-list of consecutive slices of the flattened tensors (a big tensor spans chunks, small ones share one), so
-the foreach ops see the same values as on whole tensors; only the grouping differs.
+steps: an update allocates nothing per step, and no scratch the size of a big model exists. One buffer may
+reach ``FOLD`` elements: the fp32 gradient copies of a whole guarded fused Adam step small enough to be
+checked in the workspace before anything is written (:func:`mixprec.master.fused_adam.adam_step`). Each
+chunk is a list of consecutive slices of the flattened tensors (a big tensor spans chunks, small ones share
+one), so the foreach ops see the same values as on whole tensors; only the grouping differs.
 
 Stochastic rounding (Zamirai et al. 2020; Gupta et al. 2015, "Deep Learning with Limited Numerical
 Precision") adds 16 uniform random bits below bf16's last bit of the fp32 pattern and truncates, so the
@@ -29,6 +31,7 @@ import torch
 
 __all__ = [
     "CHUNK",
+    "FOLD",
     "POOL",
     "RandomBits",
     "Workspace",
@@ -40,21 +43,24 @@ __all__ = [
 ]
 
 CHUNK = 2**18  # most elements per workspace buffer (1 MiB in fp32, cache-sized); never more than stepped
+FOLD = 2**20  # most gradient values a guarded fused Adam step copies up front to check them (4 MiB fp32)
 POOL = 2**18  # random-bit pool: every 16-bit pattern 4 times; chunks under POOL // 4 draw fresh bits
 KEEP_HIGH_16_BITS = -65536  # 0xFFFF0000 as int32: clears the low 16 bits of an fp32 pattern
 ROLES = ("grad", "moment", "second", "values", "kahan", "denom", "bits")
 
 
 class Workspace:
-    """Scratch buffers reused across steps, one per (device, dtype, role), at most ``numel`` elements each.
+    """Scratch buffers reused across steps, one per (device, dtype, role), at most ``numel`` elements each
+    (the ``"grad"`` buffer up to ``fold_numel`` when a whole fused Adam step's gradients are checked in it).
 
     Roles (what the buffer holds during an update): ``"grad"``, ``"moment"``, ``"second"`` (fp32 copies of
     the gradients and moments), ``"values"`` (the new weights in fp32), ``"kahan"``, ``"denom"`` (bf16
     temporaries of the unfused paths), ``"bits"``; the random-bit pools live here too (:attr:`pools`).
     """
 
-    def __init__(self, numel: int = CHUNK) -> None:
+    def __init__(self, numel: int = CHUNK, fold_numel: int = FOLD) -> None:
         self.numel = numel
+        self.fold_numel = fold_numel
         self.buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
         self.pools: dict[str, RandomBits] = {}
         self.plans: dict[tuple[Any, ...], Any] = {}  # fused_adam's chunk views, keyed by their tensors
@@ -88,7 +94,8 @@ class Workspace:
 
     def __getstate__(self) -> dict[str, Any]:
         # scratch, not state: recreated on demand
-        return {"numel": self.numel, "buffers": {}, "pools": {}, "plans": {}, "generation": 0}
+        return {"numel": self.numel, "fold_numel": self.fold_numel, "buffers": {}, "pools": {}, "plans": {},
+                "generation": 0}  # fmt: skip
 
 
 def views(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -59,7 +59,7 @@ class DynamicScale(ScaleRule):
                 if isfinite(scale * growth_factor):     # never grow to inf (torch)
                     scale = min(scale * growth_factor, max_scale)
             if amax == 0 and scale < init_scale:    # underflow recovery (beyond torch, see below)
-                scale = min(init_scale, max_scale)
+                scale = min(init_scale, max_scale)  # amax: measured every underflow_check_interval-th
 
     With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` this is torch's rule, except that the
     scale stops at the smallest normal float32 instead of collapsing to 0 after ~160 overflows in a row, and
@@ -73,9 +73,21 @@ class DynamicScale(ScaleRule):
     exactly zero* (``amax == 0``) with the scale below ``init_scale`` puts the scale back to
     ``init_scale``: zeros everywhere under a finite loss are underflow, and nothing that is all zero can
     overflow. If ``init_scale`` is still too high, the next steps back off as usual. A model whose
-    gradients are genuinely all zero at a lowered scale costs at most a few skipped steps. The scaler
-    passes amax where it costs no extra sync (see :class:`~mixprec.scaling.GradScaler`); without amax
+    gradients are genuinely all zero at a lowered scale costs at most a few skipped steps. Without amax
     (``update(found_inf)``) the rule is torch's.
+
+    Where amax comes from, and the trade-off: a non-fused step that checks the gradients itself syncs
+    anyway for its skip decision; it reads the scale in that sync and, below 1 on a clean step, measures
+    amax at once. A fused optimizer's step (``AdamW(fused=True)``) has no sync and only a check pass, and
+    torch's check op gives found_inf but no amax; measuring it there takes public-op kernels instead
+    (``python benchmarks/scaler_overhead.py --kernels``: per-tensor ``aminmax`` is ~3x torch's op at 0.4M
+    values and ~1.5x at 8M on one CPU thread; one ``_foreach_norm(inf)`` plus a reduction, the other
+    candidate, is slower still on a CPU). An explicit ``unscale_`` has no sync either, and the user may edit
+    the gradients after it (clipping an inf norm zeroes them all, which is not underflow). So those passes
+    measure amax only on every ``underflow_check_interval``-th update (a host-side counter, saved in
+    ``state_dict``) and run torch's op on the others: a stall is noticed within ``underflow_check_interval``
+    updates instead of at once, and the measuring pass costs 1/16 of itself per step at the default (the
+    README's scaler-overhead figures). ``underflow_check_interval=1`` measures on every such pass.
 
     Args:
         init_scale: starting scale.
@@ -89,6 +101,8 @@ class DynamicScale(ScaleRule):
         max_scale: cap, in the same range; None means none (growth still stops short of inf).
         underflow_restart: the underflow recovery above; False gives torch's rule exactly, and lets a fused
             optimizer's check pass run torch's own op (no amax to measure), at torch's cost.
+        underflow_check_interval: passes without a sync (fused steps, explicit ``unscale_``) measure amax
+            on every this-many-th update, >= 1.
         raise_at_min_scale: raise RuntimeError when a skipped step would back off from the floor
             (checked when the scaler has already synced for the skip decision, so never on fused steps).
 
@@ -111,18 +125,22 @@ class DynamicScale(ScaleRule):
         min_scale: float | None = DEFAULTS.min_scale,
         max_scale: float | None = DEFAULTS.max_scale,
         underflow_restart: bool = True,
+        underflow_check_interval: int = 16,
         raise_at_min_scale: bool = False,
     ) -> None:
         super().__init__(init_scale)
         self.underflow_restart = check_flag("underflow_restart", underflow_restart)
+        self.underflow_check_interval = check_count("underflow_check_interval", underflow_check_interval)
+        self._underflow_check_tracker = 0  # updates since the last amax-measuring one, mod the interval
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.hysteresis = check_count("hysteresis", hysteresis)
-        self.min_scale = _check_bound("min_scale", min_scale)
+        self.min_scale = min_scale
         self.max_scale = _check_bound("max_scale", max_scale)
         self.raise_at_min_scale = check_flag("raise_at_min_scale", raise_at_min_scale)
         _check_bounds(self.min_scale, self.max_scale, self.init_scale)
+        self._floor_holds = True  # the scale is known to be >= the floor (init_scale is)
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_left: torch.Tensor | None = None
         self._init_growth_tracker = 0
@@ -159,9 +177,29 @@ class DynamicScale(ScaleRule):
         self._tracker_unchecked = True
 
     @property
+    def min_scale(self) -> float | None:
+        """The floor on back-off; None means the smallest normal float32."""
+        return self._min_scale
+
+    @min_scale.setter
+    def min_scale(self, value: float | None) -> None:
+        self._min_scale = _check_bound("min_scale", value)
+        self._floor_holds = False  # the scale may now be below the new floor
+
+    def set_scale(self, new_scale: float | torch.Tensor) -> None:
+        super().set_scale(new_scale)
+        self._floor_holds = not isinstance(new_scale, torch.Tensor) and new_scale >= self.floor
+
+    @property
     def amax_use(self) -> str:  # type: ignore[override]
         """``"when_free"``: amax == 0 is the underflow signal; ``"none"`` without ``underflow_restart``."""
         return "when_free" if self.underflow_restart else "none"
+
+    @property
+    def amax_due(self) -> bool:
+        """Whether this iteration is one whose fused steps measure amax (every ``underflow_check_interval``-th
+        update, counted on the host)."""
+        return self.underflow_restart and self._underflow_check_tracker == 0
 
     @property
     def floor(self) -> float:
@@ -180,12 +218,14 @@ class DynamicScale(ScaleRule):
         Around torch's one op, each only where configured or needed: the tracker clamped below the interval
         once after ``growth_interval`` was lowered or loaded (so growth happens at ``>=``), hysteresis (a
         tolerated overflow keeps the scale it had), the floor on back-off, the cap on growth, the underflow
-        restart. No host sync.
+        restart. No host sync. The default (torch's arguments) is two ops: torch's and the floor as one
+        clamp, exact while the scale is known to be at or above the floor (then only a back-off can take it
+        below); after a scale set below the floor, the floor applies on back-off only (three ops).
         """
         scale = self._require_state()
         tracker, left = self._growth_tracker, self._hysteresis_left
         assert tracker is not None and left is not None
-        found = found_inf > 0
+        self._underflow_check_tracker = (self._underflow_check_tracker + 1) % self.underflow_check_interval
         if self._tracker_unchecked:
             tracker.clamp_max_(self.growth_interval - 1)
             self._tracker_unchecked = False
@@ -193,16 +233,23 @@ class DynamicScale(ScaleRule):
         kernels.update_scale_(
             scale, tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
         )
+        restarts = amax is not None and self.underflow_restart
+        if before is None and self._floor_holds:
+            scale.clamp_min_(self.floor)
+            if self.max_scale is None and not restarts:
+                return
+        found = found_inf > 0
         if before is not None:  # Megatron/DeepSpeed hysteresis: back off only once the tolerance is used up
             left_after = (left - found.int()).clamp_min_(0)
             tolerated = found & (left_after > 0)
             scale.copy_(torch.where(tolerated, before, torch.maximum(scale, found * self.floor)))
             left.copy_(left_after.masked_fill_(~found & (tracker == 0), self.hysteresis))
-        else:
+        elif not self._floor_holds:
             torch.maximum(scale, found * self.floor, out=scale)  # the floor, where it backed off
         if self.max_scale is not None:  # the cap, where it grew (the tracker restarts only on growth)
             scale.copy_(torch.where(~found & (tracker == 0), scale.clamp_max(self.max_scale), scale))
-        if amax is not None and self.underflow_restart:
+        if restarts:
+            assert amax is not None
             restart = min(self.init_scale, self.max_scale or math.inf)
             underflow = (amax.to(scale.device) == 0) & ~found & (scale < restart)
             scale.masked_fill_(underflow, restart)
@@ -247,6 +294,8 @@ class DynamicScale(ScaleRule):
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
             "underflow_restart": self.underflow_restart,
+            "underflow_check_interval": self.underflow_check_interval,
+            "_underflow_check_tracker": self._underflow_check_tracker,
             "raise_at_min_scale": self.raise_at_min_scale,
         }
 
@@ -259,6 +308,9 @@ class DynamicScale(ScaleRule):
         """
         values = super().read_state(state_dict)
         hysteresis = optional(state_dict, "hysteresis", self.hysteresis, check_count)
+        interval = optional(
+            state_dict, "underflow_check_interval", self.underflow_check_interval, check_count
+        )
         values.update(
             growth_factor=required(state_dict, "growth_factor", check_growth_factor),
             backoff_factor=required(state_dict, "backoff_factor", check_backoff_factor),
@@ -269,6 +321,8 @@ class DynamicScale(ScaleRule):
             min_scale=optional(state_dict, "min_scale", self.min_scale, _check_bound),
             max_scale=optional(state_dict, "max_scale", self.max_scale, _check_bound),
             underflow_restart=optional(state_dict, "underflow_restart", self.underflow_restart, check_flag),
+            underflow_check_interval=interval,
+            underflow_check_tracker=optional(state_dict, "_underflow_check_tracker", 0, check_count, 0),
             raise_at_min_scale=optional(
                 state_dict, "raise_at_min_scale", self.raise_at_min_scale, check_flag
             ),
@@ -277,6 +331,11 @@ class DynamicScale(ScaleRule):
             raise ValueError(
                 f"state_dict['_hysteresis_tracker'] ({values['hysteresis_left']}) must be <= hysteresis "
                 f"({hysteresis})"
+            )
+        if values["underflow_check_tracker"] >= interval:
+            raise ValueError(
+                f"state_dict['_underflow_check_tracker'] ({values['underflow_check_tracker']}) must be < "
+                f"underflow_check_interval ({interval})"
             )
         _check_bounds(values["min_scale"], values["max_scale"], None)
         return values
@@ -288,8 +347,11 @@ class DynamicScale(ScaleRule):
         self._growth_interval = values["growth_interval"]
         self.hysteresis = values["hysteresis"]
         self.min_scale, self.max_scale = values["min_scale"], values["max_scale"]
+        self._floor_holds = values["scale"] >= self.floor
         self.raise_at_min_scale = values["raise_at_min_scale"]
         self.underflow_restart = values["underflow_restart"]
+        self.underflow_check_interval = values["underflow_check_interval"]
+        self._underflow_check_tracker = values["underflow_check_tracker"]
         self._init_growth_tracker = values["growth_tracker"]
         self._init_hysteresis_left = values["hysteresis_left"]
         self._tracker_unchecked = True

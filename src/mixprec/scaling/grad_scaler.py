@@ -64,9 +64,10 @@ class GradScaler:
     does, except with fused optimizers, which skip inside their kernel.
 
     Unscaling runs torch's one-pass check-and-multiply op unless the rule needs amax every step
-    (HeadroomScale). The default rule reads amax for its underflow restart (:class:`DynamicScale`) where it
-    costs no extra sync: fused optimizers' check pass measures it; ``step`` measures it, in the sync it makes
-    anyway, only when the scale is below 1 and the step is clean.
+    (HeadroomScale). The default rule reads amax for its underflow restart (:class:`DynamicScale`): a
+    non-fused ``step`` measures it in the sync it makes anyway, when the scale is below 1 and the step is
+    clean; fused steps and explicit ``unscale_`` calls measure it in their pass every
+    ``underflow_check_interval``-th update.
 
     Under torch.distributed every rank skips or steps together: each optimizer's found_inf is all-reduced
     (MAX) over ``process_group`` in one collective before its skip decision, and ``update()`` combines those
@@ -189,7 +190,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        scale = self._require_scale("unscale_")
+        self._require_scale("unscale_")
         record = self._record(optimizer)
         if record.stage is OptState.UNSCALED:
             raise GradScalerError(
@@ -197,23 +198,27 @@ class GradScaler:
             )
         if record.stage is OptState.STEPPED:
             raise GradScalerError("unscale_() is being called after step().")
-        self._check_grads(optimizer, record, scale, unscale=True, allow_fp16=self.allow_fp16_grads)
+        self._check_grads(optimizer, record, unscale=True, measure_amax=True)
         record.stage = OptState.UNSCALED
 
     def _check_grads(
-        self,
-        optimizer: torch.optim.Optimizer,
-        record: _Record,
-        scale: torch.Tensor,
-        unscale: bool,
-        allow_fp16: bool,
+        self, optimizer: torch.optim.Optimizer, record: _Record, unscale: bool, measure_amax: bool
     ) -> None:
-        """The gradient pass: found_inf (and amax, where the rule needs it) per device, unscaling if asked."""
+        """The gradient pass: found_inf (and amax, where the rule needs it) per device, unscaling if asked.
+
+        amax: in every pass for ``"every_step"`` rules; for ``"when_free"`` ones where the rule says it is due
+        and ``measure_amax`` (a fused step, which has no sync, or an explicit ``unscale_``, after which the
+        user may edit the gradients: clipping an inf norm zeroes them); else a non-fused step's sync.
+        """
+        scale = self._require_scale("unscale_")
+        allow_fp16 = self.allow_fp16_grads or not unscale  # a check-only pass leaves gradients alone
         groups = kernels.collect_grads(kernels.params_of(optimizer), allow_fp16)
-        # The reciprocal in float64 (where the device has it), as torch does: float32 division can be inexact.
-        inv_scale = scale.to(kernels.wide_float(scale.device)).reciprocal().float()
-        use = self.rule.amax_use  # amax: in every pass, or free in a fused step's check (its only pass)
-        want_amax = use == "every_step" or (use == "when_free" and not unscale)
+        use = self.rule.amax_use
+        want_amax = use == "every_step" or (use == "when_free" and measure_amax and self.rule.amax_due)
+        if unscale or want_amax:  # the reciprocal in float64 (where there is one), as torch
+            inv_scale = scale.to(kernels.wide_float(scale.device)).reciprocal().float()
+        else:
+            inv_scale = torch.ones_like(scale)  # a check-only pass multiplies by 1, as torch's does
         unscale = unscale and not self.rule.is_identity
         record.found_inf, record.amax = kernels.check_and_unscale_(
             groups, inv_scale, unscale, None, want_amax
@@ -241,9 +246,10 @@ class GradScaler:
         if record.stage is OptState.STEPPED:
             raise GradScalerError("step() has already been called since the last update().")
         if kernels.supports_fused_scaling(optimizer):
-            return self._fused_step(optimizer, record, scale, args, kwargs)
-        if record.stage is OptState.READY:
-            self.unscale_(optimizer)
+            return self._fused_step(optimizer, record, args, kwargs)
+        checked_here = record.stage is OptState.READY  # else unscale_() checked, and the user may edit since
+        if checked_here:  # this step's sync measures amax where the rule needs it
+            self._check_grads(optimizer, record, unscale=True, measure_amax=False)
         if not record.found_inf:
             self._records.pop(id(optimizer))  # nothing was unscaled: leave no trace of this call
             raise GradScalerError(
@@ -251,7 +257,7 @@ class GradScaler:
                 "backward() called on the scaled loss, and does the optimizer hold the model's parameters?)"
             )
         found_inf = self._agree_found_inf(record, scale.device)
-        if self._skip_decision(optimizer, record, found_inf, scale):
+        if self._skip_decision(optimizer, record, found_inf, checked_here):
             self.monitor.check(pending=1, scale=self.rule.get_scale())
             self.rule.after_skip()
             retval = None
@@ -261,16 +267,12 @@ class GradScaler:
         return retval
 
     def _fused_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        record: _Record,
-        scale: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, optimizer: torch.optim.Optimizer, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Hand scale and found_inf to an optimizer that unscales and skips in its own kernel (no sync)."""
+        scale = self._require_scale("step")
         if record.stage is OptState.READY:
-            self._check_grads(optimizer, record, scale, unscale=False, allow_fp16=True)
+            self._check_grads(optimizer, record, unscale=False, measure_amax=True)
             # As torch: compose with a grad_scale the user may have set on the optimizer.
             grad_scale = scale * getattr(optimizer, "grad_scale", 1)
         else:
@@ -296,18 +298,17 @@ class GradScaler:
         return found_inf
 
     def _skip_decision(
-        self, optimizer: torch.optim.Optimizer, record: _Record, found_inf: torch.Tensor, scale: torch.Tensor
+        self, optimizer: torch.optim.Optimizer, record: _Record, found_inf: torch.Tensor, checked_here: bool
     ) -> bool:
         """Read found_inf on the host (the step's one sync), and the scale with it where the rule reads amax
-        but torch's fused pass gave none: below 1 (only there can all gradients flush to zero) a clean step
-        measures amax, agreed across ranks."""
-        if self.rule.amax_use == "none" or record.amax:
+        but this step's own check (``checked_here``) gave none: below 1 (only there can all gradients flush
+        to zero) a clean step measures amax, agreed across ranks."""
+        if self.rule.amax_use == "none" or record.amax or not checked_here:
             return bool(found_inf.item() != 0)
+        scale = self._require_scale("step")
         found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
         if found == 0 and current < 1:
-            groups = kernels.collect_grads(kernels.params_of(optimizer), allow_fp16=True)
-            _, amax = kernels.check_and_unscale_(groups, torch.ones((), device=scale.device), False)
-            amax_here = kernels.combine_max(amax.values(), scale.device)
+            amax_here = kernels.measure_amax(kernels.params_of(optimizer), scale.device)
             record.amax = {scale.device: self.rank_sync.max_across_ranks(found_inf, amax_here)[1]}
         return found != 0
 

@@ -14,15 +14,14 @@ Two kernels give the same results; the choice is per device type, as data:
 Two passes read every gradient; torch's own ``torch._amp_foreach_non_finite_check_and_unscale_`` (what
 torch.amp.GradScaler runs) checks and multiplies in one. Decision: a pass that measures no amax runs that op
 (:func:`_torch_fused`; a check-only pass multiplies by 1, as torch's does); the public-op kernels above serve
-the passes that measure amax (a fused optimizer's check under the default rule, HeadroomScale) and devices
-or torch builds without the op. Why, given the project's rule of
-building on torch's public ops and dispatcher: it *is* a dispatcher op (``torch.ops.aten``, with CPU, CUDA
-and MPS kernels, which torch.amp and FSDP's ShardedGradScaler call), its results are torch's bit for bit by
-construction, and no public op can do a check and a multiply in one pass. Measured on 200 tensors / 8M fp32
-values, one CPU thread: the fused op 1.4-1.6 ms; ``aminmax`` alone 1.7-1.9 ms, ``_foreach_max`` 1.6-1.7 ms,
-a float64 ``sum`` 9 ms, ``_foreach_norm(1)`` 13 ms, so a public-op unscale stays near 1.7x torch's.
-Fused optimizers (``Adam(fused=True)`` & co.) skip the multiply altogether: the scaler only checks and hands
-them ``grad_scale``/``found_inf`` (:func:`run_fused_step`, the end of this file).
+the passes that measure amax (HeadroomScale; the default rule's every-K-th fused check) and devices or
+torch builds without the op. Why, given the project's rule of building on public ops: it *is* a dispatcher
+op (``torch.ops.aten``, with CPU, CUDA and MPS kernels, which torch.amp and FSDP's ShardedGradScaler call),
+its results are torch's bit for bit by construction, and no public op can check and multiply in one pass.
+On 200 tensors / 8M fp32 values, one CPU thread: the fused op 1.4-1.6 ms; ``aminmax`` alone 1.7-1.9 ms,
+``_foreach_max`` 1.6-1.7 ms, a float64 ``sum`` 9 ms, ``_foreach_norm(1)`` 13 ms (``inf``: 22 ms), so a
+public-op unscale stays near 1.7x torch's. Fused optimizers (``Adam(fused=True)`` & co.) skip the multiply:
+the scaler only checks and hands them ``grad_scale``/``found_inf`` (:func:`run_fused_step`, at the end).
 
 Device types are data here, not branches: which kernel runs where (``KERNELS``), which backends lack float64
 (``wide_float``), which missing backend disables a scaler (``warn_if_unavailable``).
@@ -33,6 +32,7 @@ from __future__ import annotations
 import inspect
 import struct
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -46,6 +46,7 @@ __all__ = [
     "collect_grads",
     "combine_max",
     "foreach_kernel",
+    "measure_amax",
     "params_of",
     "parse_device",
     "per_tensor_kernel",
@@ -131,11 +132,36 @@ def collect_grads(params: Iterable[torch.Tensor], allow_fp16: bool) -> GradGroup
     """Group the gradients to check by device and dtype; sparse gradients contribute their values, complex
     ones their real and imaginary parts.
 
+    Dense real plain-tensor gradients are grouped by torch.optim's C++ helper
+    (``torch._C._group_tensors_by_device_and_dtype``): on a fused step a Python loop asking each gradient
+    its device and dtype is most of the scaler's cost. Sparse, complex and subclass (FSDP2's DTensor)
+    gradients take the per-gradient loop.
+
     Raises:
         ValueError: for an fp16 (or complex32) gradient unless ``allow_fp16`` (torch's error, same first
             sentence).
         TypeError: for a sparse complex gradient.
     """
+    params = list(params)
+    grads = [param.grad for param in params]
+    grads = [grad for grad in grads if grad is not None]
+    if not grads:
+        return {}
+    if any(grad.is_sparse or type(grad) is not torch.Tensor for grad in grads):
+        return _collect_each(params, allow_fp16)
+    grouped = torch._C._group_tensors_by_device_and_dtype([grads], False)
+    if any(dtype.is_complex for _, dtype in grouped):
+        return _collect_each(params, allow_fp16)
+    if not allow_fp16 and any(dtype == torch.float16 for _, dtype in grouped):
+        raise ValueError(FP16_MESSAGE)
+    groups: GradGroups = defaultdict(dict)
+    for (device, dtype), (lists, _) in grouped.items():
+        groups[device][dtype] = lists[0]
+    return groups
+
+
+def _collect_each(params: list[torch.Tensor], allow_fp16: bool) -> GradGroups:
+    """:func:`collect_grads` one gradient at a time, for sparse, complex and subclass gradients."""
     groups: GradGroups = defaultdict(lambda: defaultdict(list))
     for param in params:
         if param.grad is None:
@@ -143,11 +169,8 @@ def collect_grads(params: Iterable[torch.Tensor], allow_fp16: bool) -> GradGroup
         if param.grad.is_sparse:
             if param.grad.is_complex():
                 raise TypeError(f"complex sparse gradients are not supported (dtype {param.grad.dtype})")
-            # Scaled fp16 values with duplicate indices may overflow once summed, so check the sums (torch).
-            if param.grad.dtype == torch.float16 and not allow_fp16:
-                raise ValueError(FP16_MESSAGE)
-            if param.grad.dtype == torch.float16:
-                param.grad = param.grad.coalesce()
+            if param.grad.dtype == torch.float16 and allow_fp16:  # refused below otherwise
+                param.grad = param.grad.coalesce()  # duplicates may overflow once summed: check sums (torch)
             grad = param.grad._values()
         else:
             grad = _real_view(_local_shard(param.grad))
@@ -249,6 +272,13 @@ def check_and_unscale_(
     return found_inf, amax
 
 
+def measure_amax(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The largest ``|gradient|`` of ``params`` (nan if any is nan), a float32 0-dim tensor on ``device``."""
+    groups = collect_grads(params, allow_fp16=True)
+    _, amax = check_and_unscale_(groups, torch.ones((), device=device), False)
+    return combine_max(amax.values(), device)
+
+
 # Device types without a kernel for torch's check op (found at the first call); their passes run the
 # public-op kernels, which give the same found_inf and unscaled values.
 _WITHOUT_CHECK_OP: set[str] = set()
@@ -281,7 +311,7 @@ def _max(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def combine_max(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The largest of 0-dim tensors from any devices, on ``device`` (nan if any is nan; 0.0 if none)."""
-    moved = [tensor.to(device, non_blocking=True) for tensor in tensors]
+    moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
     return _max(moved) if moved else torch.zeros((), dtype=torch.float32, device=device)
 
 
@@ -373,13 +403,30 @@ def supports_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
     """
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
-    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+    if _takes_grad_scaler(getattr(optimizer.step, "__func__", optimizer.step)):
         raise TypeError(
             f"{type(optimizer).__name__}.step() takes a grad_scaler argument: torch's deprecated protocol, "
             "which relies on torch.amp.GradScaler internals and is not supported by mixprec.GradScaler. "
             "Read optimizer.grad_scale and optimizer.found_inf in step() instead (what torch.optim does)."
         )
     return True
+
+
+# Whether a step function takes ``grad_scaler`` (weakly keyed: a closure may hold its optimizer).
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
+    """Whether ``step`` has a ``grad_scaler`` parameter; cached, as ``inspect.signature`` is slow."""
+    try:
+        return _TAKES_GRAD_SCALER[step]
+    except (KeyError, TypeError):
+        takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[step] = takes
+    except TypeError:  # not weakly referenceable or not hashable: asked again next time
+        pass
+    return takes
 
 
 def run_fused_step(

@@ -179,10 +179,13 @@ class ScaleRule:
             (never reads it), ``"when_free"`` (reads it where the scaler measures it without an extra sync:
             fused optimizers' check pass, a step whose scale is below 1; None elsewhere) or ``"every_step"``
             (the scaler measures it in every gradient pass, with its own public-op kernel).
+        amax_due: for ``"when_free"``, whether a fused optimizer's step measures amax in this iteration
+            (its check has no sync to ride on, so measuring is an extra cost a rule may spread out).
         is_identity: whether the scale is always exactly 1, so unscaling can skip the multiply.
     """
 
     amax_use: str = "none"
+    amax_due: bool = True
     is_identity: ClassVar[bool] = False
     growth: ClassVar[str | None] = None  # the name GradScaler(growth=...) builds this rule by, if any
 
