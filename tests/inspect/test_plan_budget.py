@@ -7,15 +7,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_plan_precision import _Bf16, loss_fn  # the planner tests' bf16 layer and loss
 from torch import nn
 
 from mixprec.inspect import plan_precision
 from mixprec.inspect.demo import OutlierMLP
-
-
-def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
 
 
 def _teacher(seed: int = 0, channel_sigma: float = 0.0, outlier: bool = True):
@@ -41,16 +37,6 @@ def _teacher(seed: int = 0, channel_sigma: float = 0.0, outlier: bool = True):
         opt.step()
     model.zero_grad(set_to_none=True)
     return model, batches[:6]
-
-
-class _Bf16(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.linear.weight.bfloat16(), self.linear.bias.bfloat16()
-        return F.linear(x.bfloat16(), w, b).float()
 
 
 def _relative_loss_change(model: nn.Module, plan, batches: list) -> float:
