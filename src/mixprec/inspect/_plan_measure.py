@@ -75,6 +75,8 @@ class PassResult:
     weight_grads: list[torch.Tensor]
     input_grads: list[dict[str, torch.Tensor]]
     captured: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: with ``keep``: per batch, per layer (input x, output y, output gradient g_y, x requires grad)
+    kept: list[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]] = field(default_factory=list)
 
 
 def run_pass(
@@ -83,11 +85,14 @@ def run_pass(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     seed: int,
     capture: bool = False,
+    keep: bool = False,
 ) -> PassResult:
     """Forward and backward of ``loss_fn(model, batch)`` for each batch with the layers as they are now.
 
     With ``capture``, the first batch's layer inputs, weights and output gradients are kept (float32,
-    flattened to 2-D) for the quantization statistics.
+    flattened to 2-D) for the quantization statistics. With ``keep``, every batch's layer inputs, outputs
+    and output gradients are kept as they are (detached; memory: about ``2 x (in + 2 x out)`` values per
+    row per layer, for the one-pass estimates of :mod:`mixprec.inspect._plan_local`).
     """
     slots.passes += 1
     fqns = list(slots.originals)
@@ -107,7 +112,7 @@ def run_pass(
         if not torch.isfinite(loss.detach()).all():
             result.losses.append(float("inf"))
             continue
-        _backward(result, loss, weights, seen, capture and index == 0, slots)
+        _backward(result, loss, weights, seen, (capture and index == 0, keep), slots)
     return result
 
 
@@ -118,11 +123,10 @@ def _recorder(fqn: str, seen: dict) -> Callable[..., None]:
     return hook
 
 
-def _backward(
-    result: PassResult, loss: torch.Tensor, weights: list, seen: dict, capture: bool, slots
-) -> None:
+def _backward(result: PassResult, loss: torch.Tensor, weights: list, seen: dict, modes: tuple, slots) -> None:
+    capture, keep = modes
     grad_in = [f for f, (x, _) in seen.items() if x.requires_grad]
-    grad_out = [f for f, (_, y) in seen.items() if y.requires_grad] if capture else []
+    grad_out = [f for f, (_, y) in seen.items() if y.requires_grad] if capture or keep else []
     targets = [*weights, *(seen[f][0] for f in grad_in), *(seen[f][1] for f in grad_out)]
     grads = torch.autograd.grad(loss, targets, allow_unused=True)
     result.losses.append(float(loss.detach()))
@@ -131,8 +135,14 @@ def _backward(
             total += g.float()
     inputs = grads[len(weights) : len(weights) + len(grad_in)]
     result.input_grads.append({f: g.float() for f, g in zip(grad_in, inputs, strict=True) if g is not None})
+    outs = dict(zip(grad_out, grads[len(weights) + len(grad_in) :], strict=True))
+    if keep:
+        kept = {
+            f: (seen[f][0].detach(), seen[f][1].detach(), g, seen[f][0].requires_grad)
+            for f, g in outs.items()
+        }
+        result.kept.append({f: v for f, v in kept.items() if v[2] is not None})
     if capture:
-        outs = dict(zip(grad_out, grads[len(weights) + len(grad_in) :], strict=True))
         for fqn, (x, _) in seen.items():
             entry = {"x": _flat(x), "w": slots.originals[fqn].weight.detach().float()}
             if outs.get(fqn) is not None:
@@ -241,9 +251,13 @@ class Measurer:
         stats["fprop_flushed"] = forward
         if forward > self.max_flushed and not self.exhaustive:  # ruled out: no pass needed
             return {"loss": None, "weight_grad": None, "input_grad": None, **stats}
+        return {**self._divergences(fqn, fmt), **stats}
+
+    def _divergences(self, fqn: str, fmt: str) -> dict[str, Any]:
+        """One forward/backward over the batches with ``fqn`` alone in ``fmt``."""
         self.slots.set({fqn: fmt}, self.generator)
         try:
             run = run_pass(self.slots, self.batches, self.loss_fn, self.seed)
         finally:
             self.slots.set({fqn: "fp32"}, self.generator)
-        return {**divergences(self.ref, run, fqn), **stats}
+        return divergences(self.ref, run, fqn)

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from mixprec.inspect._modules import check_model
+from mixprec.inspect._plan_local import LocalMeasurer
 from mixprec.inspect._plan_measure import (
     EXACT,
     HIGH_PRECISION,
@@ -86,6 +87,7 @@ def plan_precision(
     exhaustive: bool = False,
     max_rounds: int = 6,
     seed: int = 0,
+    measure: str = "exact",
 ) -> PrecisionPlan:
     """Plan a format per ``nn.Linear`` of ``model`` so that the whole plan's measured loss change fits.
 
@@ -111,6 +113,8 @@ def plan_precision(
             the choice needs; the plan is the same up to stochastic-rounding draws.
         max_rounds: solves at most (>= 1) before falling back to the model's precision.
         seed: seeds dropout (the same masks in every pass) and stochastic rounding.
+        measure: ``"exact"`` (one forward/backward per layer and format) or ``"local"`` (every layer and
+            format estimated from the reference pass alone, :mod:`mixprec.inspect._plan_local`).
 
     Returns:
         A :class:`~mixprec.inspect.PrecisionPlan`.
@@ -118,7 +122,7 @@ def plan_precision(
     Raises:
         TypeError: for a non-module ``model``, a non-callable ``loss_fn`` or ``cost``.
         ValueError: for a budget or grad_budget that is not a finite number > 0, a max_flushed
-            outside (0, 1], an empty ``batches``
+            outside (0, 1], a measure other than "exact" or "local", an empty ``batches``
             (or ``check_batches`` given empty), an unknown format or cost target, a model without linear
             layers (or that is one), or a ``loss_fn`` that returns a non-scalar loss, or a non-finite one
             at high precision. Nothing is changed then.
@@ -129,6 +133,8 @@ def plan_precision(
         formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds
     )
     _check_share("max_flushed", max_flushed)
+    if measure not in ("exact", "local"):
+        raise ValueError(f"measure must be 'exact' or 'local', got {measure!r}")
     target, cost_fn = resolve_cost(cost)
     fqns = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not fqns:
@@ -141,7 +147,7 @@ def plan_precision(
         try:
             slots.set(dict.fromkeys(fqns, "fp32"), generator)
             tick = time.process_time()
-            ref = run_pass(slots, batches, loss_fn, seed, capture=True)
+            ref = run_pass(slots, batches, loss_fn, seed, capture=True, keep=measure == "local")
             step = (time.process_time() - tick) / len(batches)
             sets = [(batches, ref)]
             if checks:
@@ -149,7 +155,7 @@ def plan_precision(
             losses = [loss for _, r in sets for loss in r.losses]
             if not all(math.isfinite(loss) for loss in losses):
                 raise ValueError(f"loss_fn returned a non-finite loss at high precision: {losses}")
-            measurer = Measurer(
+            measurer = (LocalMeasurer if measure == "local" else Measurer)(
                 slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, (max_flushed, exhaustive)
             )
             limits = (budget, grad_budget, float(max_flushed))
@@ -162,7 +168,18 @@ def plan_precision(
     reasons = {f: _reason(f, chosen, layers, limits, rounds) for f in fqns}
     seconds = time.process_time() - start
     return PrecisionPlan(
-        chosen, layers, reasons, budget, measured, rounds, target, grad_budget, seconds, step, slots.passes
+        chosen,
+        layers,
+        reasons,
+        budget,
+        measured,
+        rounds,
+        target,
+        grad_budget,
+        seconds,
+        step,
+        slots.passes,
+        measure,
     )
 
 

@@ -18,7 +18,8 @@ from mixprec.lowbit import LowbitLinear, get_recipe
 
 __all__ = ["PrecisionPlan"]
 
-_VERSION = 2
+_VERSION = 3
+_READS = (2, 3)  # version 2 documents have no ``measure`` field: they were measured exactly
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ class PrecisionPlan:
         target: the cost model's name; grad_budget: the bound on ``measured["weight_grad"]`` (None: none);
             seconds: planning CPU time (process time, s); step_seconds: the CPU time of one reference
             forward/backward of one batch (s); passes: forward/backward passes over a set of batches the
-            planning ran (the reference, one per layer and format measured, one per whole-plan check).
+            planning ran (the reference, one per layer and format measured, one per whole-plan check);
+            measure: how single layers were measured, ``"exact"`` (a pass each) or ``"local"`` (one-pass
+            estimates; their divergence records also hold ``loss_first_order`` and ``loss_second_order``).
     """
 
     formats: dict[str, str]
@@ -56,6 +59,7 @@ class PrecisionPlan:
     seconds: float = 0.0
     step_seconds: float = 0.0
     passes: int = 0
+    measure: str = "exact"
 
     # ------------------------------------------------------------------ reading
     def flop_share(self, fqn: str) -> float:
@@ -185,7 +189,7 @@ class PrecisionPlan:
             ValueError: for text that is not a plan of this version, or formats that name unknown layers.
         """
         data = json.loads(text)
-        if not isinstance(data, dict) or data.pop("version", None) != _VERSION:
+        if not isinstance(data, dict) or data.pop("version", None) not in _READS:
             raise ValueError(f"not a mixprec precision plan (version {_VERSION}) JSON document")
         try:
             plan = cls(**data)

@@ -1,0 +1,104 @@
+"""The planner's one-pass estimates (``plan_precision(..., measure="local")``): every (layer, format)
+estimated from the reference pass alone, with no further pass through the model.
+
+The reference pass keeps, for every planning batch, each linear's input ``x``, output ``y`` and output
+gradient ``g_y = dL/dy``. Per (layer, format) only that layer runs, in the format (the module
+:func:`~mixprec.inspect._plan_measure.swapped_in` builds), forward on the kept ``x`` and backward with the
+kept ``g_y``; with ``dy = y_q - y`` over batch ``b``:
+
+* loss divergence ``sum_b |dL_b| / sum_b |L_ref_b|`` (the exact mode's definition), with ``dL_b`` the
+  first-order Taylor change ``<g_y, dy>`` (Molchanov et al., "Importance Estimation for Neural Network
+  Pruning", CVPR 2019) plus, with ``SECOND_ORDER``, ``0.5 dy^T H dy`` with ``H`` the empirical Fisher of
+  the rows of ``y`` (``H ~ R sum_r g_r g_r^T`` for a loss that is the mean over the ``R`` rows,
+  ``g_r`` row ``r`` of ``g_y``): ``0.5 R sum_r <g_r, dy_r>^2``. Both estimates are kept in the
+  divergence record (``loss_first_order``, ``loss_second_order``);
+* weight-gradient divergence: the layer's own weight gradient's change (summed over batches) over the
+  norm of all linears' reference weight gradients. Left out: how the changed output moves the other
+  layers' weight gradients (exact mode measures every linear's change);
+* input-gradient divergence: the layer's input gradient's change against its reference, as exact.
+
+A layer called more than once per batch is estimated at its first call (as the exact mode records it).
+The estimates only steer the knapsack: the whole plan is still measured exactly and tightened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.inspect._plan_measure import Measurer, swapped_in
+
+#: Whether the loss estimate adds the empirical-Fisher second-order term to the first-order one.
+SECOND_ORDER = True
+
+
+class LocalMeasurer(Measurer):
+    """A :class:`~mixprec.inspect._plan_measure.Measurer` whose divergences are one-layer estimates on
+    the reference pass's kept operands (``ref.kept``, from ``run_pass(..., keep=True)``)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._references: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._loss_total = sum(abs(loss) for loss in self.ref.losses)
+        self._grad_total = sum(float(g.square().sum()) for g in self.ref.weight_grads)
+
+    def _divergences(self, fqn: str, fmt: str) -> dict[str, Any]:
+        tiny = torch.finfo(torch.float32).tiny
+        module = swapped_in(self.slots.originals[fqn], fmt, self.generator)
+        first = second = 0.0
+        weight_delta = None
+        gx_num = gx_den = 0.0
+        for (x, y, gy, x_grad), (gw_ref, gx_ref) in zip(self._kept(fqn), self._reference(fqn), strict=True):
+            y_q, gw, gx = _layer_pass(module, self.slots.originals[fqn].weight, x, gy, x_grad)
+            if not torch.isfinite(y_q).all():
+                return {"loss": float("inf"), "weight_grad": float("inf"), "input_grad": float("inf")}
+            t1, t2 = taylor(gy, y_q - y)
+            first += abs(t1)
+            second += abs(t1 + t2)
+            change = (gw - gw_ref).float()
+            weight_delta = change if weight_delta is None else weight_delta + change
+            if gx is not None:
+                gx_num += float((gx - gx_ref).float().square().sum())
+                gx_den += float(gx_ref.float().square().sum())
+        den = max(self._loss_total, tiny)
+        num = 0.0 if weight_delta is None else float(weight_delta.square().sum())
+        out: dict[str, Any] = {
+            "loss": (second if SECOND_ORDER else first) / den,
+            "weight_grad": (num / max(self._grad_total, tiny)) ** 0.5,
+            "input_grad": (gx_num / max(gx_den, tiny)) ** 0.5 if gx_den > 0 else None,
+        }
+        out.update(loss_first_order=first / den, loss_second_order=second / den)
+        return out
+
+    def _kept(self, fqn: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+        return [batch[fqn] for batch in self.ref.kept if fqn in batch]
+
+    def _reference(self, fqn: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per batch, the layer's own weight and input gradients at its own precision (computed once)."""
+        if fqn not in self._references:
+            linear = self.slots.originals[fqn]
+            self._references[fqn] = [
+                _layer_pass(linear, linear.weight, x, gy, x_grad)[1:] for x, _, gy, x_grad in self._kept(fqn)
+            ]
+        return self._references[fqn]
+
+
+def taylor(gy: torch.Tensor, dy: torch.Tensor) -> tuple[float, float]:
+    """``(<g_y, dy>, 0.5 R sum_r <g_r, dy_r>^2)``: the first-order loss change and the empirical-Fisher
+    second-order term over the ``R`` rows of ``g_y`` and ``dy`` (same shape, last dim the features)."""
+    g = gy.detach().reshape(-1, gy.shape[-1]).double()
+    d = dy.detach().reshape(-1, dy.shape[-1]).double()
+    per_row = (g * d).sum(1)
+    return float(per_row.sum()), float(0.5 * per_row.numel() * per_row.square().sum())
+
+
+def _layer_pass(module, weight, x, gy, x_grad):
+    """``module`` forward on ``x`` and backward with ``gy``: (output, weight gradient, input gradient)."""
+    x = x.detach().requires_grad_(x_grad)
+    with torch.enable_grad():
+        y = module(x)
+        targets = [weight, x] if x_grad else [weight]
+        grads = torch.autograd.grad(y, targets, gy, allow_unused=True)
+    gw = torch.zeros_like(weight) if grads[0] is None else grads[0]
+    return y.detach(), gw, grads[1] if x_grad else None
