@@ -10,8 +10,8 @@ kept ``g_y``; with ``dy = y_q - y`` over batch ``b``:
   first-order Taylor change ``<g_y, dy>`` (Molchanov et al., "Importance Estimation for Neural Network
   Pruning", CVPR 2019) plus, with ``SECOND_ORDER``, ``0.5 dy^T H dy`` with ``H`` the empirical Fisher of
   the rows of ``y`` (``H ~ R sum_r g_r g_r^T`` for a loss that is the mean over the ``R`` rows,
-  ``g_r`` row ``r`` of ``g_y``): ``0.5 R sum_r <g_r, dy_r>^2``. Both estimates are kept in the
-  divergence record (``loss_first_order``, ``loss_second_order``);
+  ``g_r`` row ``r`` of ``g_y``): ``0.5 R sum_r <g_r, dy_r>^2`` (off by default, see ``SECOND_ORDER``).
+  Both estimates are kept in the divergence record (``loss_first_order``, ``loss_second_order``);
 * weight-gradient divergence: the layer's own weight gradient's change (summed over batches) over the
   norm of all linears' reference weight gradients. Left out: how the changed output moves the other
   layers' weight gradients (exact mode measures every linear's change);
@@ -29,8 +29,11 @@ import torch
 
 from mixprec.inspect._plan_measure import Measurer, swapped_in
 
-#: Whether the loss estimate adds the empirical-Fisher second-order term to the first-order one.
-SECOND_ORDER = True
+#: Whether the loss estimate adds the empirical-Fisher second-order term to the first-order one. Off:
+#: on ``benchmarks/plan_measure_fidelity.py``'s tasks it ranked the (layer, format) pairs a little
+#: better (Spearman +0.00-0.03) but its rows-are-independent Fisher overstated attention's qkv in nvfp4
+#: 7x (tokens mix there), and the plans it steered cost up to 1.22x the first-order ones (README).
+SECOND_ORDER = False
 
 
 class LocalMeasurer(Measurer):
