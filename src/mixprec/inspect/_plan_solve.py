@@ -4,9 +4,13 @@
   root-sum-square weight-gradient bound): a multiple-choice knapsack (Sinha and Zoltners, Operations
   Research 27(3), 1979; Kellerer, Pferschy and Pisinger, "Knapsack Problems", Springer 2004, ch. 11),
   solved exactly by dynamic programming over the budget with each item's use rounded up.
-* :func:`most_accurate`: the assignments of *least* summed loss divergence whose cost fits ``max_cost``
-  and whose FLOPs left in high precision fit ``max_high_flops`` (the dual problem, the same knapsack with
-  cost and divergence exchanged): every assignment is enumerated (vectorized, pruned as it goes) while
+* :func:`most_accurate`: the assignments of *least* summed squared weight-gradient divergence (ties: summed
+  loss divergence) whose cost fits ``max_cost`` and whose FLOPs left in high precision fit
+  ``max_high_flops`` (the dual problem, the same knapsack with cost and divergence exchanged). The
+  weight gradient decides here because a layer's loss change on a few batches is a signed scalar that
+  rounding can cancel: on ``benchmarks/plan_precision.py``'s lm model a first-block ``qkv`` in nvfp4
+  changed the loss by 1.00e-3 and in mxfp8 by 1.06e-3, while its weight-gradient change was 0.176 against
+  0.064. The solver: every assignment is enumerated (vectorized, pruned as it goes) while
   there are at most ``2**20``; beyond that, dynamic programming over the two bounds with uses rounded up,
   which keeps every answer within the bounds but can miss one that lies within a rounding step of them.
 
@@ -89,9 +93,10 @@ def most_accurate(
     max_flushed: float = 1.0,
     top: int = 3,
 ) -> list[dict[str, str]]:
-    """Up to ``top`` distinct assignments of least summed loss divergence (ties: summed weight-gradient
-    divergence), best first, each with summed cost <= ``max_cost`` and summed FLOPs of its layers in
-    ``"bf16"``/``"fp32"`` <= ``max_high_flops`` (both in the units of ``layers``); ``[]`` if none fits."""
+    """Up to ``top`` distinct assignments of least summed squared weight-gradient divergence (the square
+    of the root-sum-square the gradient bound uses; ties: summed loss divergence), best first, each with
+    summed cost <= ``max_cost`` and summed FLOPs of its layers in ``"bf16"``/``"fp32"`` <=
+    ``max_high_flops`` (both in the units of ``layers``); ``[]`` if none fits."""
     names = list(layers)
     options = [[(fmt, d) for fmt, d in _admissible(layers[f], max_flushed)] for f in names]
     if any(not o for o in options):
@@ -101,8 +106,8 @@ def most_accurate(
             (
                 layers[f]["cost"][fmt],
                 layers[f]["flops"] * (fmt in HIGH_PRECISION),
+                d.get("weight_grad", 0.0) ** 2,
                 d["loss"],
-                d.get("weight_grad", 0.0),
             )
             for fmt, d in opts
         ]
@@ -127,7 +132,7 @@ def _enumerate(rows: list[list[tuple]], limits: tuple[float, float], top: int) -
     """Every assignment, pruned as soon as a partial sum passes a bound (all terms are >= 0)."""
     dtype = torch.float64
     picks = torch.zeros(1, 0, dtype=torch.int64)
-    sums = torch.zeros(1, 4, dtype=dtype)  # cost, high flops, loss, weight grad
+    sums = torch.zeros(1, 4, dtype=dtype)  # cost, high flops, squared weight grad, loss
     for row in rows:
         values = torch.tensor(row, dtype=dtype)  # (F, 4)
         sums = (sums[:, None, :] + values[None, :, :]).reshape(-1, 4)
@@ -142,7 +147,7 @@ def _enumerate(rows: list[list[tuple]], limits: tuple[float, float], top: int) -
 
 
 def _dual_dp(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
-    """Least (loss, weight grad) per used (cost, high-flops) step pair, uses rounded up."""
+    """Least (squared weight grad, loss) per used (cost, high-flops) step pair, uses rounded up."""
     steps = _DUAL_STEPS
     two = math.isfinite(limits[1])
     best: dict[tuple[int, int], tuple[float, float]] = {(0, 0): (0.0, 0.0)}
@@ -151,9 +156,9 @@ def _dual_dp(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> 
         new: dict[tuple[int, int], tuple[float, float]] = {}
         back: dict[tuple[int, int], tuple[int, tuple[int, int]]] = {}
         for (u, v), (s0, w0) in best.items():
-            for j, (cost, high, loss, wgrad) in enumerate(row):
+            for j, (cost, high, wgrad2, loss) in enumerate(row):
                 key = (u + use(cost, limits[0], steps[0]), v + (use(high, limits[1], steps[1]) if two else 0))
-                value = (s0 + loss, w0 + wgrad)
+                value = (s0 + wgrad2, w0 + loss)
                 if key[0] <= steps[0] and key[1] <= steps[1] and (key not in new or value < new[key]):
                     new[key], back[key] = value, (j, (u, v))
         best = new

@@ -37,6 +37,11 @@ forward loss divergence and backward weight divergence, then an integer program 
    divergence fits the budget, and if no mix of the given formats does, every layer stays in the model's
    precision (``"fp32"``, divergence 0).
 
+The dual question, the most accurate plan a cost allows (``max_cost``, optionally ``min_low_share``:
+e.g. a hand rule's own cost and share, to compare with it), measures every layer in every format, takes
+the (up to 3) assignments of least summed squared weight-gradient divergence within the bounds, measures
+each as a whole and returns the one whose weight gradients changed least.
+
 The cost of a format for a layer is the roofline time of its three training GEMMs on a named GPU
 (:mod:`mixprec.inspect.plan_cost`), or a user's ``cost(format, m, n, k)``.
 """
@@ -110,8 +115,10 @@ def plan_precision(
             measure single layers).
         max_cost: instead of a loss budget, a bound on the plan's GEMM cost relative to every planned
             layer in bf16 (0.5 = half of bf16's time in the cost model): the plan is then the *most
-            accurate* within it, the one of least measured loss change among the (up to 3) assignments of
-            least summed layer divergence whose cost fits (needs ``budget=None``; no ``grad_budget``).
+            accurate* within it: of the (up to 3) assignments of least summed squared weight-gradient
+            divergence whose cost fits, the one whose whole-plan weight-gradient change measures least
+            (then loss change; see :mod:`mixprec.inspect._plan_solve` for why the gradient decides).
+            Needs ``budget=None``; no ``grad_budget``.
         min_low_share: with ``max_cost``, the least share in [0, 1] of the planned layers' GEMM FLOPs that
             must run below bf16 (to compare with a hand rule at its share; None: no bound).
         exhaustive: measure every layer in every format (for the table and plot) instead of only what
@@ -298,9 +305,9 @@ def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, 
 
 
 def _solve_at_cost(slots, sets, measurer, bounds, loss_fn, seed, generator):
-    """Every layer in every format measured, the (up to 3) assignments of least summed loss divergence
-    within the bounds, each measured as a whole; the one of least measured loss change (then weight
-    gradient) is the plan."""
+    """Every layer in every format measured, the (up to 3) assignments of least summed squared
+    weight-gradient divergence within the bounds, each measured as a whole; the one of least measured
+    weight-gradient change (then loss change) is the plan."""
     max_cost, min_low_share, max_flushed = bounds
     layers = measurer.layers
     bf16 = sum(info["cost"]["bf16"] for info in layers.values())
@@ -323,8 +330,8 @@ def _solve_at_cost(slots, sets, measurer, bounds, loss_fn, seed, generator):
     for chosen in picks:
         measured = _measure_plan(slots, sets, chosen, loss_fn, seed, generator)
         found.append((measured["loss"], measured["weight_grad"], chosen, measured))
-    rounds = [{"max_cost": max_cost, "measured": loss} for loss, *_ in found]
-    _, _, chosen, measured = min(found, key=lambda item: item[:2])
+    rounds = [{"max_cost": max_cost, "measured": loss, "weight_grad": w} for loss, w, *_ in found]
+    _, _, chosen, measured = min(found, key=lambda item: (item[1], item[0]))
     return chosen, measured, rounds
 
 
