@@ -151,3 +151,20 @@ def test_a_cost_no_admissible_mix_reaches_is_refused_after_measuring():
         plan_precision(
             model, batches[:2], loss_fn, budget=None, max_cost=0.25, max_flushed=0.01, cost="b200-peak"
         )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_model_plans_with_stochastic_rounding_formats():
+    # nvfp4 rounds its gradients stochastically: the planner's generator must live on the layers' device
+    model, batches = _teacher()
+    model = model.cuda()
+    batches = [(x.cuda(), y.cuda()) for x, y in batches[:2]]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = plan_precision(
+        model, batches, loss_fn, formats=("nvfp4", "mxfp8", "bf16"), budget=0.05, cost="b200-peak"
+    )
+    assert plan.measured["loss"] <= 0.05
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    best = plan_precision(model, batches, loss_fn, budget=None, max_cost=0.5, cost="b200-peak")
+    assert best.relative_cost() <= 0.5 + 1e-9

@@ -150,7 +150,8 @@ def plan_precision(
         raise ValueError("model has no nn.Linear layer to plan")
     if fqns[0] == "":
         raise ValueError("model itself is an nn.Linear: wrap it (nn.Sequential(model)) so it can be swapped")
-    generator = torch.Generator().manual_seed(seed)
+    # stochastic rounding draws on the layers' device (a CPU generator cannot feed CUDA tensors)
+    generator = torch.Generator(device=model.get_submodule(fqns[0]).weight.device).manual_seed(seed)
     with preserved(model):
         slots = Slots(model, fqns)
         try:
