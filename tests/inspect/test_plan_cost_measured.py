@@ -114,6 +114,7 @@ def test_default_cost_is_b200_on_a_cpu_model():
     assert plan.target == "b200"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_default_cost_is_measured_on_a_cuda_model():
     model = _mlp().cuda()
