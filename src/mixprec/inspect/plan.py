@@ -106,7 +106,8 @@ def plan_precision(
         budget: the bound (> 0) on the whole plan's measured relative loss change against the
             high-precision run on these batches (0.01 = 1 %): the plan is the cheapest that fits it.
             None together with ``max_cost``.
-        cost: a target name (``"b200"`` default, ``"h100"``) or ``cost(format, m, n, k) -> float``.
+        cost: a target name (``"b200"``, ``"h100"``), ``"measured"`` (timed on the model's device) or
+            ``cost(format, m, n, k) -> float``; None: ``"measured"`` on a CUDA model, else ``"b200"``.
         grad_budget: an optional second bound (> 0) on the whole plan's measured relative change of the
             weight gradients (all linears, ``||G - G_ref|| / ||G_ref||``); None: gradients only break ties.
         max_flushed: the largest share (in (0, 1]) of the nonzero values of a layer's forward input or
@@ -144,7 +145,7 @@ def plan_precision(
         formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds
     )
     _check_share("max_flushed", max_flushed)
-    target, cost_fn = resolve_cost(cost)
+    target, cost_fn = resolve_cost(cost, model, formats)
     fqns = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not fqns:
         raise ValueError("model has no nn.Linear layer to plan")

@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
     )
-    parser.add_argument("--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak")
+    parser.add_argument(
+        "--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak, measured (timed here)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
     parser.add_argument("--plot", type=Path, default=Path("plan.png"), help="where the plot goes")
