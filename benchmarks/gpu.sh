@@ -6,6 +6,8 @@
 #      O2 fp16/bf16, bf16-true(+kahan), and every registered fp8 mode, modes interleaved round by round;
 #   3. benchmarks/precision_paths.py, benchmarks/fp8_lm.py and benchmarks/lowbit_lm.py (every lowbit recipe's
 #      step time and loss against bf16) with --device cuda, where those scripts exist;
+#   4. benchmarks/plan_cost.py --device cuda: the planner's measured GEMM cost per format (cost="measured")
+#      on the bench's lm and teacher-MLP layer shapes and two large ones, beside the b200/h100 rooflines;
 # then writes RESULTS_DIR/gpu.json (everything, one file) and RESULTS_DIR/gpu.md (the Markdown tables).
 #
 #   bash benchmarks/gpu.sh [RESULTS_DIR]        # default RESULTS_DIR: ./gpu-results
@@ -100,6 +102,17 @@ if [ -f benchmarks/lowbit_lm.py ]; then
     else
         step lowbit_lm "${LIMIT_EXTRA:-90}" python benchmarks/lowbit_lm.py --task lm --device cuda --steps 100 \
             --json "$out/lowbit_lm.json"
+    fi
+fi
+
+# 4. the planner's measured cost per format and layer shape (the dry run times two formats on the CPU)
+if [ -f benchmarks/plan_cost.py ]; then
+    if [ "$dry" = 1 ]; then
+        step plan_cost "${LIMIT_EXTRA:-90}" python benchmarks/plan_cost.py --device cpu --threads 1 \
+            --formats fp8_rowwise,bf16 --repeats 1 --json "$out/plan_cost.json"
+    else
+        step plan_cost 60 python benchmarks/plan_cost.py --device cuda --shape 4096,4096,4096 \
+            --shape 8192,8192,8192 --json "$out/plan_cost.json"
     fi
 fi
 

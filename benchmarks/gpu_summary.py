@@ -3,7 +3,8 @@
     python benchmarks/gpu_summary.py RESULTS_DIR [WALL_SECONDS]
 
 Reads ``steps.tsv`` (name, exit code or ``skipped: why``, seconds), ``bench-SIZE.json`` (``mixprec bench
---json``), ``precision_paths.json`` / ``fp8_lm.json`` when present, and the tail of each step's log;
+--json``), ``precision_paths.json`` / ``fp8_lm.json`` / ``plan_cost.json`` when present, and the tail
+of each step's log;
 writes ``gpu.json`` (machine, steps, bench records per size, the other benchmarks' JSON) and ``gpu.md``.
 Exit code 0 when every step that ran exited 0, else 1.
 """
@@ -20,7 +21,7 @@ import torch
 
 from mixprec.inspect.bench_report import bench_summary
 
-EXTRA = ("precision_paths", "fp8_lm")
+EXTRA = ("precision_paths", "fp8_lm", "plan_cost")
 
 
 def _machine() -> dict[str, Any]:

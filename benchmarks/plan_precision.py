@@ -207,18 +207,34 @@ def run(task: str, seed: int, args: argparse.Namespace) -> dict:
         seed=seed,
     )
     print(plan.table(), flush=True)
-    data = [next(stream) for _ in range(args.steps)]
-    out = {"task": task, "seed": seed, "plan": json.loads(plan.to_json()), "runs": {}}
-    for name, formats in {**_assignments(plan, args.rule_formats), **_extra(args.extra)}.items():
-        trained = copy.deepcopy(model)
-        torch.manual_seed(seed)
-        PrecisionPlan(formats, plan.layers, plan.reasons, plan.budget, plan.measured).apply(trained)
+    draws = [next(stream) for _ in range(args.steps * args.repeats)]
+    data = [draws[r * args.steps : (r + 1) * args.steps] for r in range(args.repeats)]
+    out = {"task": task, "seed": seed, "plan": json.loads(plan.to_json()), "runs": {}, "dual": {}}
+    assignments = {**_assignments(plan, args.rule_formats), **_extra(args.extra)}
+    if args.dual:
+        for rule in [name for name in assignments if "/" in name]:
+            try:
+                dual = _dual_plan(model, planning, checks, plan, assignments[rule], seed, args)
+            except ValueError as exc:  # e.g. the rule's cost needs a format the flush limit rules out
+                print(f"{task} seed {seed} plan@{rule}: refused: {exc}", flush=True)
+                out["dual"][rule] = {"refused": str(exc)}
+                continue
+            assignments[f"plan@{rule}"] = dict(dual.formats)
+            out["dual"][rule] = json.loads(dual.to_json())
+    for name, formats in assignments.items():
         autocast = name != "fp32"
-        step = _train(trained, data, lr, autocast)
+        losses, steps = [], []
+        for repeat, batches in enumerate(data):  # each repeat: the same state, other training batches
+            trained = copy.deepcopy(model)
+            torch.manual_seed(seed + 1000 * repeat)
+            PrecisionPlan(formats, plan.layers, plan.reasons, plan.budget, plan.measured).apply(trained)
+            steps.append(_train(trained, batches, lr, autocast))
+            losses.append(evaluate(trained, autocast))
         share, cost = _low_share(plan, formats), _cost(plan, formats)
-        loss = evaluate(trained, autocast)
+        loss, step = statistics.mean(losses), statistics.median(steps)
         out["runs"][name] = {
             "loss": loss,
+            "losses": losses,
             "low_share": share,
             "cost": cost,
             "step_s": step,
@@ -230,19 +246,40 @@ def run(task: str, seed: int, args: argparse.Namespace) -> dict:
             flush=True,
         )
     runs = out["runs"]
-    rules = [name for name in runs if "/" in name]
+    rules = [name for name in runs if "/" in name and not name.startswith("plan@")]
     differ = {
-        rule: {
+        f"{which} vs {rule}": {
             f: (fmt, runs[rule]["formats"][f])
-            for f, fmt in plan.formats.items()
+            for f, fmt in runs[which]["formats"].items()
             if fmt != runs[rule]["formats"][f]
         }
         for rule in rules
+        for which in ("plan", f"plan@{rule}")
+        if which in runs
     }
     print(f"{task} seed {seed}: where the plan differs from each hand rule, layer: (plan, rule): {differ}")
     out["differs"] = differ
     out["plan_seconds"], out["step_seconds"] = plan.seconds, out["runs"]["bf16"]["step_s"]
     return out
+
+
+def _dual_plan(model, planning, checks, plan, rule, seed, args) -> PrecisionPlan:
+    """The most accurate plan at a hand rule's share below bf16 and cost (``max_cost``, ``min_low_share``)."""
+    dual = plan_precision(
+        model,
+        planning,
+        loss_fn,
+        formats=FMT,
+        budget=None,
+        max_cost=_cost(plan, rule),
+        min_low_share=_low_share(plan, rule),
+        cost="b200-peak",
+        max_flushed=args.max_flushed,
+        check_batches=checks,
+        seed=seed,
+    )
+    print(dual.table(), flush=True)
+    return dual
 
 
 def _quartiles(values: list[float]) -> list[float]:
@@ -295,6 +332,14 @@ def main() -> None:
     parser.add_argument("--check-batches", type=int, default=0)
     parser.add_argument("--rule-formats", nargs="+", default=["nvfp4", "mxfp8"])
     parser.add_argument("--planning-rounds", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="train each assignment this many times on other batches"
+    )
+    parser.add_argument(
+        "--dual",
+        action="store_true",
+        help="also plan at each hand rule's share and cost (max_cost, min_low_share) and train that plan",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -311,6 +356,54 @@ def main() -> None:
             results.append(run(task, seed, args))
             _summary(results, args)  # so a run stopped early leaves what it measured
     _summary(results, args, show=True)
+
+
+def _paired(results: list[dict]) -> dict:
+    """Per hand rule, ``plan - rule`` and ``plan@rule - rule`` held-out loss over bf16's, in points, one
+    pair per (seed, repeat) (each pair trained on the same batches): mean, a 95% t interval, the range and
+    wins / ties / losses (a tie: under 0.05 points). Also the noise: the spread of bf16 itself over
+    repeats (same state, other batches)."""
+    out: dict = {}
+    rules = {name for r in results for name in r["runs"] if "/" in name and not name.startswith("plan@")}
+    for rule in sorted(rules):
+        for which in ("plan", f"plan@{rule}"):
+            diffs = []
+            for r in results:
+                runs = r["runs"]
+                if which not in runs or rule not in runs:
+                    continue
+                for a, b, base in zip(
+                    runs[which]["losses"], runs[rule]["losses"], runs["bf16"]["losses"], strict=True
+                ):
+                    diffs.append(100 * (a - b) / base)
+            if diffs:
+                out[f"{which} - {rule}"] = _interval(diffs)
+    noise = [
+        100 * (loss / statistics.mean(r["runs"]["bf16"]["losses"]) - 1)
+        for r in results
+        for loss in r["runs"]["bf16"]["losses"]
+    ]
+    out["bf16 repeat spread"] = _interval(noise) if len(noise) > 1 else None
+    return out
+
+
+def _interval(values: list[float]) -> dict:
+    mean = statistics.mean(values)
+    half = 0.0
+    if len(values) > 1:
+        t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+        half = t95.get(len(values) - 1, 2.0) * statistics.stdev(values) / len(values) ** 0.5
+    return {
+        "n": len(values),
+        "mean": mean,
+        "ci95": [mean - half, mean + half],
+        "range": [min(values), max(values)],
+        "wins_ties_losses": [
+            sum(v < -0.05 for v in values),
+            sum(abs(v) <= 0.05 for v in values),
+            sum(v > 0.05 for v in values),
+        ],
+    }
 
 
 def _summary(results: list[dict], args: argparse.Namespace, show: bool = False) -> None:
@@ -332,9 +425,19 @@ def _summary(results: list[dict], args: argparse.Namespace, show: bool = False) 
             f"weight-gradient divergence {m['weight_grad']:.3g}; planning {r['plan_seconds']:.1f} s CPU = "
             f"{r['plan_seconds'] / r['step_seconds']:.0f} bf16 training steps"
         )
+    paired = _paired(results)
+    if show:
+        print("\npaired held-out loss differences, points of bf16's loss (negative: the plan is better)")
+        for name, v in paired.items():
+            if v is not None:
+                print(
+                    f"  {name:<40} mean {v['mean']:+.2f} [95% {v['ci95'][0]:+.2f}, {v['ci95'][1]:+.2f}] "
+                    f"range {v['range'][0]:+.2f}..{v['range'][1]:+.2f} n {v['n']} "
+                    f"wins/ties/losses {v['wins_ties_losses']}"
+                )
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "results": results}, handle, indent=1)
+            json.dump({"args": vars(args), "results": results, "paired": paired}, handle, indent=1)
 
 
 if __name__ == "__main__":

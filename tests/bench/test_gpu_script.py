@@ -38,5 +38,8 @@ def test_gpu_script_dry_run_writes_one_json_and_a_markdown_table(tmp_path: Path)
     assert summary["steps"][0]["skipped"].startswith("dry run")
     assert summary["steps"][1]["exit_code"] == 0
     assert [r["mode"] for r in summary["bench"]["tiny"]] == ["fp32"]
+    step = next(s for s in summary["steps"] if s["name"] == "plan_cost")
+    assert step["exit_code"] == 0  # the dry run times two formats' measured cost on the CPU
+    assert {r["format"] for r in summary["plan_cost"]["results"]} == {"fp8_rowwise", "bf16"}
     table = (tmp_path / "gpu.md").read_text()
     assert "## mixprec bench --size tiny" in table and "| tabular-regression | fp32 |" in table

@@ -68,9 +68,24 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory:make", "--budget", "0"], "budget must be > 0"),
         (["--from", "plan_factory:make", "--grad-budget", "-1"], "grad_budget must be > 0"),
         (["--workload", "nope"], "unknown workload 'nope'"),
+        (["--from", "plan_factory:make", "--min-low-share", "0.5"], "applies with max_cost only"),
+        (["--from", "plan_factory:make", "--max-cost", "-1"], "max_cost must be > 0"),
         (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
     ],
 )
 def test_plan_command_refuses_bad_input_with_exit_code_2(factory, capsys, argv, message):
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_command_with_max_cost_plans_the_most_accurate_within_it(factory, capsys):
+    out_json = factory / "p.json"
+    argv = ["plan", "--from", "plan_factory:make", "--max-cost", "0.8", "--cost", "b200-peak"]
+    assert (
+        main([*argv, "--formats", "mxfp8,bf16", "--json", str(out_json), "--plot", str(factory / "p.png")])
+        == 0
+    )
+    plan = PrecisionPlan.from_json(out_json.read_text())
+    assert plan.budget is None and plan.max_cost == 0.8
+    assert plan.relative_cost() <= 0.8 + 1e-9
+    assert "most accurate within 0.8x" in capsys.readouterr().out

@@ -14,8 +14,8 @@ from torch import nn
 
 from mixprec import lowbit
 from mixprec.inspect import PrecisionPlan, Replan, plan_precision
+from mixprec.inspect._plan_solve import knapsack as _knapsack
 from mixprec.inspect.demo import OutlierMLP
-from mixprec.inspect.plan import _knapsack
 from mixprec.inspect.plan_cost import TARGETS, gemm_cost
 from mixprec.lowbit import LowbitLinear
 

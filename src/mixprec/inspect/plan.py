@@ -37,6 +37,11 @@ forward loss divergence and backward weight divergence, then an integer program 
    divergence fits the budget, and if no mix of the given formats does, every layer stays in the model's
    precision (``"fp32"``, divergence 0).
 
+The dual question, the most accurate plan a cost allows (``max_cost``, optionally ``min_low_share``:
+e.g. a hand rule's own cost and share, to compare with it), measures every layer in every format, takes
+the (up to 3) assignments of least summed squared weight-gradient divergence within the bounds, measures
+each as a whole and returns the one whose weight gradients changed least.
+
 The cost of a format for a layer is the roofline time of its three training GEMMs on a named GPU
 (:mod:`mixprec.inspect.plan_cost`), or a user's ``cost(format, m, n, k)``.
 """
@@ -62,15 +67,13 @@ from mixprec.inspect._plan_measure import (
     divergences,
     run_pass,
 )
+from mixprec.inspect._plan_solve import knapsack, most_accurate, reason, reason_at_cost
 from mixprec.inspect._restore import preserved
 from mixprec.inspect.plan_cost import CostFn, resolve_cost
 from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.lowbit import RECIPES, get_recipe
 
 __all__ = ["plan_precision"]
-
-_STEPS = 1000
-_STEPS_2D = 100
 
 
 def plan_precision(
@@ -79,10 +82,12 @@ def plan_precision(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     *,
     formats: Sequence[str] = ("nvfp4", "mxfp8", "bf16"),
-    budget: float = 0.01,
+    budget: float | None = 0.01,
     cost: str | CostFn | None = None,
     grad_budget: float | None = None,
     max_flushed: float = 0.15,
+    max_cost: float | None = None,
+    min_low_share: float | None = None,
     check_batches: Iterable[Any] | None = None,
     exhaustive: bool = False,
     max_rounds: int = 6,
@@ -101,14 +106,24 @@ def plan_precision(
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
         formats: candidate formats: :mod:`mixprec.lowbit` recipe names, ``"bf16"``, ``"fp32"``.
         budget: the bound (> 0) on the whole plan's measured relative loss change against the
-            high-precision run on these batches (0.01 = 1 %).
-        cost: a target name (``"b200"`` default, ``"h100"``) or ``cost(format, m, n, k) -> float``.
+            high-precision run on these batches (0.01 = 1 %): the plan is the cheapest that fits it.
+            None together with ``max_cost``.
+        cost: a target name (``"b200"``, ``"h100"``), ``"measured"`` (timed on the model's device) or
+            ``cost(format, m, n, k) -> float``; None: ``"measured"`` on a CUDA model, else ``"b200"``.
         grad_budget: an optional second bound (> 0) on the whole plan's measured relative change of the
             weight gradients (all linears, ``||G - G_ref|| / ||G_ref||``); None: gradients only break ties.
         max_flushed: the largest share (in (0, 1]) of the nonzero values of a layer's forward input or
             weight that a candidate format may flush to zero (1: no limit).
         check_batches: optional batches on which the whole plan must fit the budget too (not used to
             measure single layers).
+        max_cost: instead of a loss budget, a bound on the plan's GEMM cost relative to every planned
+            layer in bf16 (0.5 = half of bf16's time in the cost model): the plan is then the *most
+            accurate* within it: of the (up to 3) assignments of least summed squared weight-gradient
+            divergence whose cost fits, the one whose whole-plan weight-gradient change measures least
+            (then loss change; see :mod:`mixprec.inspect._plan_solve` for why the gradient decides).
+            Needs ``budget=None``; no ``grad_budget``.
+        min_low_share: with ``max_cost``, the least share in [0, 1] of the planned layers' GEMM FLOPs that
+            must run below bf16 (to compare with a hand rule at its share; None: no bound).
         exhaustive: measure every layer in every format (for the table and plot) instead of only what
             the choice needs; the plan is the same up to stochastic-rounding draws.
         max_rounds: solves at most (>= 1) before falling back to the model's precision.
@@ -129,19 +144,21 @@ def plan_precision(
     """
     start = time.process_time()
     check_model(model)
+    _check_dual(budget, grad_budget, max_cost, min_low_share)
     formats, budget, grad_budget, batches, checks = _check(
         formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds
     )
     _check_share("max_flushed", max_flushed)
     if measure not in ("exact", "local"):
         raise ValueError(f"measure must be 'exact' or 'local', got {measure!r}")
-    target, cost_fn = resolve_cost(cost)
+    target, cost_fn = resolve_cost(cost, model, formats)
     fqns = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not fqns:
         raise ValueError("model has no nn.Linear layer to plan")
     if fqns[0] == "":
         raise ValueError("model itself is an nn.Linear: wrap it (nn.Sequential(model)) so it can be swapped")
-    generator = torch.Generator().manual_seed(seed)
+    # stochastic rounding draws on the layers' device (a CPU generator cannot feed CUDA tensors)
+    generator = torch.Generator(device=model.get_submodule(fqns[0]).weight.device).manual_seed(seed)
     with preserved(model):
         slots = Slots(model, fqns)
         try:
@@ -159,13 +176,22 @@ def plan_precision(
                 slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, (max_flushed, exhaustive)
             )
             limits = (budget, grad_budget, float(max_flushed))
-            chosen, measured, rounds = _solve_and_tighten(
-                slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds
-            )
+            if max_cost is None:
+                chosen, measured, rounds = _solve_and_tighten(
+                    slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds
+                )
+            else:
+                bounds = (float(max_cost), min_low_share, float(max_flushed))
+                chosen, measured, rounds = _solve_at_cost(
+                    slots, sets, measurer, bounds, loss_fn, seed, generator
+                )
         finally:
             slots.restore()
     layers = measurer.layers
-    reasons = {f: _reason(f, chosen, layers, limits, rounds) for f in fqns}
+    if max_cost is None:
+        reasons = {f: reason(f, chosen, layers, limits, rounds) for f in fqns}
+    else:
+        reasons = {f: reason_at_cost(f, chosen, layers, max_cost, max_flushed) for f in fqns}
     seconds = time.process_time() - start
     return PrecisionPlan(
         chosen,
@@ -179,12 +205,40 @@ def plan_precision(
         seconds,
         step,
         slots.passes,
-        measure,
+        measure=measure,
+        max_cost=max_cost,
+        min_low_share=min_low_share,
     )
 
 
+def _check_dual(budget, grad_budget, max_cost, min_low_share) -> None:
+    """Exactly one of ``budget`` (the cheapest plan within a loss bound) and ``max_cost`` (the most
+    accurate plan within a cost bound); ``min_low_share`` only with ``max_cost``."""
+    if max_cost is None:
+        if budget is None:
+            raise ValueError("budget=None needs max_cost: give a loss budget or a cost bound")
+        if min_low_share is not None:
+            raise ValueError(f"min_low_share={min_low_share!r} applies with max_cost only (budget=None)")
+        return
+    if budget is not None:
+        raise ValueError(
+            f"give budget (the cheapest plan within a loss bound) or max_cost (the most accurate plan "
+            f"within a cost bound), not both: pass budget=None with max_cost={max_cost!r}"
+        )
+    if grad_budget is not None:
+        raise ValueError(f"grad_budget={grad_budget!r} applies with a loss budget, not with max_cost")
+    _check_bound("max_cost", max_cost)
+    if min_low_share is not None and (
+        isinstance(min_low_share, bool)
+        or not isinstance(min_low_share, (int, float))
+        or not 0 <= min_low_share <= 1
+    ):
+        raise ValueError(f"min_low_share must be a share in [0, 1] or None, got {min_low_share!r}")
+
+
 def _check(formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds):
-    _check_bound("budget", budget)
+    if budget is not None:
+        _check_bound("budget", budget)
     if grad_budget is not None:
         _check_bound("grad_budget", grad_budget)
     if isinstance(formats, str) or not isinstance(formats, Sequence) or not formats:
@@ -209,7 +263,7 @@ def _check(formats, budget, grad_budget, batches, check_batches, loss_fn, max_ro
     if checks is not None and not checks:
         raise ValueError("check_batches is empty: pass None to check the plan on the planning batches only")
     grad = None if grad_budget is None else float(grad_budget)
-    return list(dict.fromkeys(formats)), float(budget), grad, batches, checks
+    return list(dict.fromkeys(formats)), None if budget is None else float(budget), grad, batches, checks
 
 
 def _check_bound(name: str, value: Any) -> None:
@@ -224,61 +278,6 @@ def _check_share(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a share in (0, 1], got {value!r}")
 
 
-def _knapsack(
-    layers: dict[str, dict[str, Any]],
-    budget: float,
-    grad_limit: float = math.inf,
-    max_flushed: float = 1.0,
-) -> dict[str, str]:
-    """The cheapest one-format-per-layer choice whose summed (rounded-up) loss divergence is <= ``budget``
-    and, for a finite ``grad_limit``, whose root-sum-square weight-gradient divergence is <= it (the
-    layers' gradient errors taken as independent). Among choices of equal cost, the one with the smaller
-    summed weight-gradient divergence; formats over ``max_flushed`` (``fprop_flushed``) are left out.
-
-    Dynamic programming over the used resources (the loss in 1000 steps of the budget; with a gradient
-    bound, 100 steps each of the budget and of ``grad_limit ** 2``), each item's use rounded up.
-    """
-    two = math.isfinite(grad_limit)
-    steps = (_STEPS_2D, _STEPS_2D) if two else (_STEPS, 0)
-    best: dict[tuple[int, int], tuple[float, float]] = {(0, 0): (0.0, 0.0)}  # used -> least (cost, wgrad)
-    backs: list[dict[tuple[int, int], tuple[str, tuple[int, int]]]] = []
-    for info in layers.values():
-        items = []
-        for fmt, d in info["divergence"].items():
-            wgrad = d.get("weight_grad", 0.0)
-            if d["loss"] is None or not math.isfinite(d["loss"]) or wgrad > grad_limit:
-                continue  # ruled out without a pass, non-finite, or over the gradient limit alone
-            if d.get("fprop_flushed", 0.0) <= max_flushed:
-                du = _use(d["loss"], budget, steps[0])
-                dv = _use(wgrad**2, grad_limit**2, steps[1]) if two else 0
-                items.append((fmt, du, dv, info["cost"][fmt], wgrad))
-        new: dict[tuple[int, int], tuple[float, float]] = {}
-        back: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}
-        for (u, v), (c0, w0) in best.items():
-            for fmt, du, dv, c, w in items:
-                key = (u + du, v + dv)
-                if (
-                    key[0] <= steps[0]
-                    and key[1] <= steps[1]
-                    and (key not in new or (c0 + c, w0 + w) < new[key])
-                ):
-                    new[key], back[key] = (c0 + c, w0 + w), (fmt, (u, v))
-        best = new
-        backs.append(back)
-    if not best:
-        return {}
-    key = min(best, key=best.__getitem__)
-    out = {}
-    for fqn, back in zip(reversed(list(layers)), reversed(backs), strict=True):
-        out[fqn], key = back[key]
-    return dict(reversed(list(out.items())))
-
-
-def _use(value: float, limit: float, steps: int) -> int:
-    """``value`` in steps of ``limit / steps``, rounded up (so a sum of uses never undercounts)."""
-    return math.ceil(value / limit * steps - 1e-9) if value > 0 else 0
-
-
 def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds):
     """Solve, measure the whole plan, tighten; the first solve sees only each layer's cheapest admissible
     formats (enough when they fit: no assignment is cheaper), the rest are measured when it does not."""
@@ -291,7 +290,7 @@ def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, 
     else:
         measurer.cheapest(grad_limit)
     while len(rounds) < max_rounds:
-        chosen = _knapsack(layers, solver_budget, grad_limit, max_flushed)
+        chosen = knapsack(layers, solver_budget, grad_limit, max_flushed)
         if not chosen and measurer.complete():
             continue  # the cheapest formats did not fit: solve again with every format measured
         if not chosen:
@@ -314,6 +313,37 @@ def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, 
     return fallback, {"loss": 0.0, "weight_grad": 0.0}, rounds
 
 
+def _solve_at_cost(slots, sets, measurer, bounds, loss_fn, seed, generator):
+    """Every layer in every format measured, the (up to 3) assignments of least summed squared
+    weight-gradient divergence within the bounds, each measured as a whole; the one of least measured
+    weight-gradient change (then loss change) is the plan."""
+    max_cost, min_low_share, max_flushed = bounds
+    layers = measurer.layers
+    bf16 = sum(info["cost"]["bf16"] for info in layers.values())
+    cheapest = sum(min(info["cost"][f] for f in measurer.formats) for info in layers.values()) / bf16
+    if cheapest > max_cost * (1 + 1e-9):
+        raise ValueError(
+            f"max_cost={max_cost!r} is below the cheapest mix of these formats ({cheapest:.4f}x bf16)"
+        )
+    measurer.complete()
+    flops = sum(info["flops"] for info in layers.values())
+    high = math.inf if min_low_share is None else (1 - min_low_share) * flops
+    picks = most_accurate(layers, max_cost * bf16, high, max_flushed)
+    if not picks:
+        raise ValueError(
+            f"no mix of the formats {measurer.formats} within max_cost={max_cost!r}"
+            + ("" if min_low_share is None else f" and min_low_share={min_low_share!r}")
+            + f" has every layer's format flushing at most max_flushed={max_flushed!r} of its forward input"
+        )
+    found = []
+    for chosen in picks:
+        measured = _measure_plan(slots, sets, chosen, loss_fn, seed, generator)
+        found.append((measured["loss"], measured["weight_grad"], chosen, measured))
+    rounds = [{"max_cost": max_cost, "measured": loss, "weight_grad": w} for loss, w, *_ in found]
+    _, _, chosen, measured = min(found, key=lambda item: (item[1], item[0]))
+    return chosen, measured, rounds
+
+
 def _measure_plan(slots, sets, chosen, loss_fn, seed, generator) -> dict[str, float]:
     """The whole plan's divergences: the larger over the planning batches and the check batches."""
     slots.set(chosen, generator)
@@ -326,37 +356,3 @@ def _measure_plan(slots, sets, chosen, loss_fn, seed, generator) -> dict[str, fl
     if len(found) > 1:
         out["check_loss"], out["check_weight_grad"] = found[1]["loss"], found[1]["weight_grad"]
     return out
-
-
-def _reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -> str:
-    budget, grad_budget, max_flushed = limits
-    fmt = chosen[fqn]
-    info = layers[fqn]
-    if rounds and rounds[-1]["solver_budget"] == 0.0:
-        return "no mix of the given formats fit the budget when measured; kept in the model's precision"
-    cheaper = [f for f, c in info["cost"].items() if c < info["cost"][fmt] and f in info["divergence"]]
-    own = info["divergence"][fmt]["loss"]
-    if not cheaper:
-        return f"cheapest format; loss divergence {own:.2e} ({own / budget:.0%} of the budget)"
-    cheaper.sort(key=lambda g: info["cost"][g])
-    d = info["divergence"][cheaper[0]]
-    details = [f"{key} {d[key]:.1%}" for key in ("flushed", "saturated", "outlier_blocks") if d[key] >= 0.01]
-    scores = [_why_not(g, info["divergence"][g], grad_budget, max_flushed) for g in cheaper]
-    tightened = " after tightening" if len(rounds) > 1 else ""
-    return (
-        ", ".join(scores)
-        + (f" ({cheaper[0]}: " + ", ".join(details) + ")" if details else "")
-        + f"; budget {budget:.2e}"
-        + ("" if grad_budget is None else f", grad_budget {grad_budget:.2e}")
-        + tightened
-    )
-
-
-def _why_not(fmt: str, d: dict[str, Any], grad_budget: float | None, max_flushed: float) -> str:
-    if d["fprop_flushed"] > max_flushed:
-        return (
-            f"{fmt} flushes {d['fprop_flushed']:.0%} of its forward input or weight (over {max_flushed:.0%})"
-        )
-    if grad_budget is not None and d["weight_grad"] > grad_budget:
-        return f"{fmt} would change the weight gradients {d['weight_grad']:.2e} (over {grad_budget:.2e})"
-    return f"{fmt} would change the loss {d['loss']:.2e}"

@@ -41,9 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grad-budget", type=float, default=None, help="optional bound on its weight-gradient change"
     )
     parser.add_argument(
+        "--max-cost",
+        type=float,
+        default=None,
+        help="instead of --budget: the most accurate plan within this GEMM cost relative to all-bf16",
+    )
+    parser.add_argument(
+        "--min-low-share", type=float, default=None, help="with --max-cost: least share of FLOPs below bf16"
+    )
+    parser.add_argument(
         "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
     )
-    parser.add_argument("--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak")
+    parser.add_argument(
+        "--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak, measured (timed here)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
     parser.add_argument("--plot", type=Path, default=Path("plan.png"), help="where the plot goes")
@@ -64,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         batches,
         loss_fn,
         formats=formats,
-        budget=args.budget,
+        budget=args.budget if args.max_cost is None else None,
+        max_cost=args.max_cost,
+        min_low_share=args.min_low_share,
         cost=args.cost,
         grad_budget=args.grad_budget,
         exhaustive=args.exhaustive,

@@ -25,14 +25,26 @@ Hopper has fp8 tensor cores but neither fp4 nor MX block-scaled GEMMs (those are
 there. The fp32 figure is the non-tensor-core rate (PyTorch's default fp32 matmul). ``"<target>-peak"``
 drops the memory terms (compute at the peak rate only): the large-matrix limit, which is how a small
 stand-in model's layers would cost at scale.
+
+``"measured"`` times the three GEMMs instead, on the model's own device, as the planner would run them
+(:class:`MeasuredCost`): the cost on this machine, low-bit formats that have no hardware path here
+(every one on a CPU) included at their emulated speed. It is what ``cost=None`` uses on a CUDA model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["TARGETS", "CostFn", "Target", "format_class", "gemm_cost", "resolve_cost"]
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from mixprec.inspect._plan_measure import swapped_in
+
+__all__ = ["TARGETS", "CostFn", "MeasuredCost", "Target", "format_class", "gemm_cost", "resolve_cost"]
 
 #: ``cost(format, m, n, k) -> float``: the time (any unit, compared only with itself) of a layer's three
 #: training GEMMs in ``format``; ``m`` rows of input, ``k`` inputs, ``n`` outputs.
@@ -108,17 +120,147 @@ def gemm_cost(target: Target, fmt: str, m: int, n: int, k: int) -> float:
     return total
 
 
-def resolve_cost(cost: str | CostFn | None) -> tuple[str, CostFn]:
-    """``(name, cost function)`` for a target name, a user function or None (``"b200"``).
+#: ``timer(fmt, (m, n, k), run) -> seconds``: the time of one call of ``run`` (the layer's forward and
+#: backward in ``fmt``); injectable so that tests can script the times.
+Timer = Callable[[str, tuple[int, int, int], Callable[[], object]], float]
+
+
+class MeasuredCost:
+    """``cost(format, m, n, k)``: the median measured seconds of a layer's three training GEMMs.
+
+    For a shape it has not seen, it builds an ``nn.Linear(k, n)`` on ``device`` in ``dtype``, the module
+    the planner swaps in for each format (:func:`mixprec.inspect._plan_measure.swapped_in`), a random
+    ``(m, k)`` input and a random ``(m, n)`` output gradient, and times forward plus
+    ``torch.autograd.grad`` of the input and weight (fprop, dgrad, wgrad): ``warmup`` untimed calls per
+    format, then ``repeats`` rounds, each timing every format once in turn (so drift on the machine
+    hits all formats alike); the cost is the median of a format's rounds. Results are kept per
+    ``(device, format, m, n, k)`` (``samples`` holds every timed round), so layers of one shape are
+    measured once. CUDA times with ``torch.cuda.Event`` pairs after a synchronize, a CPU with
+    ``time.perf_counter`` (wall time: a busy machine adds noise, the interleaving spreads it evenly).
+    Random values come from a generator of its own; torch's global RNG is not touched.
+
+    Args:
+        device: where to time (the model's device); dtype: the layer's parameter dtype.
+        formats: the formats timed together when a new shape is asked for (a format asked for later
+            that is not among them is timed alone).
+        warmup: untimed calls per format (>= 0); repeats: timed rounds (>= 1).
+
+    Raises:
+        ValueError: for a warmup < 0 or repeats < 1.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        formats: Sequence[str] = ("bf16",),
+        *,
+        warmup: int = 2,
+        repeats: int = 5,
+        _timer: Timer | None = None,
+    ) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        self.device, self.dtype = torch.device(device), dtype
+        self.formats = list(dict.fromkeys(formats))
+        self.warmup, self.repeats = warmup, repeats
+        self.timer = _timer or (_cuda_timer if self.device.type == "cuda" else _cpu_timer)
+        self.samples: dict[tuple[str, str, int, int, int], list[float]] = {}
+        self.__name__ = measured_name(self.device)
+
+    def __call__(self, fmt: str, m: int, n: int, k: int) -> float:
+        key = (str(self.device), fmt, m, n, k)
+        if key not in self.samples:
+            todo = [f for f in self.formats if (str(self.device), f, m, n, k) not in self.samples]
+            self._measure(todo if fmt in todo else [fmt], (m, n, k))
+        return statistics.median(self.samples[key])
+
+    def _measure(self, formats: list[str], shape: tuple[int, int, int]) -> None:
+        m, n, k = shape
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        kw = {"device": self.device, "dtype": self.dtype}
+        linear = skip_init(nn.Linear, k, n, bias=False, **kw)  # no draw from torch's global RNG
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(n, k, generator=gen, **kw) / k**0.5)
+        x = torch.randn(m, k, generator=gen, **kw).requires_grad_(True)
+        grad_out = torch.randn(m, n, generator=gen, **kw)
+        runs = {fmt: _step(swapped_in(linear, fmt, gen), x, grad_out) for fmt in formats}
+        for fmt in formats:
+            for _ in range(self.warmup):
+                runs[fmt]()
+        times: dict[str, list[float]] = {fmt: [] for fmt in formats}
+        for _ in range(self.repeats):
+            for fmt in formats:
+                times[fmt].append(float(self.timer(fmt, shape, runs[fmt])))
+        for fmt, values in times.items():
+            self.samples[(str(self.device), fmt, m, n, k)] = values
+
+
+def _step(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], object]:
+    def run() -> object:
+        with torch.enable_grad():
+            out = module(x)
+            return torch.autograd.grad(out, (x, module.weight), grad_out)
+
+    return run
+
+
+def _cpu_timer(fmt: str, shape: tuple[int, int, int], run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _cuda_timer(fmt: str, shape: tuple[int, int, int], run: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3  # ms -> s
+
+
+def measured_name(device: torch.device) -> str:
+    """``"measured:cpu"`` or ``"measured:cuda:<device name>"``: the plan's record of a measured cost."""
+    if device.type == "cuda":
+        return f"measured:cuda:{torch.cuda.get_device_name(device)}"
+    return f"measured:{device.type}"
+
+
+def _model_place(model: nn.Module | None) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of the model's first linear weight (else first parameter; else CPU fp32)."""
+    if model is None:
+        return torch.device("cpu"), torch.float32
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    params = weights or [p for p in model.parameters() if p.is_floating_point()]
+    return (params[0].device, params[0].dtype) if params else (torch.device("cpu"), torch.float32)
+
+
+def resolve_cost(
+    cost: str | CostFn | None, model: nn.Module | None = None, formats: Sequence[str] = ()
+) -> tuple[str, CostFn]:
+    """``(name, cost function)`` for a target name, ``"measured"``, a user function or None.
+
+    None is ``"measured"`` when ``model``'s linear weights are on a CUDA device, else ``"b200"``.
+    ``"measured"`` is a :class:`MeasuredCost` on the model's device and dtype timing ``formats`` (plus
+    bf16 and fp32) together; its name is ``"measured:cpu"`` or ``"measured:cuda:<device name>"``.
 
     Raises:
         ValueError: for an unknown target name; TypeError: for anything else that is not callable.
     """
+    device, dtype = _model_place(model)
     if cost is None:
-        cost = "b200"
+        cost = "measured" if device.type == "cuda" else "b200"
     if isinstance(cost, str):
+        if cost == "measured":
+            fn = MeasuredCost(device, dtype, [*formats, "bf16", "fp32"])
+            return fn.__name__, fn
         if cost not in TARGETS:
-            raise ValueError(f"unknown cost target {cost!r}; known: {', '.join(TARGETS)} (or a callable)")
+            known = ", ".join([*TARGETS, "measured"])
+            raise ValueError(f"unknown cost target {cost!r}; known: {known} (or a callable)")
         target = TARGETS[cost]
         return cost, lambda fmt, m, n, k: gemm_cost(target, fmt, m, n, k)
     if not callable(cost):

@@ -35,7 +35,8 @@ class PrecisionPlan:
             GEMMs (``6 M N K``); cost in the cost model's unit; the divergences are relative (0.01 = 1 %),
             quantization shares in [0, 1] (``fprop_flushed``: of the forward input and weight only).
         reasons: qualified name -> why its format was chosen, in words.
-        budget: the bound on the measured relative loss change of the whole plan.
+        budget: the bound on the measured relative loss change of the whole plan (None for a plan made
+            with ``max_cost``).
         measured: the whole plan's measured divergences (``loss``, ``weight_grad``; with check batches
             also ``check_loss``, ``check_weight_grad``; ``loss`` and ``weight_grad`` are the larger of
             the two sets), relative.
@@ -43,15 +44,17 @@ class PrecisionPlan:
         target: the cost model's name; grad_budget: the bound on ``measured["weight_grad"]`` (None: none);
             seconds: planning CPU time (process time, s); step_seconds: the CPU time of one reference
             forward/backward of one batch (s); passes: forward/backward passes over a set of batches the
-            planning ran (the reference, one per layer and format measured, one per whole-plan check);
-            measure: how single layers were measured, ``"exact"`` (a pass each) or ``"local"`` (one-pass
+            planning ran (the reference, one per layer and format measured, one per whole-plan check).
+        measure: how single layers were measured, ``"exact"`` (a pass each) or ``"local"`` (one-pass
             estimates; their divergence records also hold ``loss_first_order`` and ``loss_second_order``).
+        max_cost, min_low_share: the cost bound (relative to all planned layers in bf16) and least share
+            of GEMM FLOPs below bf16 of a plan made as the most accurate within a cost (else None).
     """
 
     formats: dict[str, str]
     layers: dict[str, dict[str, Any]]
     reasons: dict[str, str]
-    budget: float
+    budget: float | None
     measured: dict[str, float]
     rounds: list[dict[str, float]] = field(default_factory=list)
     target: str = "b200"
@@ -59,6 +62,8 @@ class PrecisionPlan:
     seconds: float = 0.0
     step_seconds: float = 0.0
     passes: int = 0
+    max_cost: float | None = None
+    min_low_share: float | None = None
     measure: str = "exact"
 
     # ------------------------------------------------------------------ reading
@@ -136,12 +141,18 @@ class PrecisionPlan:
         lines.append(
             f"plan: {self.low_precision_share():.1%} of GEMM FLOPs below bf16, "
             f"cost {self.relative_cost():.3f}x bf16 on {self.target}; "
-            f"measured loss divergence {m['loss']:.2e} (budget {self.budget:.2e}), "
+            f"measured loss divergence {m['loss']:.2e} ({self._bound()}), "
             f"weight-gradient divergence {m['weight_grad']:.2e} after {len(self.rounds)} solve(s); "
             f"planning {self.seconds:.2f} s "
             f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps, {self.passes} passes"
         )
         return "\n".join(lines)
+
+    def _bound(self) -> str:
+        if self.budget is not None:
+            return f"budget {self.budget:.2e}"
+        share = "" if self.min_low_share is None else f", >= {self.min_low_share:.0%} below bf16"
+        return f"most accurate within {self.max_cost:g}x bf16's cost{share}"
 
     def plot(self, path: str | Path | None = None, ax: Any = None) -> Any:
         """Loss divergence per layer (x) and format (one line each, log scale), the chosen one circled.
@@ -163,11 +174,12 @@ class PrecisionPlan:
             ax.plot(range(len(names)), ys, marker=".", label=fmt)
         chosen = [max(self.layers[n]["divergence"][self.formats[n]]["loss"], floor) for n in names]
         ax.scatter(range(len(names)), chosen, s=120, facecolors="none", edgecolors="black", label="chosen")
-        ax.axhline(self.budget, color="grey", linestyle="--", label="budget")
+        if self.budget is not None:
+            ax.axhline(self.budget, color="grey", linestyle="--", label="budget")
         ax.set_yscale("log")
         ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("relative loss change, layer alone")
-        ax.set_title(f"precision plan ({self.target}, budget {self.budget:g})")
+        ax.set_title(f"precision plan ({self.target}, {self._bound()})")
         ax.legend(fontsize=7)
         fig.tight_layout()
         if path is not None:

@@ -1,0 +1,129 @@
+"""The planner's measured GEMM cost per format and layer shape, relative to bf16, beside the roofline models.
+
+Shapes: the linear layers of the bench's ``lm`` workload at size ``tiny`` (batch 8, as
+``benchmarks/plan_precision.py`` plans it) and of its teacher task's outlier MLP (batches of 64), found by
+one forward pass with hooks, plus any ``--shape M,N,K``. Per shape, ``mixprec.inspect.plan_cost``'s
+``MeasuredCost`` (what ``plan_precision(cost="measured")`` uses) times the three training GEMMs of an
+``nn.Linear(K, N)`` swapped to each format (forward on an ``(M, K)`` input, input and weight gradients
+of an ``(M, N)`` output gradient): ``--warmup`` untimed calls, then ``--repeats`` rounds interleaving the
+formats; reported are the median seconds, their IQR, and the median over bf16's median, next to the
+roofline cost over bf16 of ``b200`` and ``h100`` (``mixprec.inspect.plan_cost.gemm_cost``).
+
+On a CPU every low-bit format is emulated in PyTorch (quantize, dequantize, a float GEMM), so it is
+slower than bf16 there: the figures show what measured cost does on a machine without the hardware (the
+planner then keeps layers in bf16 or fp32, whichever is faster). A CPU timing is wall time
+(``time.perf_counter``), noisy on a shared machine; the interleaving spreads the noise over the formats
+alike. On CUDA, fp8 tensorwise/rowwise GEMMs run in ``torch._scaled_mm``; the others are emulated.
+
+Usage::
+
+    python benchmarks/plan_cost.py --threads 1 --json benchmarks/plan_cost.json
+    python benchmarks/plan_cost.py --device cuda --shape 8192,8192,8192 --json plan_cost_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from mixprec.bench import data as datasets
+from mixprec.bench.workloads import WORKLOADS
+from mixprec.inspect.demo import OutlierMLP
+from mixprec.inspect.plan_cost import TARGETS, MeasuredCost, gemm_cost
+from mixprec.lowbit import RECIPES
+
+ROOFLINES = ("b200", "h100")
+
+
+def _shapes(model: nn.Module, *inputs: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(M, N, K)`` of each linear layer's first call, in call order, without repeats."""
+    found: list[tuple[int, int, int]] = []
+
+    def hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
+        shape = (args[0].numel() // module.in_features, module.out_features, module.in_features)
+        if shape not in found:
+            found.append(shape)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
+    with torch.no_grad():
+        model(*inputs)
+    for handle in handles:
+        handle.remove()
+    return found
+
+
+def workload_shapes() -> dict[str, list[tuple[int, int, int]]]:
+    spec = WORKLOADS["lm"]
+    preset = spec.presets["tiny"]
+    preset = replace(preset, params={**preset.params, "batch": 8, "eval_windows": 32})
+    work = spec.build(datasets.text_corpus(preset.params["corpus_bytes"]), preset, 0, 1, torch.device("cpu"))
+    x, _ = next(iter(work.batches))
+    return {"lm": _shapes(work.model, x), "teacher": _shapes(OutlierMLP(), torch.randn(64, 64))}
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
+def measure(shapes, formats, args) -> list[dict]:
+    cost = MeasuredCost(args.device, torch.float32, formats, warmup=args.warmup, repeats=args.repeats)
+    rows = []
+    for source, (m, n, k) in shapes:
+        bf16 = cost("bf16", m, n, k)
+        for fmt in formats:
+            samples = cost.samples[(str(cost.device), fmt, m, n, k)]
+            row = {"source": source, "shape": [m, n, k], "format": fmt, "median_s": cost(fmt, m, n, k)}
+            row.update(iqr_s=_quartiles(samples), relative_to_bf16=row["median_s"] / bf16, samples_s=samples)
+            for name in ROOFLINES:
+                target = TARGETS[name]
+                row[name] = gemm_cost(target, fmt, m, n, k) / gemm_cost(target, "bf16", m, n, k)
+            rows.append(row)
+    return rows, cost.__name__
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--formats", default=",".join([*RECIPES, "bf16", "fp32"]))
+    parser.add_argument("--shape", action="append", default=[], help="an extra M,N,K (repeatable)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = [f for f in args.formats.split(",") if f]
+    if "bf16" not in formats:
+        formats.append("bf16")  # the reference of every ratio
+    shapes = [(src, s) for src, found in workload_shapes().items() for s in found]
+    shapes += [("extra", tuple(int(v) for v in s.split(","))) for s in args.shape]
+    rows, name = measure(shapes, formats, args)
+    print(f"{name}: median seconds of the three GEMMs / bf16's (roofline b200, h100 / bf16)")
+    print(f"{'source':8} {'M,N,K':>16} {'format':18} {'median s':>10} {'IQR s':>21} {'x bf16':>7} b200  h100")
+    for r in rows:
+        iqr = f"{r['iqr_s'][0]:.2e}-{r['iqr_s'][1]:.2e}"
+        shape = ",".join(map(str, r["shape"]))
+        print(
+            f"{r['source']:8} {shape:>16} {r['format']:18} {r['median_s']:10.2e} {iqr:>21} "
+            f"{r['relative_to_bf16']:7.2f} {r['b200']:.2f}  {r['h100']:.2f}"
+        )
+    if args.json:
+        meta = {"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads()}
+        meta.update(machine=platform.processor() or platform.machine(), cost=name)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "args": vars(args), "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

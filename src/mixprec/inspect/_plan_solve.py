@@ -1,0 +1,226 @@
+"""The planner's two choices over measured per-layer divergences, one format per layer.
+
+* :func:`knapsack`: the *cheapest* assignment whose summed loss divergence fits a budget (and optionally a
+  root-sum-square weight-gradient bound): a multiple-choice knapsack (Sinha and Zoltners, Operations
+  Research 27(3), 1979; Kellerer, Pferschy and Pisinger, "Knapsack Problems", Springer 2004, ch. 11),
+  solved exactly by dynamic programming over the budget with each item's use rounded up.
+* :func:`most_accurate`: the assignments of *least* summed squared weight-gradient divergence (ties: summed
+  loss divergence) whose cost fits ``max_cost`` and whose FLOPs left in high precision fit
+  ``max_high_flops`` (the dual problem, the same knapsack with cost and divergence exchanged). The
+  weight gradient decides here because a layer's loss change on a few batches is a signed scalar that
+  rounding can cancel: on ``benchmarks/plan_precision.py``'s lm model a first-block ``qkv`` in nvfp4
+  changed the loss by 1.00e-3 and in mxfp8 by 1.06e-3, while its weight-gradient change was 0.176 against
+  0.064. The solver: every assignment is enumerated (vectorized, pruned as it goes) while
+  there are at most ``2**20``; beyond that, dynamic programming over the two bounds with uses rounded up,
+  which keeps every answer within the bounds but can miss one that lies within a rounding step of them.
+
+``layers`` is the planner's ``{fqn: {"cost": {fmt: float}, "flops": int, "divergence": {fmt: {"loss",
+"weight_grad", "fprop_flushed", ...}}}}``; a format whose loss is None (ruled out unmeasured) or not finite,
+or that flushes more than ``max_flushed`` (``fprop_flushed``), is never chosen. :func:`reason` and
+:func:`reason_at_cost` say in words why a layer got its format.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mixprec.inspect._plan_measure import HIGH_PRECISION
+
+_STEPS = 1000
+_STEPS_2D = 100
+_ENUMERATE = 2**20
+_DUAL_STEPS = (400, 100)
+
+
+def knapsack(
+    layers: dict[str, dict[str, Any]],
+    budget: float,
+    grad_limit: float = math.inf,
+    max_flushed: float = 1.0,
+) -> dict[str, str]:
+    """The cheapest one-format-per-layer choice whose summed (rounded-up) loss divergence is <= ``budget``
+    and, for a finite ``grad_limit``, whose root-sum-square weight-gradient divergence is <= it (the
+    layers' gradient errors taken as independent). Among choices of equal cost, the one with the smaller
+    summed weight-gradient divergence; formats over ``max_flushed`` (``fprop_flushed``) are left out.
+    ``{}`` when nothing fits.
+
+    Dynamic programming over the used resources (the loss in 1000 steps of the budget; with a gradient
+    bound, 100 steps each of the budget and of ``grad_limit ** 2``), each item's use rounded up.
+    """
+    two = math.isfinite(grad_limit)
+    steps = (_STEPS_2D, _STEPS_2D) if two else (_STEPS, 0)
+    best: dict[tuple[int, int], tuple[float, float]] = {(0, 0): (0.0, 0.0)}  # used -> least (cost, wgrad)
+    backs: list[dict[tuple[int, int], tuple[str, tuple[int, int]]]] = []
+    for info in layers.values():
+        items = []
+        for fmt, d in _admissible(info, max_flushed):
+            wgrad = d.get("weight_grad", 0.0)
+            if wgrad > grad_limit:
+                continue  # over the gradient limit alone
+            du = use(d["loss"], budget, steps[0])
+            dv = use(wgrad**2, grad_limit**2, steps[1]) if two else 0
+            items.append((fmt, du, dv, info["cost"][fmt], wgrad))
+        new: dict[tuple[int, int], tuple[float, float]] = {}
+        back: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}
+        for (u, v), (c0, w0) in best.items():
+            for fmt, du, dv, c, w in items:
+                key = (u + du, v + dv)
+                if (
+                    key[0] <= steps[0]
+                    and key[1] <= steps[1]
+                    and (key not in new or (c0 + c, w0 + w) < new[key])
+                ):
+                    new[key], back[key] = (c0 + c, w0 + w), (fmt, (u, v))
+        best = new
+        backs.append(back)
+    if not best:
+        return {}
+    return _trace(list(layers), backs, min(best, key=best.__getitem__))
+
+
+def use(value: float, limit: float, steps: int) -> int:
+    """``value`` in steps of ``limit / steps``, rounded up (so a sum of uses never undercounts)."""
+    return math.ceil(value / limit * steps - 1e-9) if value > 0 else 0
+
+
+def most_accurate(
+    layers: dict[str, dict[str, Any]],
+    max_cost: float,
+    max_high_flops: float = math.inf,
+    max_flushed: float = 1.0,
+    top: int = 3,
+) -> list[dict[str, str]]:
+    """Up to ``top`` distinct assignments of least summed squared weight-gradient divergence (the square
+    of the root-sum-square the gradient bound uses; ties: summed loss divergence), best first, each with
+    summed cost <= ``max_cost`` and summed FLOPs of its layers in ``"bf16"``/``"fp32"`` <=
+    ``max_high_flops`` (both in the units of ``layers``); ``[]`` if none fits."""
+    names = list(layers)
+    options = [[(fmt, d) for fmt, d in _admissible(layers[f], max_flushed)] for f in names]
+    if any(not o for o in options):
+        return []
+    rows = [
+        [
+            (
+                layers[f]["cost"][fmt],
+                layers[f]["flops"] * (fmt in HIGH_PRECISION),
+                d.get("weight_grad", 0.0) ** 2,
+                d["loss"],
+            )
+            for fmt, d in opts
+        ]
+        for f, opts in zip(names, options, strict=True)
+    ]
+    limits = (max_cost * (1 + 1e-9), max_high_flops * (1 + 1e-9))
+    if math.prod(len(o) for o in options) <= _ENUMERATE:
+        picks = _enumerate(rows, limits, top)
+    else:
+        picks = _dual_dp(rows, limits, top)
+    return [{f: options[i][j][0] for i, (f, j) in enumerate(zip(names, pick, strict=True))} for pick in picks]
+
+
+def _admissible(info: dict[str, Any], max_flushed: float):
+    for fmt, d in info["divergence"].items():
+        loss = d["loss"]
+        if loss is not None and math.isfinite(loss) and d.get("fprop_flushed", 0.0) <= max_flushed:
+            yield fmt, d
+
+
+def _enumerate(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
+    """Every assignment, pruned as soon as a partial sum passes a bound (all terms are >= 0)."""
+    dtype = torch.float64
+    picks = torch.zeros(1, 0, dtype=torch.int64)
+    sums = torch.zeros(1, 4, dtype=dtype)  # cost, high flops, squared weight grad, loss
+    for row in rows:
+        values = torch.tensor(row, dtype=dtype)  # (F, 4)
+        sums = (sums[:, None, :] + values[None, :, :]).reshape(-1, 4)
+        index = torch.arange(len(row)).repeat(picks.shape[0])
+        picks = torch.cat([picks.repeat_interleave(len(row), 0), index[:, None]], 1)
+        keep = (sums[:, 0] <= limits[0]) & (sums[:, 1] <= limits[1])
+        sums, picks = sums[keep], picks[keep]
+        if not len(sums):
+            return []
+    order = sorted(range(len(sums)), key=lambda i: (float(sums[i, 2]), float(sums[i, 3])))
+    return [tuple(int(j) for j in picks[i]) for i in order[:top]]
+
+
+def _dual_dp(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
+    """Least (squared weight grad, loss) per used (cost, high-flops) step pair, uses rounded up."""
+    steps = _DUAL_STEPS
+    two = math.isfinite(limits[1])
+    best: dict[tuple[int, int], tuple[float, float]] = {(0, 0): (0.0, 0.0)}
+    backs: list[dict[tuple[int, int], tuple[int, tuple[int, int]]]] = []
+    for row in rows:
+        new: dict[tuple[int, int], tuple[float, float]] = {}
+        back: dict[tuple[int, int], tuple[int, tuple[int, int]]] = {}
+        for (u, v), (s0, w0) in best.items():
+            for j, (cost, high, wgrad2, loss) in enumerate(row):
+                key = (u + use(cost, limits[0], steps[0]), v + (use(high, limits[1], steps[1]) if two else 0))
+                value = (s0 + wgrad2, w0 + loss)
+                if key[0] <= steps[0] and key[1] <= steps[1] and (key not in new or value < new[key]):
+                    new[key], back[key] = value, (j, (u, v))
+        best = new
+        backs.append(back)
+    ends = sorted(best, key=best.__getitem__)
+    found = [tuple(_trace(list(range(len(rows))), backs, key).values()) for key in ends]
+    return list(dict.fromkeys(found))[:top]
+
+
+def _trace(names: list, backs: list[dict], key: tuple[int, int]) -> dict:
+    out = {}
+    for name, back in zip(reversed(names), reversed(backs), strict=True):
+        out[name], key = back[key]
+    return dict(reversed(list(out.items())))
+
+
+def reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -> str:
+    """Why ``fqn`` got its format in a plan within a loss budget (``limits``: budget, grad_budget,
+    max_flushed)."""
+    budget, grad_budget, max_flushed = limits
+    fmt = chosen[fqn]
+    info = layers[fqn]
+    if rounds and rounds[-1].get("solver_budget") == 0.0:
+        return "no mix of the given formats fit the budget when measured; kept in the model's precision"
+    cheaper = [f for f, c in info["cost"].items() if c < info["cost"][fmt] and f in info["divergence"]]
+    own = info["divergence"][fmt]["loss"]
+    if not cheaper:
+        return f"cheapest format; loss divergence {own:.2e} ({own / budget:.0%} of the budget)"
+    cheaper.sort(key=lambda g: info["cost"][g])
+    d = info["divergence"][cheaper[0]]
+    details = [f"{key} {d[key]:.1%}" for key in ("flushed", "saturated", "outlier_blocks") if d[key] >= 0.01]
+    scores = [_why_not(g, info["divergence"][g], grad_budget, max_flushed) for g in cheaper]
+    tightened = " after tightening" if len(rounds) > 1 else ""
+    return (
+        ", ".join(scores)
+        + (f" ({cheaper[0]}: " + ", ".join(details) + ")" if details else "")
+        + f"; budget {budget:.2e}"
+        + ("" if grad_budget is None else f", grad_budget {grad_budget:.2e}")
+        + tightened
+    )
+
+
+def reason_at_cost(fqn: str, chosen: dict, layers: dict, max_cost: float, max_flushed: float) -> str:
+    """Why ``fqn`` got its format in the most accurate plan within ``max_cost``."""
+    fmt = chosen[fqn]
+    info = layers[fqn]
+    own = info["divergence"][fmt]["loss"]
+    others = sorted((g for g in info["divergence"] if g != fmt), key=lambda g: info["cost"][g])
+    cheaper = [
+        _why_not(g, info["divergence"][g], None, max_flushed)
+        for g in others
+        if info["cost"][g] < info["cost"][fmt]
+    ]
+    text = f"loss divergence {own:.2e}; the most accurate measured mix within {max_cost:g}x bf16's cost"
+    return text + ("" if not cheaper else "; cheaper: " + ", ".join(cheaper))
+
+
+def _why_not(fmt: str, d: dict[str, Any], grad_budget: float | None, max_flushed: float) -> str:
+    if d["fprop_flushed"] > max_flushed:
+        return (
+            f"{fmt} flushes {d['fprop_flushed']:.0%} of its forward input or weight (over {max_flushed:.0%})"
+        )
+    if grad_budget is not None and d["weight_grad"] > grad_budget:
+        return f"{fmt} would change the weight gradients {d['weight_grad']:.2e} (over {grad_budget:.2e})"
+    return f"{fmt} would change the loss {d['loss']:.2e}"
