@@ -205,6 +205,7 @@ def run(task: str, seed: int, args: argparse.Namespace) -> dict:
         max_flushed=args.max_flushed,
         check_batches=checks,
         seed=seed,
+        measure=args.measure,
     )
     print(plan.table(), flush=True)
     draws = [next(stream) for _ in range(args.steps * args.repeats)]
@@ -332,6 +333,9 @@ def main() -> None:
     parser.add_argument("--check-batches", type=int, default=0)
     parser.add_argument("--rule-formats", nargs="+", default=["nvfp4", "mxfp8"])
     parser.add_argument("--planning-rounds", type=int, default=0)
+    parser.add_argument(
+        "--measure", choices=("exact", "local"), default="exact", help="the planner's measure="
+    )
     parser.add_argument(
         "--repeats", type=int, default=1, help="train each assignment this many times on other batches"
     )

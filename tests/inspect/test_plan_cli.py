@@ -89,3 +89,8 @@ def test_plan_command_with_max_cost_plans_the_most_accurate_within_it(factory, c
     assert plan.budget is None and plan.max_cost == 0.8
     assert plan.relative_cost() <= 0.8 + 1e-9
     assert "most accurate within 0.8x" in capsys.readouterr().out
+    assert plan.measure == "exact"
+    assert main([*argv, "--measure", "local", "--json", str(out_json), "--plot", str(factory / "p.png")]) == 0
+    local = PrecisionPlan.from_json(out_json.read_text())
+    assert local.measure == "local" and local.relative_cost() <= 0.8 + 1e-9
+    assert local.passes < plan.passes

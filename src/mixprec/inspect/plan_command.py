@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-low-share", type=float, default=None, help="with --max-cost: least share of FLOPs below bf16"
     )
     parser.add_argument(
+        "--measure",
+        choices=("exact", "local"),
+        default="exact",
+        help="exact: a pass per layer and format; local: estimates from one pass (plans still measured)",
+    )
+    parser.add_argument(
         "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
     )
     parser.add_argument(
@@ -81,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         cost=args.cost,
         grad_budget=args.grad_budget,
         exhaustive=args.exhaustive,
+        measure=args.measure,
         seed=args.seed,
     )
     print(plan.table())
