@@ -131,3 +131,21 @@ def test_bad_measure_is_refused_and_the_model_is_unchanged(bad):
         plan_precision(model, batches[:1], loss_fn, measure=bad)
     assert _same_state(model, before)
     assert all(type(m) is nn.Linear for m in (model.fc1, model.fc2, model.fc3, model.head))
+
+
+def test_a_plan_over_the_gradient_bound_switches_local_estimates_to_exact_measurement():
+    # the local weight-gradient estimate leaves the other layers out, so it undercounts: the first plan
+    # on it measures over a tight grad_budget, and the planner then measures every layer exactly
+    model, batches = _teacher()
+    kwargs = {"budget": 0.01, "grad_budget": 0.2, "cost": "b200-peak"}
+    local = plan_precision(model, batches[:2], loss_fn, measure="local", **kwargs)
+    exact = plan_precision(model, batches[:2], loss_fn, measure="exact", **kwargs)
+    assert local.measure == "local+exact"
+    assert [r.get("switched_to_exact") for r in local.rounds][:1] == [1.0]
+    assert local.formats == exact.formats
+    assert local.measured["weight_grad"] <= 0.2
+    for fqn, info in local.layers.items():  # every estimate was replaced by its exact measurement
+        for fmt, d in info["divergence"].items():
+            assert d["loss"] == exact.layers[fqn]["divergence"][fmt]["loss"]
+            assert "loss_first_order" not in d
+    assert PrecisionPlan.from_json(local.to_json()) == local

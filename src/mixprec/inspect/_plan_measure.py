@@ -239,6 +239,10 @@ class Measurer:
             self.measure(fqn, fmt)
         return bool(todo)
 
+    def switch_to_exact(self) -> bool:
+        """Re-measure every estimated (layer, format) exactly from now on; False: already exact."""
+        return False
+
     def _one(self, fqn: str, fmt: str) -> dict[str, Any]:
         if fmt == "fp32":
             return dict(EXACT)

@@ -205,7 +205,7 @@ def plan_precision(
         seconds,
         step,
         slots.passes,
-        measure=measure,
+        measure=measure + ("+exact" if any("switched_to_exact" in r for r in rounds) else ""),
         max_cost=max_cost,
         min_low_share=min_low_share,
     )
@@ -301,6 +301,11 @@ def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, 
         grad_ok = grad_budget is None or measured["weight_grad"] <= grad_budget
         if loss_ok and grad_ok:
             return chosen, measured, rounds
+        if not grad_ok and measurer.switch_to_exact():
+            # estimates undercount the gradient change: measure the layers and solve afresh
+            rounds[-1]["switched_to_exact"] = 1.0
+            solver_budget, grad_limit = budget, grad_budget
+            continue
         measurer.complete()
         if not loss_ok:
             solver_budget *= 0.8 * budget / measured["loss"]

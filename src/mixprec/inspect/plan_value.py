@@ -46,7 +46,9 @@ class PrecisionPlan:
             forward/backward of one batch (s); passes: forward/backward passes over a set of batches the
             planning ran (the reference, one per layer and format measured, one per whole-plan check).
         measure: how single layers were measured, ``"exact"`` (a pass each) or ``"local"`` (one-pass
-            estimates; their divergence records also hold ``loss_first_order`` and ``loss_second_order``).
+            estimates; their divergence records also hold ``loss_first_order`` and ``loss_second_order``),
+            or ``"local+exact"``: estimates until a whole plan measured over ``grad_budget``, then exact
+            (that round is marked ``switched_to_exact`` in ``rounds``).
         max_cost, min_low_share: the cost bound (relative to all planned layers in bf16) and least share
             of GEMM FLOPs below bf16 of a plan made as the most accurate within a cost (else None).
     """
