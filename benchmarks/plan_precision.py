@@ -395,8 +395,9 @@ def _interval(values: list[float]) -> dict:
     mean = statistics.mean(values)
     half = 0.0
     if len(values) > 1:
-        t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
-        half = t95.get(len(values) - 1, 2.0) * statistics.stdev(values) / len(values) ** 0.5
+        from scipy.stats import t  # scikit-learn's dependency, so installed with the bench extras
+
+        half = float(t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / len(values) ** 0.5
     return {
         "n": len(values),
         "mean": mean,

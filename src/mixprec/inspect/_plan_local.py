@@ -49,11 +49,12 @@ class LocalMeasurer(Measurer):
         self._references: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._loss_total = sum(abs(loss) for loss in self.ref.losses)
         self._grad_total = sum(float(g.square().sum()) for g in self.ref.weight_grads)
+        self.exact = False  # set by switch_to_exact: one pass per layer and format from then on
 
     def switch_to_exact(self) -> bool:
         """From now on measure exactly (one pass per layer and format), and re-measure every estimate
         made so far; False if already switched."""
-        if getattr(self, "exact", False):
+        if self.exact:
             return False
         self.exact = True
         for fqn, info in self.layers.items():
@@ -64,7 +65,7 @@ class LocalMeasurer(Measurer):
         return True
 
     def _divergences(self, fqn: str, fmt: str) -> dict[str, Any]:
-        if getattr(self, "exact", False):
+        if self.exact:
             return super()._divergences(fqn, fmt)
         tiny = torch.finfo(torch.float32).tiny
         module = swapped_in(self.slots.originals[fqn], fmt, self.generator)

@@ -142,8 +142,9 @@ def _enumerate(rows: list[list[tuple]], limits: tuple[float, float], top: int) -
         sums, picks = sums[keep], picks[keep]
         if not len(sums):
             return []
-    order = sorted(range(len(sums)), key=lambda i: (float(sums[i, 2]), float(sums[i, 3])))
-    return [tuple(int(j) for j in picks[i]) for i in order[:top]]
+    order = torch.argsort(sums[:, 3], stable=True)  # ties: the loss
+    order = order[torch.argsort(sums[order, 2], stable=True)][:top]  # first: the squared weight grad
+    return [tuple(picks[i].tolist()) for i in order]
 
 
 def _dual_dp(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
