@@ -14,14 +14,64 @@ from mixprec import formats
 WITH_DTYPE = [f for f in formats.FORMATS.values() if f.dtype is not None]
 
 
+# torch.finfo(torch.float8_e5m2fnuz).eps is 0.125 (c10 encodes it as 0x34, with bias 16 that is 2**-3), but
+# the value after 1.0 in that dtype is 1.25 as torch itself decodes it: the gap is checked on decoded codes.
+FINFO_EPS_DIFFERS = {"fp8_e5m2fnuz"}
+
+
+def _decoded(fmt: formats.Format) -> torch.Tensor:
+    """Every value of an 8-bit ``fmt``, decoded by torch from the 256 codes (float32)."""
+    return torch.arange(256, dtype=torch.uint8).view(fmt.dtype).to(torch.float32)
+
+
 @pytest.mark.parametrize("fmt", WITH_DTYPE, ids=str)
 def test_matches_torch_finfo(fmt: formats.Format) -> None:
     info = torch.finfo(fmt.dtype)
     assert fmt.max == info.max
-    assert fmt.smallest_normal == info.tiny
-    assert fmt.eps == info.eps
-    assert fmt.smallest_subnormal == info.smallest_normal * info.eps
+    assert fmt.smallest_normal == info.tiny == info.smallest_normal
     assert fmt.bits == info.bits
+    one_up = torch.tensor(1.0, dtype=fmt.dtype).view(DTYPE_OF_BITS[fmt.bits]) + 1
+    assert fmt.eps == one_up.view(fmt.dtype).item() - 1.0  # the gap after 1.0, decoded by torch
+    if fmt.name in FINFO_EPS_DIFFERS:
+        assert info.eps == fmt.eps / 2
+    else:
+        assert fmt.eps == info.eps
+        assert fmt.smallest_subnormal == info.smallest_normal * info.eps
+
+
+DTYPE_OF_BITS = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
+FLOAT8 = [f for f in WITH_DTYPE if f.bits == 8]
+
+
+@pytest.mark.parametrize("fmt", FLOAT8, ids=str)
+def test_every_property_matches_the_256_codes_torch_decodes(fmt: formats.Format) -> None:
+    values = _decoded(fmt)
+    finite = values[torch.isfinite(values)]
+    positive = finite[finite > 0]
+    assert fmt.max == finite.max().item() == -finite.min().item()
+    assert fmt.smallest_subnormal == positive.min().item()
+    normal = positive[positive >= fmt.smallest_normal]
+    assert (positive[positive < fmt.smallest_normal] / fmt.smallest_subnormal).frac().eq(0).all()
+    # Normal binades: every non-zero exponent, less the all-ones one where it holds inf; e4m3fn's nan
+    # takes one code of the last binade.
+    binades = 2**fmt.exponent_bits - (2 if fmt.has_inf else 1)
+    nan_in_last = not (fmt.fnuz or fmt.has_inf)
+    assert normal.numel() == binades * 2**fmt.mantissa_bits - nan_in_last
+    assert fmt.has_inf == bool(torch.isinf(values).any())
+    negative_zero = (values == 0) & torch.signbit(values)
+    assert fmt.has_negative_zero == bool(negative_zero.any())
+    if fmt.fnuz:
+        assert torch.isnan(values).nonzero().flatten().tolist() == [0x80]
+        assert fmt.bias == 2 ** (fmt.exponent_bits - 1)
+    else:
+        assert fmt.bias == 2 ** (fmt.exponent_bits - 1) - 1
+
+
+def test_fnuz_needs_has_inf_false_and_a_bool() -> None:
+    with pytest.raises(ValueError, match="fnuz format has no inf.*'x'"):
+        formats.Format("x", 4, 3, fnuz=True)
+    with pytest.raises(TypeError, match="fnuz must be a bool, got 1"):
+        formats.Format("x", 4, 3, has_inf=False, fnuz=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("fmt", WITH_DTYPE, ids=str)
@@ -50,6 +100,13 @@ def test_lookup_by_name_dtype_and_errors() -> None:
     assert formats.get("half") is formats.FP16
     assert formats.get(torch.bfloat16) is formats.BF16
     assert formats.get("e4m3") is formats.FP8_E4M3FN
+    for name in ("fp8_e4m3fnuz", "e4m3fnuz", "float8_e4m3fnuz", "torch.float8_e4m3fnuz", "E4M3FNUZ"):
+        assert formats.get(name) is formats.FP8_E4M3FNUZ
+    for name in ("fp8_e5m2fnuz", "e5m2fnuz", "float8_e5m2fnuz"):
+        assert formats.get(name) is formats.FP8_E5M2FNUZ
+    assert formats.get(torch.float8_e4m3fnuz) is formats.FP8_E4M3FNUZ
+    assert formats.get(torch.float8_e5m2fnuz) is formats.FP8_E5M2FNUZ
+    assert (formats.FP8_E4M3FNUZ.max, formats.FP8_E5M2FNUZ.max) == (240.0, 57344.0)
     with pytest.raises(ValueError, match="did you mean 'fp16'"):
         formats.get("fp61")
     with pytest.raises(ValueError, match="no mixprec format for dtype torch.int8"):

@@ -1,8 +1,9 @@
 """Numeric formats as data: range, precision and the questions loss scaling asks of them.
 
-Every format mixprec reasons about (fp32, fp16, bf16, float8 e4m3fn / e5m2) is a frozen
-:class:`Format` record. The figures are derived from the bit layout, so they hold for float8
-even where the installed torch has no dtype for it, and tests check them against ``torch.finfo``.
+Every format mixprec reasons about (fp32, fp16, bf16, float8 e4m3fn / e5m2 and AMD MI300's
+e4m3fnuz / e5m2fnuz) is a frozen :class:`Format` record. The figures are derived from the bit layout, so
+they hold for float8 even where the installed torch has no dtype for it, and tests check them against
+``torch.finfo`` and the values torch decodes from every code.
 
 Typical use::
 
@@ -25,7 +26,9 @@ __all__ = [
     "BF16",
     "FORMATS",
     "FP8_E4M3FN",
+    "FP8_E4M3FNUZ",
     "FP8_E5M2",
+    "FP8_E5M2FNUZ",
     "FP16",
     "FP32",
     "Format",
@@ -46,6 +49,15 @@ class Format:
         max_override: the largest finite value when the layout alone does not give it (e4m3fn uses
             the all-ones exponent for normal numbers, so its max is 448, not 240).
         torch_dtype_name: attribute of ``torch`` for the matching dtype, if torch has one.
+        fnuz: the "finite, no negative zero" layout of AMD's MI300 float8 (``float8_e4m3fnuz``,
+            ``float8_e5m2fnuz``): the exponent bias is one more than IEEE's (``2**(exponent_bits - 1)``),
+            every exponent including the all-ones one encodes normal numbers, and the single nan is the
+            code of -0.0 (0x80 for 8 bits), so there is no inf and no negative zero (``has_inf=False``).
+
+    Raises:
+        TypeError: for a ``name``, ``has_inf``, ``fnuz`` or ``torch_dtype_name`` of the wrong type.
+        ValueError: for bit widths outside [2, 30] / [0, 30], a ``max_override`` that is not finite and
+            > 0, or ``fnuz=True`` with ``has_inf=True`` (an fnuz format has no inf).
     """
 
     name: str
@@ -54,6 +66,7 @@ class Format:
     has_inf: bool = True
     max_override: float | None = None
     torch_dtype_name: str | None = None
+    fnuz: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -64,6 +77,10 @@ class Format:
                 raise ValueError(f"{field_name} must be an int in [{low}, 30], got {value!r}")
         if not isinstance(self.has_inf, bool):
             raise TypeError(f"has_inf must be a bool, got {self.has_inf!r}")
+        if not isinstance(self.fnuz, bool):
+            raise TypeError(f"fnuz must be a bool, got {self.fnuz!r}")
+        if self.fnuz and self.has_inf:
+            raise ValueError(f"an fnuz format has no inf: {self.name!r} needs has_inf=False with fnuz=True")
         if self.max_override is not None:
             _number("max_override", self.max_override, positive=True)
         if self.torch_dtype_name is not None and not isinstance(self.torch_dtype_name, str):
@@ -71,15 +88,21 @@ class Format:
 
     @property
     def bias(self) -> int:
-        return 2 ** (self.exponent_bits - 1) - 1
+        """The exponent bias: ``2**(exponent_bits - 1) - 1`` (IEEE), one more for an fnuz format."""
+        return 2 ** (self.exponent_bits - 1) - (0 if self.fnuz else 1)
 
     @property
     def max(self) -> float:
-        """Largest finite value."""
+        """Largest finite value (an fnuz format's all-ones exponent is a normal binade)."""
         if self.max_override is not None:
             return self.max_override
-        max_exp = 2**self.exponent_bits - 2 - self.bias
+        max_exp = 2**self.exponent_bits - (1 if self.fnuz else 2) - self.bias
         return (2.0 - 2.0 ** (-self.mantissa_bits)) * 2.0**max_exp
+
+    @property
+    def has_negative_zero(self) -> bool:
+        """Whether -0.0 is a value of its own (not in an fnuz format: torch casts -0.0 to +0.0 there)."""
+        return not self.fnuz
 
     @property
     def smallest_normal(self) -> float:
@@ -153,8 +176,14 @@ FP16 = Format("fp16", 5, 10, torch_dtype_name="float16")
 BF16 = Format("bf16", 8, 7, torch_dtype_name="bfloat16")
 FP8_E4M3FN = Format("fp8_e4m3fn", 4, 3, has_inf=False, max_override=448.0, torch_dtype_name="float8_e4m3fn")
 FP8_E5M2 = Format("fp8_e5m2", 5, 2, torch_dtype_name="float8_e5m2")
+#: AMD MI300's float8 (max 240, bias 8; nan is 0x80, no inf, no -0).
+FP8_E4M3FNUZ = Format("fp8_e4m3fnuz", 4, 3, has_inf=False, torch_dtype_name="float8_e4m3fnuz", fnuz=True)
+#: AMD MI300's float8 (max 57344, bias 16; nan is 0x80, no inf, no -0).
+FP8_E5M2FNUZ = Format("fp8_e5m2fnuz", 5, 2, has_inf=False, torch_dtype_name="float8_e5m2fnuz", fnuz=True)
 
-FORMATS: dict[str, Format] = {f.name: f for f in (FP32, FP16, BF16, FP8_E4M3FN, FP8_E5M2)}
+FORMATS: dict[str, Format] = {
+    f.name: f for f in (FP32, FP16, BF16, FP8_E4M3FN, FP8_E5M2, FP8_E4M3FNUZ, FP8_E5M2FNUZ)
+}
 
 _ALIASES: dict[str, str] = {
     "float32": "fp32",
@@ -170,11 +199,16 @@ _ALIASES: dict[str, str] = {
     "e4m3fn": "fp8_e4m3fn",
     "float8_e5m2": "fp8_e5m2",
     "e5m2": "fp8_e5m2",
+    "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "e4m3fnuz": "fp8_e4m3fnuz",
+    "float8_e5m2fnuz": "fp8_e5m2fnuz",
+    "e5m2fnuz": "fp8_e5m2fnuz",
 }
 
 
 def get(spec: Format | torch.dtype | str) -> Format:
-    """Look a format up by :class:`Format`, torch dtype or name ("fp16", "float16", "half", "e4m3").
+    """Look a format up by :class:`Format`, torch dtype or name ("fp16", "float16", "half", "e4m3",
+    "e4m3fnuz", "float8_e5m2fnuz").
 
     Raises:
         ValueError: for a name or dtype mixprec has no format for; the message lists the accepted names.

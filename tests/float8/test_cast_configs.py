@@ -175,7 +175,9 @@ def test_bad_values_name_the_field_and_what_it_accepts() -> None:
     ):
         mf.CastConfig(scaling_type="static")
     with pytest.raises(
-        ValueError, match="target_dtype must be None, torch.float8_e4m3fn or torch.float8_e5m2"
+        ValueError,
+        match="target_dtype must be None or one of torch.float8_e4m3fn, torch.float8_e5m2, "
+        "torch.float8_e4m3fnuz, torch.float8_e5m2fnuz; got torch.float16",
     ):
         mf.CastConfig(target_dtype=torch.float16)
     with pytest.raises(TypeError, match="cast_config_input must be a mixprec.float8.CastConfig, got str"):

@@ -6,8 +6,9 @@ GEMMs; a :class:`CastConfig` says how one use is cast::
     scaling_type         DYNAMIC (scale from the tensor's own amax) or DISABLED (left in high precision)
     scaling_granularity  TENSORWISE (one scale) or AXISWISE (one scale per row along the GEMM's
                          reduction dim, torchao's "rowwise"); AXISWISE needs DYNAMIC
-    target_dtype         torch.float8_e4m3fn or torch.float8_e5m2; None takes the operand's default
-                         (e4m3 for input and weight, e5m2 for grad_output)
+    target_dtype         torch.float8_e4m3fn, torch.float8_e5m2, or AMD MI300's torch.float8_e4m3fnuz /
+                         torch.float8_e5m2fnuz; None takes the operand's default (e4m3fn for input and
+                         weight, e5m2 for grad_output)
 
 The names, values and ``short_str`` forms are torchao 0.18's (``torchao.float8.config``), and every function
 here that takes a cast or GEMM config also takes torchao's own objects (read by their field names and their
@@ -38,7 +39,21 @@ __all__ = [
     "recipe_casts",
 ]
 
-_DTYPE_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_DTYPE_NAMES = {
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+    torch.float8_e4m3fnuz: "e4m3fnuz",
+    torch.float8_e5m2fnuz: "e5m2fnuz",
+}
+#: The lowbit format names' element part of each target dtype ("fp8_tensorwise" + suffix).
+_FORMAT_SUFFIX = {
+    torch.float8_e4m3fn: "",
+    torch.float8_e5m2: "_e5m2",
+    torch.float8_e4m3fnuz: "_fnuz",
+    torch.float8_e5m2fnuz: "_e5m2fnuz",
+}
+#: The accepted target dtypes, as an error message lists them.
+TARGET_DTYPES = ", ".join(map(str, _DTYPE_NAMES))
 
 
 class Float8UsageError(ValueError, AssertionError):
@@ -81,7 +96,8 @@ class CastConfig:
 
     Raises:
         ValueError: for a ``scaling_type`` or ``scaling_granularity`` outside the enums (their string
-            values are accepted too), a ``target_dtype`` other than None, float8_e4m3fn or float8_e5m2.
+            values are accepted too), a ``target_dtype`` other than None, float8_e4m3fn, float8_e5m2,
+            float8_e4m3fnuz or float8_e5m2fnuz.
         Float8UsageError: (a ValueError and an AssertionError, as torchao raises) for AXISWISE scaling
             that is not DYNAMIC.
     """
@@ -94,10 +110,8 @@ class CastConfig:
         scaling_type = _enum(ScalingType, "scaling_type", self.scaling_type)
         granularity = _enum(ScalingGranularity, "scaling_granularity", self.scaling_granularity)
         if self.target_dtype is not None and self.target_dtype not in _DTYPE_NAMES:
-            raise ValueError(
-                "target_dtype must be None, torch.float8_e4m3fn or torch.float8_e5m2; "
-                f"got {self.target_dtype!r}"
-            )
+            got = self.target_dtype
+            raise ValueError(f"target_dtype must be None or one of {TARGET_DTYPES}; got {got!r}")
         if granularity is ScalingGranularity.AXISWISE and scaling_type is not ScalingType.DYNAMIC:
             raise Float8UsageError(
                 "only dynamic scaling type is supported for axiswise scaling granularity "
@@ -124,7 +138,8 @@ class CastConfig:
         return self.scaling_type is ScalingType.DISABLED
 
     def short_str(self) -> str:
-        """torchao's form: ``"dyn_ten_e4m3"``, ``"dyn_axs_e4m3"``, ``"dis_ten_e5m2"``."""
+        """torchao's form: ``"dyn_ten_e4m3"``, ``"dyn_axs_e4m3"``, ``"dis_ten_e5m2"``; the fnuz dtypes are
+        ``"e4m3fnuz"`` / ``"e5m2fnuz"`` (torchao, where its e4m3 is fnuz on MI300, writes ``"e4m3"``)."""
         dtype = _DTYPE_NAMES.get(self.target_dtype, "default")
         return f"{self.scaling_type.short_str()}_{self.scaling_granularity.short_str()}_{dtype}"
 
@@ -175,13 +190,13 @@ class LinearMMConfig(NamedTuple):
 
 def lowbit_format(cast: CastConfig, pow2: bool) -> str:
     """The :data:`mixprec.lowbit.FORMATS` name (or ``"hp"``) that casts as ``cast`` says, with scales
-    rounded down to powers of two when ``pow2``."""
+    rounded down to powers of two when ``pow2`` (``fp8_rowwise_fnuz`` for an AXISWISE e4m3fnuz cast)."""
     if cast.disabled:
         return "hp"
-    e5m2 = cast.target_dtype == torch.float8_e5m2
+    suffix = _FORMAT_SUFFIX[cast.target_dtype]
     if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
-        return "fp8_tensorwise" + ("_e5m2" if e5m2 else "") + ("_pow2" if pow2 else "")
-    return "fp8_rowwise" + ("_e5m2" if e5m2 else "") + ("" if pow2 else "_fp32")
+        return "fp8_tensorwise" + suffix + ("_pow2" if pow2 else "")
+    return "fp8_rowwise" + suffix + ("" if pow2 else "_fp32")
 
 
 def recipe_casts(recipe: str) -> dict[str, CastConfig]:

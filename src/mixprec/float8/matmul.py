@@ -29,6 +29,8 @@ E4M3 = formats.FP8_E4M3FN
 E5M2 = formats.FP8_E5M2
 # Output dtypes torch._scaled_mm writes; any other (float64) goes through the emulation.
 _SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
+_E5M2_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz)
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 # Rows of a Float8Linear's amax buffers.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
@@ -69,13 +71,18 @@ def scaled_mm(
 
 
 def _scaled_mm_accepts(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes fp8 ``a`` (M, K) @ ``b`` (K, N) on their device: any pair on a
+    CPU; on CUDA sizes that are multiples of 16, not e5m2 x e5m2, and the fnuz dtypes (AMD MI300's) only in
+    a ROCm build (``torch.version.hip``), where the "cuda" device is an AMD GPU."""
     if not hasattr(torch, "_scaled_mm"):
         return False
     if a.numel() == 0 or b.numel() == 0:
         return False
     if a.device.type == "cpu":
         return True
-    if a.device.type != "cuda" or (a.dtype == E5M2.dtype and b.dtype == E5M2.dtype):
+    if a.device.type != "cuda" or (a.dtype in _E5M2_DTYPES and b.dtype in _E5M2_DTYPES):
+        return False
+    if (a.dtype in _FNUZ or b.dtype in _FNUZ) and torch.version.hip is None:
         return False
     return all(size % 16 == 0 for size in (*a.shape, b.shape[1]))
 

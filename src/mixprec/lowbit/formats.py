@@ -2,7 +2,8 @@
 
 A :class:`LowbitFormat` says everything :func:`mixprec.lowbit.quantize` needs::
 
-    element   the number format of the stored values: e4m3 / e5m2 (fp8), e2m1 (fp4)
+    element   the number format of the stored values: e4m3 / e5m2 (fp8), e4m3fnuz / e5m2fnuz (AMD MI300's
+              fp8: max 240 / 57344, no inf, no -0), e2m1 (fp4)
     scale     how a block's scale is stored:
                 "fp32"  float32 multiplier into the element range, x_q = x * s (torchao float8's ``_scale``)
                 "pow2"  the same, rounded down to a power of two (torchao ``round_scales_to_power_of_2``,
@@ -30,7 +31,9 @@ from mixprec import formats
 __all__ = [
     "E2M1",
     "E4M3",
+    "E4M3FNUZ",
     "E5M2",
+    "E5M2FNUZ",
     "ELEMENTS",
     "FORMATS",
     "SCALE_FORMATS",
@@ -41,9 +44,11 @@ __all__ = [
 
 E4M3 = formats.FP8_E4M3FN
 E5M2 = formats.FP8_E5M2
+E4M3FNUZ = formats.FP8_E4M3FNUZ
+E5M2FNUZ = formats.FP8_E5M2FNUZ
 #: fp4 e2m1 (OCP MX): values 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf or nan, so the all-ones exponent is normal.
 E2M1 = formats.Format("fp4_e2m1", 2, 1, has_inf=False, max_override=6.0, torch_dtype_name="float4_e2m1fn_x2")
-ELEMENTS = {"e4m3": E4M3, "e5m2": E5M2, "e2m1": E2M1}
+ELEMENTS = {"e4m3": E4M3, "e5m2": E5M2, "e4m3fnuz": E4M3FNUZ, "e5m2fnuz": E5M2FNUZ, "e2m1": E2M1}
 SCALE_FORMATS = ("fp32", "pow2", "e8m0", "e4m3")
 
 
@@ -136,6 +141,15 @@ FORMATS: dict[str, LowbitFormat] = {
         _fmt("fp8_tensorwise_e5m2_pow2", "e5m2", "pow2", (-1, -1)),
         _fmt("fp8_rowwise_e5m2", "e5m2", "pow2", (1, -1)),
         _fmt("fp8_rowwise_e5m2_fp32", "e5m2", "fp32", (1, -1)),
+        # The same for AMD MI300's fnuz fp8 ("_fnuz" for e4m3fnuz, "_e5m2fnuz"), the names following suit.
+        _fmt("fp8_tensorwise_fnuz", "e4m3fnuz", "fp32", (-1, -1)),
+        _fmt("fp8_tensorwise_e5m2fnuz", "e5m2fnuz", "fp32", (-1, -1)),
+        _fmt("fp8_tensorwise_fnuz_pow2", "e4m3fnuz", "pow2", (-1, -1)),
+        _fmt("fp8_tensorwise_e5m2fnuz_pow2", "e5m2fnuz", "pow2", (-1, -1)),
+        _fmt("fp8_rowwise_fnuz", "e4m3fnuz", "pow2", (1, -1)),
+        _fmt("fp8_rowwise_fnuz_fp32", "e4m3fnuz", "fp32", (1, -1)),
+        _fmt("fp8_rowwise_e5m2fnuz", "e5m2fnuz", "pow2", (1, -1)),
+        _fmt("fp8_rowwise_e5m2fnuz_fp32", "e5m2fnuz", "fp32", (1, -1)),
         _fmt("fp8_blockwise", "e4m3", "pow2", (1, 128)),
         _fmt("fp8_blockwise_2d", "e4m3", "pow2", (128, 128)),
         _fmt("mxfp8", "e4m3", "e8m0", (1, 32), "floor"),
