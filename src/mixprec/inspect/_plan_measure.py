@@ -31,9 +31,14 @@ class CastLinear(nn.Linear):
         return F.linear(input.to(self.dtype), self.weight.to(self.dtype), bias).to(input.dtype)
 
 
-def swapped_in(linear: nn.Linear, fmt: str, generator: torch.Generator | None) -> nn.Linear:
-    """A module computing ``linear`` in ``fmt``, sharing its parameters."""
+def swapped_in(
+    linear: nn.Linear, fmt: str, generator: torch.Generator | dict[torch.device, torch.Generator] | None
+) -> nn.Linear:
+    """A module computing ``linear`` in ``fmt``, sharing its parameters; ``generator`` (stochastic rounding)
+    is one generator or the planner's one per device, of which the one on ``linear``'s device is taken."""
     if fmt not in HIGH_PRECISION:
+        if isinstance(generator, dict):
+            generator = generator[linear.weight.device]
         return LowbitLinear.from_linear(linear, fmt, generator)
     if fmt == "fp32" and type(linear) is nn.Linear:
         return linear

@@ -157,8 +157,10 @@ def plan_precision(
         raise ValueError("model has no nn.Linear layer to plan")
     if fqns[0] == "":
         raise ValueError("model itself is an nn.Linear: wrap it (nn.Sequential(model)) so it can be swapped")
-    # stochastic rounding draws on the layers' device (a CPU generator cannot feed CUDA tensors)
-    generator = torch.Generator(device=model.get_submodule(fqns[0]).weight.device).manual_seed(seed)
+    # stochastic rounding draws on each layer's device (a CPU generator cannot feed CUDA tensors): one
+    # generator per device the layers are on, each seeded with the seed
+    devices = {model.get_submodule(fqn).weight.device for fqn in fqns}
+    generator = {device: torch.Generator(device=device).manual_seed(seed) for device in devices}
     with preserved(model):
         slots = Slots(model, fqns)
         try:

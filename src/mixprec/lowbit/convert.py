@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mixprec.lowbit.linear import LowbitLinear, _check
+from mixprec.lowbit.linear import LowbitLinear, _check, check_generator_device
 from mixprec.lowbit.recipes import Recipe
 
 __all__ = [
@@ -44,7 +44,8 @@ def convert_to_lowbit_training(
         recipe: a :class:`Recipe` or recipe string (``"fp8_rowwise"``, ``"mxfp8"``, ``"nvfp4 rht=off"``, ...).
         module_filter_fn: see above (default: convert all).
         linear_types: the exact module types to convert, each a subclass of ``nn.Linear``.
-        generator: the ``torch.Generator`` stochastic rounding draws from (shared by the converted modules).
+        generator: the ``torch.Generator`` stochastic rounding draws from (shared by the converted modules),
+            on their weights' device.
 
     Returns:
         ``model``, or a new :class:`LowbitLinear` when ``model`` itself is converted.
@@ -52,7 +53,8 @@ def convert_to_lowbit_training(
     Raises:
         TypeError: for a non-module ``model``, a non-callable filter, a bad recipe or generator, or a
             ``linear_types`` entry that is not an ``nn.Linear`` subclass.
-        ValueError: for an unknown recipe, or a root ``nn.Linear`` with child modules (they would be lost).
+        ValueError: for an unknown recipe, a root ``nn.Linear`` with child modules (they would be lost), or
+            a ``generator`` on another device than a module to convert (both devices and its fqn named).
         Nothing is converted when it raises.
     """
     if not isinstance(model, nn.Module):
@@ -69,6 +71,8 @@ def convert_to_lowbit_training(
         for fqn, m in model.named_modules(remove_duplicate=False)
         if type(m) in linear_types and (module_filter_fn is None or bool(module_filter_fn(m, fqn)))
     ]
+    for fqn, module in wanted if generator is not None else ():
+        check_generator_device(generator, module.weight.device, f"the weight of {fqn or 'the model'!r}")
     if wanted and wanted[0][0] == "":
         children = [name for name, _ in model.named_children()]
         if children:

@@ -8,7 +8,7 @@ from torch import nn
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.recipes import Recipe, get_recipe
 
-__all__ = ["LowbitLinear"]
+__all__ = ["LowbitLinear", "check_generator_device"]
 
 
 class LowbitLinear(nn.Linear):
@@ -23,10 +23,14 @@ class LowbitLinear(nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         recipe: a :class:`Recipe` or a recipe string (default ``"fp8_rowwise"``).
-        generator: the ``torch.Generator`` for stochastic rounding (None: torch's global generator).
+        generator: the ``torch.Generator`` for stochastic rounding (None: torch's global generator), on
+            the layer's device: ``torch.rand`` cannot draw CUDA noise from a CPU generator.
 
     Raises:
-        ValueError / TypeError: for a bad recipe or generator (nothing is built then).
+        ValueError / TypeError: for a bad recipe or generator, or a generator on another device than the
+            layer's weight (nothing is built then). A layer built on the "meta" device (deferred
+            initialisation) takes any generator; forward refuses an input on another device than the
+            generator with the same ValueError (a layer moved by ``.cuda()`` after construction too).
     """
 
     def __init__(
@@ -41,6 +45,8 @@ class LowbitLinear(nn.Linear):
         generator: torch.Generator | None = None,
     ) -> None:
         recipe, generator = _check(recipe, generator)
+        if generator is not None:
+            check_generator_device(generator, torch.empty(0, device=device).device, "the layer's weight")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe, self.generator = recipe, generator
 
@@ -51,11 +57,14 @@ class LowbitLinear(nn.Linear):
         """A LowbitLinear sharing ``linear``'s parameter objects (an optimizer built before keeps working).
 
         Raises:
-            TypeError: if ``linear`` is not an ``nn.Linear``; ValueError / TypeError for a bad recipe.
+            TypeError: if ``linear`` is not an ``nn.Linear``; ValueError / TypeError for a bad recipe or
+                generator, or a generator on another device than ``linear.weight``.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
         recipe, generator = _check(recipe, generator)
+        if generator is not None:
+            check_generator_device(generator, linear.weight.device, "the layer's weight")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, generator=generator)
         new.weight, new.bias = linear.weight, linear.bias
@@ -63,6 +72,8 @@ class LowbitLinear(nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.generator is not None:  # a layer moved after construction (.cuda()) keeps its generator
+            check_generator_device(self.generator, input.device, "the input")
         device_type = input.device.type
         if torch.is_autocast_enabled(device_type):
             input = input.to(torch.get_autocast_dtype(device_type))
@@ -73,6 +84,27 @@ class LowbitLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def check_generator_device(generator: torch.Generator, device: torch.device, what: str) -> None:
+    """Refuse a stochastic-rounding ``generator`` that cannot draw on ``device``.
+
+    The same device type and, where both name one, the same index (``cuda`` and ``cuda:0`` agree). A
+    generator's device is ``generator.device`` (``torch.Generator()`` is a CPU one; build it with
+    ``torch.Generator(device=weight.device)``). A ``device`` of type "meta" (a layer not placed yet, a
+    shape-only forward) takes any generator: meta tensors draw nothing.
+
+    Raises:
+        ValueError: naming both devices (``what`` says whose ``device`` is), when they differ.
+    """
+    have, want = generator.device, torch.device(device)
+    same_index = have.index is None or want.index is None or have.index == want.index
+    if want.type == "meta" or (have.type == want.type and same_index):
+        return
+    raise ValueError(
+        f"the stochastic-rounding generator is on {have}, {what} on {want}: torch.rand cannot draw {want} "
+        f"noise from a {have} generator; pass torch.Generator(device={str(want)!r}) (seeded as you need)"
+    )
 
 
 def _check(recipe: object, generator: object) -> tuple[Recipe, torch.Generator | None]:
