@@ -23,9 +23,22 @@ from mixprec import formats
 from mixprec.lowbit import scaling
 from mixprec.lowbit.formats import LowbitFormat, get_format
 
-__all__ = ["Quantized", "quantize", "round_to_element"]
+__all__ = ["Quantized", "e2m1_values", "quantize", "round_to_element"]
 
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+def e2m1_values(device: torch.device | str) -> torch.Tensor:
+    """float32 (16,): the value of each e2m1 code 0..15 (sign bit 3; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6).
+
+    Built on ``device`` from ``torch.arange`` with integer ops on the float32 bits, so there is no
+    host-to-device copy (none per fp4 dequantize, and CUDA-graph capture is not blocked) and no cache:
+    exponent field ``e = (c >> 1) & 3`` and mantissa bit ``m = c & 1`` give ``2**(e - 1) * (1 + m / 2)``
+    for ``e > 0`` and ``m / 2`` for ``e == 0``; code 8 is -0.0.
+    """
+    c = torch.arange(16, dtype=torch.int32, device=device)
+    exp, mant = (c >> 1) & 3, c & 1
+    normal = torch.bitwise_left_shift(exp + 126, 23) | torch.bitwise_left_shift(mant, 22)
+    magnitude = torch.where(exp > 0, normal, mant * 0x3F000000)  # 0x3F000000: the bits of 0.5
+    return (magnitude | torch.bitwise_left_shift(c & 8, 28)).view(torch.float32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,8 +67,7 @@ class Quantized:
         """The stored element values as float32 (M, Kp), before the scales."""
         if self.fmt.element != "e2m1":
             return self.data.to(torch.float32)
-        lut = torch.tensor(_E2M1_VALUES, device=self.data.device)
-        lut = torch.cat([lut, -lut])
+        lut = e2m1_values(self.data.device)
         codes = torch.stack([self.data & 0xF, self.data >> 4], dim=-1).reshape(self.data.shape[0], -1)
         return lut[codes.to(torch.long)]
 
@@ -129,7 +141,7 @@ def quantize(
     tensor_scale = None
     if fmt.two_level:
         full = scaling.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0] if tensor_amax is None else tensor_amax
-        full = torch.as_tensor(full, dtype=torch.float32, device=x.device).reshape(())
+        full = _on_device(full, x.device)
         tensor_scale = scaling.nvfp4_tensor_scale(full)
     scaled, scale = _scale(x2, amax, fmt, rows, cols, tensor_scale)
     scaled = torch.clamp(scaled, min=-fmt.elem.max, max=fmt.elem.max)
@@ -137,6 +149,14 @@ def quantize(
         scaled = round_to_element(scaled, fmt.elem, stochastic=True, generator=generator)
     data = _store(scaled, fmt)
     return Quantized(data, scale, tensor_scale, fmt, x.shape, x.dtype, axis)
+
+
+def _on_device(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A float32 0-dim tensor on ``device``: a Python number is filled there (a kernel argument, not a
+    pageable host-to-device copy as ``torch.as_tensor(value, device=...)`` makes)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 def _check(x: object, axis: object, stochastic: object, generator: object, pad: object) -> int:
