@@ -32,6 +32,7 @@ __all__ = [
     "LowbitLinearFunction",
     "device_capability",
     "emulated_mm",
+    "gemm_kernel_paths",
     "gemm_operands",
     "hadamard_16",
     "kernel_path",
@@ -263,6 +264,32 @@ def gemm_operands(
         "wgrad_go": (go_w.t(), recipe.wgrad_go),
         "wgrad_x": (x_w.t(), recipe.wgrad_x),
     }
+
+
+_GEMM_OPERANDS = {
+    "fprop": ("fprop_x", "fprop_w"),
+    "dgrad": ("dgrad_go", "dgrad_w"),
+    "wgrad": ("wgrad_go", "wgrad_x"),
+}
+
+
+def gemm_kernel_paths(
+    x2: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, recipe: Recipe
+) -> dict[str, tuple[str | None, str]]:
+    """GEMM (``"fprop"``, ``"dgrad"``, ``"wgrad"``) -> :func:`kernel_path` of its operands as quantized.
+
+    Shapes as :func:`gemm_operands`. A GEMM with a high-precision operand runs ``torch.mm``:
+    ``(None, "... hp ...")``. For tables and benchmarks (e.g. under FakeTensorMode on a CUDA build).
+    """
+    ops = gemm_operands(x2, weight, grad_out, recipe)
+    paths = {}
+    for gemm, (name_a, name_b) in _GEMM_OPERANDS.items():
+        (a, fmt_a), (b, fmt_b) = ops[name_a], ops[name_b]
+        if HP in (fmt_a, fmt_b):
+            paths[gemm] = None, f"{fmt_a} x {fmt_b}: a high-precision operand, torch.mm"
+        else:
+            paths[gemm] = kernel_path(quantize(a, fmt_a, pad=True), quantize(b, fmt_b, pad=True))
+    return paths
 
 
 class LowbitLinearFunction(torch.autograd.Function):
