@@ -1,11 +1,14 @@
 """The three GEMMs of a low-bit linear layer, each operand quantized as its recipe says.
 
 Every GEMM is ``C = A @ B.T`` with both operands quantized along their last (reduction) axis, so one
-function serves all three (see :mod:`mixprec.lowbit.recipes` for which tensor is A and B). On a CPU, and
-wherever the hardware path is missing, the GEMM is emulated as torchao emulates: dequantize both operands to
-float32, ``torch.mm``, cast to the output dtype. On CUDA, fp8 operands with per-tensor or per-row scales go
-to ``torch._scaled_mm`` (Hopper and newer); any other case on CUDA is emulated with one warning naming what
-is missing (block-scaled MX / NVFP4 GEMMs are not wired to torch's scaled-mm API here).
+function serves all three (see :mod:`mixprec.lowbit.recipes` for which tensor is A and B). On CUDA,
+:func:`lowbit_mm` runs the pair on the tensor-core kernel :mod:`mixprec.lowbit.kernels`' table names for
+the device's compute capability: fp8 tensorwise / rowwise (sm89+), fp8 blockwise 1x128 / 128x128 (sm90),
+MXFP8, MXFP4 and NVFP4 with swizzled block scales (sm100), through ``torch.nn.functional.scaled_mm`` where
+torch has it and ``torch._scaled_mm`` otherwise. Everywhere else (a CPU, sm89 / sm120 for block formats,
+sizes the kernels refuse) the GEMM is emulated exactly as torchao emulates: dequantize both operands to
+float32, ``torch.mm``, cast to the output dtype (:func:`emulated_mm`), with one warning per process for
+each pair of formats, device and reason. :func:`kernel_path` says which path a pair takes.
 
 The random Hadamard transform (NVFP4's wgrad recipe) multiplies each run of 16 rows along M by
 ``H16 @ diag(signs) / 4``, an orthogonal matrix, on both wgrad operands, so ``(Q go).T (Q x) = go.T x``
@@ -15,26 +18,72 @@ exactly before quantization; it spreads an outlier over 16 values. The signs are
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
 import torch
 
+from mixprec.lowbit.kernels import Kernel, select_kernel, to_blocked
 from mixprec.lowbit.quantize import Quantized, quantize
 from mixprec.lowbit.recipes import HP, Recipe
 
-__all__ = ["LowbitLinearFunction", "gemm_operands", "hadamard_16", "lowbit_mm"]
+__all__ = [
+    "LowbitLinearFunction",
+    "device_capability",
+    "emulated_mm",
+    "gemm_kernel_paths",
+    "gemm_operands",
+    "hadamard_16",
+    "kernel_path",
+    "lowbit_mm",
+]
 
 _HADAMARD_SIZE = 16
+# torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(0)) as bits (bit i set: sign i is +1),
+# so the signs are made on the matrix's device from a Python int, with no host tensor to copy.
+_HADAMARD_SIGN_BITS = 10230
+_HADAMARD: dict[torch.device, torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+# torch's public v2 API where this torch has it (2.10+), else torch._scaled_mm.
+_F = torch.nn.functional
+_SCALED_MM_V2 = _F.scaled_mm if hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType") else None
+_KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_V2_RECIPE = {
+    "tensor": "TensorWise",
+    "row": "RowWise",
+    "1x128": "BlockWise1x128",
+    "128x128": "BlockWise128x128",
+    "mx": "BlockWise1x32",
+    "nv16": "BlockWise1x16",
+}
 
 
 def hadamard_16(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The float32 (16, 16) orthogonal matrix ``H16 @ diag(signs) / 4`` of the random Hadamard transform."""
-    h = torch.ones(1, 1)
+    """The float32 (16, 16) orthogonal matrix ``H16 @ diag(signs) / 4`` of the random Hadamard transform.
+
+    Built on ``device`` from torch ops alone (no host-to-device copy) and cached per device, so a backward
+    pass reuses it; do not modify it in place. Under an active FakeTensorMode it is built fresh and not
+    cached, so no FakeTensor outlives its mode.
+    """
+    device = torch.device(device)
+    # Traced (torch.compile) or fake: build in the graph / in the fake mode, keeping the cache real.
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return _build_hadamard(device)
+    with _LOCK:
+        h = _HADAMARD.get(device)
+        if h is None:
+            h = _HADAMARD[device] = _build_hadamard(device)
+    return h
+
+
+def _build_hadamard(device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1, device=device)
     while h.shape[0] < _HADAMARD_SIZE:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (_HADAMARD_SIZE,), generator=torch.Generator().manual_seed(0)) * 2 - 1
-    return (h * signs.to(h.dtype) / 4.0).to(device)
+    bits = torch.bitwise_right_shift(_HADAMARD_SIGN_BITS, torch.arange(_HADAMARD_SIZE, device=device)) & 1
+    return h * (bits * 2 - 1).to(h.dtype) / 4.0
 
 
 def _rotate_rows(t: torch.Tensor) -> torch.Tensor:
@@ -46,38 +95,143 @@ def _rotate_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.einsum("ij,bjc->bic", h, t.reshape(-1, _HADAMARD_SIZE, t.shape[1])).reshape(-1, t.shape[1])
 
 
-def _fast_path_missing(a: Quantized, b: Quantized) -> str | None:
-    """None when ``torch._scaled_mm`` takes this pair on this device, else what is missing."""
-    fmts = (a.fmt, b.fmt)
-    if any(f.element == "e2m1" or f.scale not in ("fp32", "pow2") for f in fmts):
-        return f"a block-scaled {a.fmt.name} x {b.fmt.name} GEMM kernel"
-    if any(f.block not in ((-1, -1), (1, -1)) for f in fmts):
-        return f"a {a.fmt.name} x {b.fmt.name} GEMM with {a.fmt.block} / {b.fmt.block} blocks"
-    if a.fmt.element == b.fmt.element == "e5m2":
-        return "an e5m2 x e5m2 GEMM"
-    if torch.cuda.get_device_capability(a.data.device) < (8, 9):
-        return "fp8 tensor cores (compute capability 8.9 or newer)"
-    if any(size % 16 for size in (*a.data.shape, b.data.shape[0])):
-        return f"sizes that are multiples of 16 (got {tuple(a.data.shape)} x {tuple(b.data.shape)})"
-    return None
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a CUDA device (``torch.cuda.get_device_capability``); None for other devices."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
+def _select(a: Quantized, b: Quantized) -> tuple[Kernel | None, str]:
+    if a.data.device != b.data.device:
+        return None, f"{a.fmt.name} x {b.fmt.name}: operands on {a.data.device} and {b.data.device}"
+    cap = device_capability(a.data.device)
+    return select_kernel(a.fmt, b.fmt, _value_shape(a), _value_shape(b), cap)
+
+
+def kernel_path(a: Quantized, b: Quantized) -> tuple[str | None, str]:
+    """``(kernel name or None, why)`` for ``a @ b.T`` of two (rows, K) matrices quantized along K.
+
+    The name is a :data:`mixprec.lowbit.kernels.KERNELS` entry (``"fp8_rowwise"``, ``"mxfp8"``, ...) or
+    None when :func:`lowbit_mm` emulates; the string names the formats, the device and the reason.
+    """
+    kernel, reason = _select(a, b)
+    return (kernel.name if kernel is not None else None), reason
 
 
 def lowbit_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b.T`` of two quantized (rows, K) matrices (quantized along K), in ``out_dtype``."""
-    if a.data.device.type == "cuda":
-        missing = _fast_path_missing(a, b)
-        if missing is None:
-            scale_b = b.block_descale().reshape(1, -1) if b.fmt.block == (1, -1) else b.block_descale()
-            return torch._scaled_mm(
-                a.data, b.data.t(), scale_a=a.block_descale(), scale_b=scale_b, out_dtype=out_dtype
-            )
-        warnings.warn(f"mixprec.lowbit: emulating the GEMM on CUDA, missing {missing}", stacklevel=3)
+    """``a @ b.T`` of two quantized (rows, K) matrices (quantized along K), (rows_a, rows_b) ``out_dtype``.
+
+    On the kernel :func:`kernel_path` names, else :func:`emulated_mm` (warning once per process for each
+    pair of formats, device and reason).
+    """
+    kernel, reason = _select(a, b)
+    if kernel is not None and out_dtype not in _KERNEL_OUT_DTYPES:
+        kernel, reason = None, f"{reason}; but the kernels write bf16/fp16/fp32, not {out_dtype}"
+    if kernel is None:
+        _warn_once(a, b, reason)
+        return emulated_mm(a, b, out_dtype)
+    return _scaled(kernel, a, b, out_dtype)
+
+
+def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T`` emulated: both operands dequantized to float32, ``torch.mm``, cast to ``out_dtype``."""
     return torch.mm(_matrix(a), _matrix(b).t()).to(out_dtype)
+
+
+# Warned (formats, device, reason) keys: a set, not the warnings registry, since that registry is per call
+# site and reset by warnings filters / catch_warnings, which would repeat the warning every step.
+_WARNED: set[tuple[str, str, str, str]] = set()
+
+
+def _warn_once(a: Quantized, b: Quantized, reason: str) -> None:
+    if torch.compiler.is_compiling():  # a warning (and the lock) would break the graph; eager warns
+        return
+    cap = device_capability(a.data.device)
+    where = f"{a.data.device}" + (f" (compute capability {cap[0]}.{cap[1]})" if cap else "")
+    key = (a.fmt.name, b.fmt.name, where, reason)
+    with _LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    warnings.warn(f"mixprec.lowbit: emulating the GEMM on {where}: {reason}", stacklevel=3)
+
+
+def _value_shape(q: Quantized) -> tuple[int, int]:
+    """The stored (rows, K) matrix's shape in values (two e2m1 values per byte)."""
+    rows, k = q.data.shape
+    return rows, k * (2 if q.fmt.element == "e2m1" else 1)
+
+
+def _rows(q: Quantized) -> int:
+    """The rows of the matrix ``q`` quantized, before padding."""
+    return q.shape.numel() // q.shape[q.axis] if q.shape[q.axis] else 0
 
 
 def _matrix(q: Quantized) -> torch.Tensor:
     """The (rows, K) matrix ``q`` quantized, dequantized to float32."""
     return q.dequantize(torch.float32).movedim(q.axis, -1).reshape(-1, q.shape[q.axis])
+
+
+def _operand_scale(q: Quantized, kind: str, rhs: bool, rows: int) -> torch.Tensor:
+    """``q``'s scales in the layout torch's kernel takes for ``kind`` (ScaledBlas.cpp is_desired_scaling).
+
+    ``rhs``: ``q`` is B of ``A @ B.T`` (torch sees ``B.T`` and checks ``scale_b.T``). ``rows``: the stored
+    rows, to which a tensorwise scale promoted to rowwise is repeated.
+    """
+    if kind in ("mx", "nv16"):
+        scale = q.scale
+        if q.fmt.block[0] > 1:  # 16x16 NVFP4 blocks: each block's scale on each of its rows, the same product
+            scale = scale.repeat_interleave(q.fmt.block[0], dim=0)
+        return to_blocked(scale)
+    descale = q.block_descale()
+    if kind == "tensor":
+        return descale
+    if kind == "row":  # (M, 1) for A, (1, N) for B; a tensorwise scale repeated (contiguous, as torch checks)
+        descale = descale.expand(rows, 1).contiguous()
+        return descale.reshape(1, rows) if rhs else descale
+    if kind == "1x128":  # outer-dim-major: (M, K/128) with strides (1, M); B's as (K/128, N) row-major
+        return descale.t().contiguous() if rhs else descale.t().contiguous().t()
+    return descale.contiguous().t() if rhs else descale.contiguous()  # 128x128: row-major (M/128, K/128)
+
+
+def _scaled(kernel: Kernel, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T`` on ``kernel``; the result trimmed to the operands' unpadded rows."""
+    kind_a, kind_b = kernel.kinds
+    scale_a = _operand_scale(a, kind_a, False, a.data.shape[0])
+    scale_b = _operand_scale(b, kind_b, True, b.data.shape[0])
+    data_a, data_b = _kernel_data(a), _kernel_data(b)
+    two_level = a.tensor_scale is not None or b.tensor_scale is not None
+    dtype = torch.float32 if two_level else out_dtype
+    if _SCALED_MM_V2 is not None and not kernel.legacy_api:
+        out = _SCALED_MM_V2(
+            data_a, data_b.t(), scale_a, _v2_recipe(kind_a), scale_b, _v2_recipe(kind_b),
+            swizzle_a=_v2_swizzle(kind_a), swizzle_b=_v2_swizzle(kind_b), output_dtype=dtype,
+        )  # fmt: skip
+    else:
+        out = torch._scaled_mm(data_a, data_b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+    if two_level:  # NVFP4's per-tensor scales, folded into the output: out * (t_a * t_b)
+        scales = [t for t in (a.tensor_scale, b.tensor_scale) if t is not None]
+        out = out * (scales[0] * scales[1] if len(scales) == 2 else scales[0])
+    return out[: _rows(a), : _rows(b)].to(out_dtype)
+
+
+def _kernel_data(q: Quantized) -> torch.Tensor:
+    """``q.data`` as the kernel reads it: fp8 as is, two e2m1 codes per byte as ``torch.float4_e2m1fn_x2``.
+
+    mixprec packs the first value in the low nibble, as torchao's ``pack_uint4``, which is torch's fp4x2.
+    """
+    return q.data.view(torch.float4_e2m1fn_x2) if q.fmt.element == "e2m1" else q.data
+
+
+def _v2_recipe(kind: str) -> Any:
+    return getattr(_F.ScalingType, _V2_RECIPE[kind])
+
+
+def _v2_swizzle(kind: str) -> Any:
+    return _F.SwizzleType.SWIZZLE_32_4_4 if kind in ("mx", "nv16") else _F.SwizzleType.NO_SWIZZLE
 
 
 def _gemm(a, a_fmt, b, b_fmt, out_dtype, sr_a=False, generator=None) -> torch.Tensor:
@@ -110,6 +264,32 @@ def gemm_operands(
         "wgrad_go": (go_w.t(), recipe.wgrad_go),
         "wgrad_x": (x_w.t(), recipe.wgrad_x),
     }
+
+
+_GEMM_OPERANDS = {
+    "fprop": ("fprop_x", "fprop_w"),
+    "dgrad": ("dgrad_go", "dgrad_w"),
+    "wgrad": ("wgrad_go", "wgrad_x"),
+}
+
+
+def gemm_kernel_paths(
+    x2: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, recipe: Recipe
+) -> dict[str, tuple[str | None, str]]:
+    """GEMM (``"fprop"``, ``"dgrad"``, ``"wgrad"``) -> :func:`kernel_path` of its operands as quantized.
+
+    Shapes as :func:`gemm_operands`. A GEMM with a high-precision operand runs ``torch.mm``:
+    ``(None, "... hp ...")``. For tables and benchmarks (e.g. under FakeTensorMode on a CUDA build).
+    """
+    ops = gemm_operands(x2, weight, grad_out, recipe)
+    paths = {}
+    for gemm, (name_a, name_b) in _GEMM_OPERANDS.items():
+        (a, fmt_a), (b, fmt_b) = ops[name_a], ops[name_b]
+        if HP in (fmt_a, fmt_b):
+            paths[gemm] = None, f"{fmt_a} x {fmt_b}: a high-precision operand, torch.mm"
+        else:
+            paths[gemm] = kernel_path(quantize(a, fmt_a, pad=True), quantize(b, fmt_b, pad=True))
+    return paths
 
 
 class LowbitLinearFunction(torch.autograd.Function):
