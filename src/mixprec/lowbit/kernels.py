@@ -133,6 +133,8 @@ def select_kernel(
     pair = f"{fmt_a.name} x {fmt_b.name}"
     if capability is None:
         return None, f"{pair}: no scaled-matmul kernels on this device (emulated)"
+    if "fnuz" in fmt_a.element + fmt_b.element and torch.version.hip is None:
+        return None, f"{pair}: fnuz fp8 GEMMs run only in a ROCm build of torch (cuBLASLt has none)"
     kinds = (operand_kind(fmt_a), operand_kind(fmt_b))
     if None in kinds:
         return None, f"{pair}: no torch kernel takes {fmt_a.block}/{fmt_b.block} blocks with these scales"
