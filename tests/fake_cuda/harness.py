@@ -9,8 +9,9 @@ no real kernel and not autograd's backward engine: call an ``autograd.Function``
 :class:`Recorder` is a ``TorchDispatchMode`` pushed inside the fake mode (so it sees every op first) that
 records:
 
-- ``sync``: ``aten._local_scalar_dense`` of a CUDA tensor (``.item()``, ``.tolist()``, ``bool()``,
-  ``float()`` all come down to it), plus ops with data-dependent output shapes (``nonzero`` & co.);
+- ``sync``: ``aten._local_scalar_dense`` of a CUDA tensor (``.item()``, ``bool()``, ``float()`` come
+  down to it; ``.tolist()`` counts once, as the one copy it is on a GPU), plus ops with data-dependent
+  output shapes (``nonzero`` & co.); :meth:`Recorder.host_syncs` adds the device-to-host copies;
   under fake mode the scalar has no value, so the recorder answers a plausible one itself (False / 0,
   see :meth:`Recorder.scalar`) instead of letting the fake mode raise ``DataDependentOutputException``;
 - ``h2d`` / ``d2h``: ``_to_copy`` / ``copy_`` between a host and a CUDA tensor, and a CUDA op fed a host
@@ -25,6 +26,7 @@ records:
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +34,7 @@ from unittest import mock
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CAPABILITIES", "Ctx", "Event", "FakeCudaMode", "Recorder", "cuda_patched", "fake_cuda"]
@@ -122,6 +124,10 @@ class Recorder(TorchDispatchMode):
     def count(self, kind: str) -> int:
         return len(self.of(kind))
 
+    def host_syncs(self) -> int:
+        """Times the host waits for the device: scalar reads and device-to-host copies."""
+        return self.count("sync") + self.count("d2h")
+
     @staticmethod
     def scalar(t: torch.Tensor) -> bool | int | float:
         """The value a synced scalar reads as: False / 0 / 0.0, i.e. no inf found, no step skipped."""
@@ -133,10 +139,9 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         bound = _bind(func, args, kwargs)
-        if func in _SYNC:
-            self.events.append(Event("sync", str(func), {"device": args[0].device.type}))
-            if args[0].device.type == "cuda":
-                return self.scalar(args[0])
+        if func in _SYNC and args[0].device.type == "cuda":
+            self.events.append(Event("sync", str(func), {}))
+            return self.scalar(args[0])
         if name in _DATA_DEPENDENT and any(t.device.type == "cuda" for t in _tensors(args)):
             self.events.append(Event("sync", str(func), {}))
         self._copies(func, name, bound)
@@ -183,6 +188,23 @@ class Recorder(TorchDispatchMode):
             raise
 
 
+def _counted_tolist(recorder: Recorder, tolist: Any) -> Any:
+    """``Tensor.tolist`` counting a CUDA tensor's as one sync (one device-to-host copy on a GPU; under fake
+    mode it reads element by element, a ``_local_scalar_dense`` each), answered with plausible values.
+    A wrapper on FakeTensor.tolist, which reads per element (torch function modes never see it)."""
+
+    def counted(self: torch.Tensor) -> Any:
+        if self.device.type != "cuda":
+            return tolist(self)
+        recorder.events.append(Event("sync", "Tensor.tolist", {"shape": tuple(self.shape)}))
+        out: Any = Recorder.scalar(self)
+        for size in reversed(self.shape):
+            out = [copy.deepcopy(out) for _ in range(size)]
+        return out
+
+    return counted
+
+
 @contextlib.contextmanager
 def cuda_patched(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
     """``torch.cuda`` answering as a machine with one GPU of ``capability`` (for mixprec's callers)."""
@@ -214,7 +236,14 @@ class FakeCudaMode(FakeTensorMode):
 @contextlib.contextmanager
 def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[Recorder]:
     """A fake mode with ``torch.cuda`` patched, and a :class:`Recorder` pushed inside it."""
-    with cuda_patched(capability), FakeCudaMode(), Recorder() as recorder:
+    recorder = Recorder()
+    tolist = _counted_tolist(recorder, FakeTensor.tolist)
+    with (
+        cuda_patched(capability),
+        mock.patch.object(FakeTensor, "tolist", tolist),
+        FakeCudaMode(),
+        recorder,
+    ):
         yield recorder
 
 

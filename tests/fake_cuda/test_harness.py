@@ -21,9 +21,12 @@ def test_item_bool_and_tolist_are_syncs_with_plausible_values(fake_hopper):
     x = torch.randn(4, device="cuda")
     assert x.sum().item() == 0.0
     assert bool((x > 0).any()) is False
-    assert torch.stack([x[0], x[1]]).tolist() == [0.0, 0.0]
+    assert torch.stack([x[0], x[1]]).tolist() == [0.0, 0.0]  # one copy: one sync
+    assert torch.zeros(2, 3, device="cuda", dtype=torch.long).tolist() == [[0, 0, 0], [0, 0, 0]]
     assert fake_hopper.count("sync") == 4
     assert fake_hopper.count("h2d") == fake_hopper.count("d2h") == 0
+    x.cpu()
+    assert fake_hopper.host_syncs() == 5
 
 
 def test_copies_both_ways_and_host_constants(fake_hopper):
