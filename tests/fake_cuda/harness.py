@@ -37,7 +37,16 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CAPABILITIES", "Ctx", "Event", "FakeCudaMode", "Recorder", "cuda_patched", "fake_cuda"]
+__all__ = [
+    "CAPABILITIES",
+    "Ctx",
+    "Event",
+    "FakeCudaGenerator",
+    "FakeCudaMode",
+    "Recorder",
+    "cuda_patched",
+    "fake_cuda",
+]
 
 #: Ada (sm89), Hopper (sm90), datacenter Blackwell (sm100), consumer Blackwell (sm120).
 CAPABILITIES = ((8, 9), (9, 0), (10, 0), (12, 0))
@@ -173,9 +182,9 @@ class Recorder(TorchDispatchMode):
         gen = bound.get("generator")
         if gen is None:
             return
-        out = _target_device(bound)
-        if gen.device.type != out:
-            self.events.append(Event("bad_generator", str(func), {"generator": gen.device.type, "out": out}))
+        out, device = _target_device(bound), _generator_device(gen)
+        if device != out:
+            self.events.append(Event("bad_generator", str(func), {"generator": device, "out": out}))
 
     def _scaled_mm(self, func: Any, bound: dict[str, Any], args: tuple, kwargs: dict) -> Any:
         detail = {k: _describe(v) for k, v in bound.items() if v is not None}
@@ -220,6 +229,43 @@ def cuda_patched(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
         yield
 
 
+_MARK = 1 << 62  # set in a FakeCudaGenerator's seed: how the recorder tells one apart from a CPU generator
+_RealGenerator = torch.Generator
+
+
+class FakeCudaGenerator(_RealGenerator):
+    """A ``torch.Generator(device="cuda")`` on a machine without a driver: a CPU generator reporting
+    ``device`` cuda, whose seed carries :data:`_MARK`. The dispatcher hands ops a plain ``Generator``
+    wrapping the same C++ generator (the subclass is lost), so :class:`Recorder` reads its device from
+    the marked seed: a CPU generator seeded with bit 62 set would read as CUDA there."""
+
+    def __new__(cls, device: torch.device | str | int | None = None) -> FakeCudaGenerator:
+        gen = super().__new__(cls, "cpu")
+        device = torch.device("cpu" if device is None else device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
+        gen._fake_device = device
+        return gen.manual_seed(67280421310721)  # torch's default seed
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:
+        return self._fake_device
+
+    def manual_seed(self, seed: int) -> FakeCudaGenerator:
+        mark = _MARK if self._fake_device.type == "cuda" else 0
+        super().manual_seed((int(seed) % _MARK) | mark)
+        return self
+
+
+def _generator_device(gen: torch.Generator) -> str:
+    if gen.device.type == "cpu" and gen.initial_seed() & _MARK:
+        return "cuda"
+    return gen.device.type
+
+
 class FakeCudaMode(FakeTensorMode):
     """``FakeTensorMode`` that never initialises a real device, also while ``is_available`` is patched.
 
@@ -235,12 +281,17 @@ class FakeCudaMode(FakeTensorMode):
 
 @contextlib.contextmanager
 def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[Recorder]:
-    """A fake mode with ``torch.cuda`` patched, and a :class:`Recorder` pushed inside it."""
+    """A fake mode with ``torch.cuda`` patched, and a :class:`Recorder` pushed inside it.
+
+    ``torch.Generator`` is :class:`FakeCudaGenerator` inside (a CUDA generator needs a driver), and
+    FakeTensor's ``tolist`` counts one sync (see :func:`_counted_tolist`).
+    """
     recorder = Recorder()
     tolist = _counted_tolist(recorder, FakeTensor.tolist)
     with (
         cuda_patched(capability),
         mock.patch.object(FakeTensor, "tolist", tolist),
+        mock.patch.object(torch, "Generator", FakeCudaGenerator),
         FakeCudaMode(),
         recorder,
     ):

@@ -52,9 +52,16 @@ def test_generator_on_another_device(fake_hopper):
     torch.rand(4, device="cuda", generator=gen)
     torch.empty(4, device="cuda").uniform_(generator=gen)
     torch.rand(4, generator=gen)  # cpu output, cpu generator: fine
+    cuda_gen = torch.Generator(device="cuda").manual_seed(3)
+    assert cuda_gen.device == torch.device("cuda", 0)
+    torch.rand(4, device="cuda", generator=cuda_gen)  # a CUDA generator for a CUDA output: fine
+    torch.empty(4, device="cuda").bernoulli_(0.5, generator=cuda_gen)
+    torch.rand(4, generator=cuda_gen)  # a CUDA generator for a CPU output: bad
     bad = fake_hopper.of("bad_generator")
-    assert [e.op for e in bad] == ["aten.rand.generator", "aten.uniform_.default"]
-    assert all(e.detail == {"generator": "cpu", "out": "cuda"} for e in bad)
+    assert [e.op for e in bad] == ["aten.rand.generator", "aten.uniform_.default", "aten.rand.generator"]
+    assert [e.detail for e in bad] == [{"generator": "cpu", "out": "cuda"}] * 2 + [
+        {"generator": "cuda", "out": "cpu"}
+    ]
 
 
 def test_scaled_mm_calls_and_refusals_are_recorded(fake_hopper):
