@@ -34,7 +34,7 @@ from unittest import mock
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -148,9 +148,13 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         bound = _bind(func, args, kwargs)
-        if func in _SYNC and args[0].device.type == "cuda":
-            self.events.append(Event("sync", str(func), {}))
-            return self.scalar(args[0])
+        if func in _SYNC:
+            if args[0].device.type == "cuda":  # only a device tensor makes the host wait
+                self.events.append(Event("sync", str(func), {}))
+            try:  # a host constant the fake mode kept (an optimizer's step count) reads as itself
+                return func(*args, **kwargs)
+            except DataDependentOutputException:
+                return self.scalar(args[0])
         if name in _DATA_DEPENDENT and any(t.device.type == "cuda" for t in _tensors(args)):
             self.events.append(Event("sync", str(func), {}))
         self._copies(func, name, bound)
@@ -203,7 +207,7 @@ def _counted_tolist(recorder: Recorder, tolist: Any) -> Any:
     A wrapper on FakeTensor.tolist, which reads per element (torch function modes never see it)."""
 
     def counted(self: torch.Tensor) -> Any:
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":  # a host tensor: copied (counted there) or made on the host
             return tolist(self)
         recorder.events.append(Event("sync", "Tensor.tolist", {"shape": tuple(self.shape)}))
         out: Any = Recorder.scalar(self)
