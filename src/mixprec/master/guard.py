@@ -56,7 +56,7 @@ class HugeGradientGuard:
     def allows(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether the step may run on these params' (unscaled) gradients; counts and warns when not.
 
-        One ``_foreach_norm`` per device and dtype and one host read for the whole step (see
+        One ``_foreach_norm`` per device and dtype and one host read per device for the whole step (see
         :func:`largest_norms`): a tensor's L2 norm bounds each of its values, so the guard may skip a step
         a little before a single square would overflow, never after.
         """
@@ -84,7 +84,7 @@ class HugeGradientGuard:
 
 def largest_norms(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], float]:
     """The largest L2 norm of ``grads`` per ``(device, dtype)``: one ``torch._foreach_norm`` per group
-    and one host read for all of them. A norm is inf or nan when a tensor holds inf or nan, and bounds
+    and one host read per device. A norm is inf or nan when a tensor holds inf or nan, and bounds
     every ``|g|`` of its tensor. Empty tensors are left out; no gradients give ``{}``.
 
     The one non-finite / overflow check of the master-weight paths (this guard, the compensated updates,
@@ -97,5 +97,13 @@ def largest_norms(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, tor
             buckets.setdefault((grad.device, grad.dtype), []).append(grad)
     if not buckets:
         return {}
-    maxima = [torch.stack(torch._foreach_norm(group, 2)).max().float().cpu() for group in buckets.values()]
-    return dict(zip(buckets, torch.stack(maxima).tolist(), strict=True))
+    maxima = [torch.stack(torch._foreach_norm(group, 2)).max().float() for group in buckets.values()]
+    # One device-to-host read per device (not per dtype group): the maxima are stacked where they are.
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (device, _) in enumerate(buckets):
+        by_device.setdefault(device, []).append(i)
+    values: list[float] = [0.0] * len(maxima)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([maxima[i] for i in idx]).cpu().tolist(), strict=True):
+            values[i] = v
+    return dict(zip(buckets, values, strict=True))
