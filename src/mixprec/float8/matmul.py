@@ -72,17 +72,20 @@ def scaled_mm(
 
 def _scaled_mm_accepts(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``torch._scaled_mm`` takes fp8 ``a`` (M, K) @ ``b`` (K, N) on their device: any pair on a
-    CPU; on CUDA sizes that are multiples of 16, not e5m2 x e5m2, and the fnuz dtypes (AMD MI300's) only in
-    a ROCm build (``torch.version.hip``), where the "cuda" device is an AMD GPU."""
+    CPU but the fnuz dtypes; on CUDA sizes that are multiples of 16, not e5m2 x e5m2, and the fnuz dtypes
+    (AMD MI300's) only in a ROCm build (``torch.version.hip``), where the "cuda" device is an AMD GPU."""
     if not hasattr(torch, "_scaled_mm"):
         return False
     if a.numel() == 0 or b.numel() == 0:
         return False
+    fnuz = a.dtype in _FNUZ or b.dtype in _FNUZ
     if a.device.type == "cpu":
-        return True
+        # oneDNN's CPU kernel refuses fnuz on some CPUs ("itensor_view_from_dense expects ... fp8") and takes
+        # it on others, so fnuz is emulated on every CPU, one result everywhere
+        return not fnuz
     if a.device.type != "cuda" or (a.dtype in _E5M2_DTYPES and b.dtype in _E5M2_DTYPES):
         return False
-    if (a.dtype in _FNUZ or b.dtype in _FNUZ) and torch.version.hip is None:
+    if fnuz and torch.version.hip is None:
         return False
     return all(size % 16 == 0 for size in (*a.shape, b.shape[1]))
 
