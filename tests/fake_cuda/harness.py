@@ -139,10 +139,15 @@ class Recorder(TorchDispatchMode):
 
     @staticmethod
     def scalar(t: torch.Tensor) -> bool | int | float:
-        """The value a synced scalar reads as: False / 0 / 0.0, i.e. no inf found, no step skipped."""
+        """The value a synced scalar reads as: False / 0 / 0.0, i.e. no inf found, no step skipped; a host
+        float whose value the fake mode lost reads as 1.0, what it is in the loops here: a step counter after
+        its first increment (torch keeps Adam's ``step`` on the host; 0.0 would divide by zero in the bias
+        correction)."""
         if t.dtype == torch.bool:
             return False
-        return 0 if not (t.dtype.is_floating_point or t.dtype.is_complex) else 0.0
+        if not (t.dtype.is_floating_point or t.dtype.is_complex):
+            return 0
+        return 1.0 if t.device.type == "cpu" else 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -105,3 +105,12 @@ def test_ctx_runs_a_function_forward_and_backward(fake_hopper):
     ctx = Ctx((True,))
     x = torch.randn(3, device="cuda")
     assert Square.backward(ctx, Square.forward(ctx, x)).shape == (3,)
+
+
+def test_a_lost_host_float_reads_as_one_and_a_device_scalar_as_zero(fake_hopper):
+    step = torch.tensor(0.0)
+    torch._foreach_add_([step], 1.0)  # the fake mode drops the constant: its value is unknown
+    assert torch.stack([step]).tolist() == [1.0]
+    assert fake_hopper.host_syncs() == 0  # a host tensor: no wait for the device
+    assert torch.ones((), device="cuda").item() == 0.0
+    assert fake_hopper.host_syncs() == 1

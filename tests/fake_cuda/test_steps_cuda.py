@@ -13,6 +13,7 @@ import torch
 
 import mixprec
 from fake_cuda import loops
+from mixprec.master.compensated import METHODS
 from mixprec.master.guard import largest_norms
 
 
@@ -62,7 +63,7 @@ def test_the_scaler_on_cuda_is_enabled_with_cuda_available(fake_hopper) -> None:
         assert mixprec.GradScaler("cuda").is_enabled()
 
 
-@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+@pytest.mark.parametrize("method", list(METHODS))
 def test_compensated_optimizer_steps_bf16_on_cuda(fake_hopper, method: str) -> None:
     counts = loops.compensated_loop(fake_hopper, method, skip_nonfinite=False)
     torch_counts = loops.torch_adamw_loop(fake_hopper, torch.bfloat16)
@@ -71,7 +72,7 @@ def test_compensated_optimizer_steps_bf16_on_cuda(fake_hopper, method: str) -> N
     assert fake_hopper.count("bad_generator") == 0
 
 
-@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+@pytest.mark.parametrize("method", list(METHODS))
 def test_compensated_skip_check_costs_one_sync(fake_hopper, method: str) -> None:
     # skip_nonfinite must read whether the gradients are finite: one host read per step, no more.
     counts = loops.compensated_loop(fake_hopper, method, skip_nonfinite=True)
