@@ -154,8 +154,17 @@ def test_conversion_contract_filter_exact_types_root_and_shared_modules() -> Non
     shared = nn.Linear(8, 8)
     model = nn.Sequential(nn.Linear(8, 8), shared, nn.Sequential(shared, MyLinear(8, 8)), nn.Linear(8, 4))
     seen = []
-    convert_to_lowbit_training(model, "mxfp8", module_filter_fn=lambda m, fqn: seen.append(fqn) or fqn != "3")
-    assert seen == ["0", "1", "2.0", "3"]  # exact nn.Linear only, every path of a shared module
+    with pytest.warns(UserWarning, match=r"kept .*'2.1': MyLinear is a subclass of nn.Linear"):
+        convert_to_lowbit_training(
+            model, "mxfp8", module_filter_fn=lambda m, fqn: seen.append(fqn) or fqn != "3"
+        )
+    assert seen == [
+        "0",
+        "1",
+        "2.0",
+        "2.1",
+        "3",
+    ]  # every nn.Linear (as float8's swap), every path of a shared one
     assert (
         isinstance(model[0], LowbitLinear) and isinstance(model[1], LowbitLinear) and model[1] is model[2][0]
     )

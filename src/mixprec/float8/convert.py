@@ -14,9 +14,7 @@ each rank's tensors by its own amax). Dynamic scaling needs no agreement.
 
 from __future__ import annotations
 
-import inspect
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,7 +22,19 @@ from torch import nn
 
 from mixprec.float8.casts import Float8UsageError
 from mixprec.float8.config import Float8Config
-from mixprec.float8.linear import Float8Linear, _check_config, check_float8_state
+from mixprec.float8.linear import Float8Linear, _check_config, check_float8_state, describe_config
+from mixprec.lowbit.swap import (
+    CONV1D_KEPT,
+    ModuleFilter,
+    NonDynamicallyQuantizable,
+    check_filter,
+    converted_as,
+    filter_says,
+    is_conv1d,
+    is_converted,
+    refuse_reconversion,
+    warn_if_unconverted,
+)
 
 __all__ = [
     "ModuleFilter",
@@ -33,9 +43,6 @@ __all__ = [
     "skip_fqns",
     "sync_float8_amax_history",
 ]
-
-#: ``module_filter_fn(module, fqn) -> bool``: True converts the module (torchao's contract).
-ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 def convert_to_float8_training(
@@ -47,7 +54,8 @@ def convert_to_float8_training(
     switch between them. The new modules share the old ones' parameter objects, so an optimizer built
     before conversion keeps working; ``state_dict`` keys stay the same (delayed scaling adds
     ``<fqn>.amax_history``), and ``model.load_state_dict`` checks every amax history before any tensor
-    loads. Modules that already are :class:`Float8Linear` are left alone.
+    loads. Modules that already are :class:`Float8Linear` with this ``config`` are left alone (converting
+    twice is a no-op); with another config, or converted by another API, they are refused.
 
     Args:
         model: the model to convert.
@@ -65,17 +73,39 @@ def convert_to_float8_training(
             converted then.
         Float8UsageError: (a ValueError, and the AssertionError torchao raises) if ``model`` is an
             ``nn.Linear`` with child modules (they would be dropped).
+        ValueError: if a layer the filter accepts is already converted with another config, or by
+            :func:`mixprec.lowbit.convert_to_lowbit_training` or a plan (the layers and both settings
+            named; nothing is converted then).
 
     Warns:
-        UserWarning: naming the subclasses of ``nn.Linear`` that were kept as they are (only exact
-            ``nn.Linear`` modules are converted: a subclass's own parameters and forward would be lost).
+        UserWarning: naming the layers that compute a linear map but were kept as they are (subclasses of
+            ``nn.Linear``, whose own parameters and forward would be lost; ``transformers``' ``Conv1D``),
+            or saying that nothing was converted.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = _check_config(config)
-    _check_filter(module_filter_fn)
-    skipped: dict[str, str] = {}
-    if _wanted(model, "", module_filter_fn, skipped):
+    check_filter(module_filter_fn)
+    wanted, same, conflicts, kept = [], 0, [], {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        if not isinstance(module, nn.Linear) or isinstance(module, NonDynamicallyQuantizable):
+            if is_conv1d(module) and filter_says(module_filter_fn, module, fqn):
+                kept[fqn] = CONV1D_KEPT
+            continue
+        if not filter_says(module_filter_fn, module, fqn):
+            continue
+        if isinstance(module, Float8Linear):
+            same += module.config == config
+            if module.config != config:
+                conflicts.append((fqn, converted_as(module)))
+        elif is_converted(module):
+            conflicts.append((fqn, converted_as(module)))
+        elif type(module) is nn.Linear:
+            wanted.append((fqn, module))
+        else:  # a subclass's own parameters, buffers and forward would be lost in a Float8Linear
+            kept[fqn] = f"{type(module).__name__} is a subclass of nn.Linear (exact nn.Linear only convert)"
+    refuse_reconversion(conflicts, "convert_to_float8_training", describe_config(config))
+    if wanted and wanted[0][0] == "":
         children = [name for name, _ in model.named_children()]
         if children:  # torchao refuses these too: the swapped module would lose them
             raise Float8UsageError(
@@ -83,19 +113,8 @@ def convert_to_float8_training(
                 f"{type(model).__name__} with child modules {children} (they would be dropped)"
             )
         return Float8Linear.from_linear(model, config)
-    swaps = [
-        (fqn, module)
-        for fqn, module in model.named_modules(remove_duplicate=False)
-        if fqn and _wanted(module, fqn, module_filter_fn, skipped)
-    ]
-    if skipped:
-        warnings.warn(
-            "convert_to_float8_training converts exact nn.Linear modules only; kept as they are: "
-            + ", ".join(f"{fqn!r} ({name})" for fqn, name in skipped.items())
-            + ": a Float8Linear in their place would drop their own parameters, buffers and forward",
-            UserWarning,
-            stacklevel=2,
-        )
+    warn_if_unconverted("convert_to_float8_training", len(wanted) + same, model, kept)
+    swaps = wanted
     if not any(hook is check_float8_state_hook for hook in _load_pre_hooks(model)):
         model.register_load_state_dict_pre_hook(check_float8_state_hook)
     replacements: dict[int, Float8Linear] = {}
@@ -104,50 +123,6 @@ def convert_to_float8_training(
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
     return model
-
-
-def _wanted(
-    module: nn.Module, fqn: str, module_filter_fn: ModuleFilter | None, skipped: dict[str, str]
-) -> bool:
-    """Whether to swap ``module``; a subclass of nn.Linear the filter lets through goes to ``skipped``."""
-    if not isinstance(module, nn.Linear) or isinstance(module, (Float8Linear, NonDynamicallyQuantizable)):
-        return False
-    if module_filter_fn is not None:
-        chosen = module_filter_fn(module, fqn)
-        if not isinstance(chosen, bool):
-            raise TypeError(
-                f"module_filter_fn must return True or False, got {type(chosen).__name__} {chosen!r:.40} "
-                f"for {fqn or 'the model itself'!r}; nothing was converted"
-            )
-        if not chosen:
-            return False
-    if type(module) is not nn.Linear:
-        skipped[fqn] = type(module).__name__
-        return False
-    return True
-
-
-# nn.MultiheadAttention's out_proj: attention reads its weight directly and never calls its forward, so
-# there is nothing to convert and nothing to warn about.
-NonDynamicallyQuantizable = nn.modules.linear.NonDynamicallyQuantizableLinear
-
-
-def _check_filter(module_filter_fn: object) -> None:
-    if module_filter_fn is None:
-        return
-    if not callable(module_filter_fn):
-        raise TypeError(f"module_filter_fn must be callable (module, fqn) -> bool, got {module_filter_fn!r}")
-    try:
-        signature = inspect.signature(module_filter_fn)
-    except (TypeError, ValueError):  # a builtin without a signature: it is called as is
-        return
-    try:
-        signature.bind(nn.Identity(), "")
-    except TypeError:
-        raise TypeError(
-            f"module_filter_fn must take two arguments (module, fqn) and return a bool; "
-            f"{getattr(module_filter_fn, '__name__', module_filter_fn)!r} takes {signature}"
-        ) from None
 
 
 def _load_pre_hooks(model: nn.Module) -> list[object]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -11,6 +13,7 @@ from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.recipes import get_recipe
+from mixprec.lowbit.swap import register_converted
 
 __all__ = ["ROLES", "AmaxHistoryError", "Float8Linear", "check_amax_history", "check_float8_state"]
 
@@ -203,3 +206,22 @@ def _check_config(config: Float8Config | None) -> Float8Config:
     if not isinstance(config, Float8Config):
         raise TypeError(f"config must be a mixprec.float8.Float8Config or None, got {type(config).__name__}")
     return config
+
+
+def describe_config(config: Float8Config) -> str:
+    """``Float8Config(...)`` with only the fields that differ from the default (cast configs shortened)."""
+    default = Float8Config()
+    diff = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == getattr(default, f.name):
+            continue
+        if f.name.startswith("cast_config_"):
+            value = f"{value.scaling_granularity.value}/{str(value.target_dtype).removeprefix('torch.')}"
+            diff.append(f"{f.name}={value}")
+        else:
+            diff.append(f"{f.name}={value!r}")
+    return f"Float8Config({', '.join(diff)})"
+
+
+register_converted(Float8Linear, lambda m: f"Float8Linear, {describe_config(m.config)}")

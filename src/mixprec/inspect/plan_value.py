@@ -15,6 +15,7 @@ from torch import nn
 from mixprec._files import write_atomic
 from mixprec.inspect._plan_measure import HIGH_PRECISION
 from mixprec.lowbit import LowbitLinear, get_recipe
+from mixprec.lowbit.swap import converted_as, is_converted, refuse_reconversion
 
 __all__ = ["PrecisionPlan"]
 
@@ -104,13 +105,23 @@ class PrecisionPlan:
         built before keeps working.
 
         Raises:
-            ValueError: if a planned name is not an ``nn.Linear`` of ``model``, or a format is unknown
-                (nothing is changed then).
+            ValueError: if a planned name is not an ``nn.Linear`` of ``model``, is a layer converted by
+                another API (``convert_to_float8_training``), or a format is unknown (nothing is changed
+                then).
         """
         modules = dict(model.named_modules())
         missing = [f for f in self.formats if not isinstance(modules.get(f), nn.Linear)]
         if missing:
             raise ValueError(f"plan names layers that are not nn.Linear modules of this model: {missing}")
+        refuse_reconversion(  # a plan re-sets its own LowbitLinear layers, never another swap's
+            [
+                (f, converted_as(modules[f]))
+                for f in self.formats
+                if is_converted(modules[f]) and not isinstance(modules[f], LowbitLinear)
+            ],
+            "Plan.apply",
+            "this plan's formats",
+        )
         for fmt in set(self.formats.values()) - set(HIGH_PRECISION):
             get_recipe(fmt)  # an unknown format raises here, before any layer is swapped
         for fqn, fmt in self.formats.items():

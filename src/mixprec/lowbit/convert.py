@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from mixprec.lowbit.linear import LowbitLinear, _check, check_generator_device
 from mixprec.lowbit.recipes import Recipe
+from mixprec.lowbit.swap import (
+    CONV1D_KEPT,
+    ModuleFilter,
+    NonDynamicallyQuantizable,
+    check_filter,
+    converted_as,
+    filter_says,
+    is_conv1d,
+    is_converted,
+    refuse_reconversion,
+    warn_if_unconverted,
+)
 
 __all__ = [
     "ModuleFilter",
@@ -17,9 +27,6 @@ __all__ = [
     "lowbit_linears",
     "sr_state_dict",
 ]
-
-#: ``module_filter_fn(module, fqn) -> bool``: True converts the module (torchao's contract).
-ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 def convert_to_lowbit_training(
@@ -53,24 +60,46 @@ def convert_to_lowbit_training(
     Raises:
         TypeError: for a non-module ``model``, a non-callable filter, a bad recipe or generator, or a
             ``linear_types`` entry that is not an ``nn.Linear`` subclass.
-        ValueError: for an unknown recipe, a root ``nn.Linear`` with child modules (they would be lost), or
-            a ``generator`` on another device than a module to convert (both devices and its fqn named).
+        TypeError: for a ``module_filter_fn`` that returns anything but a ``bool`` (as float8's swap).
+        ValueError: for an unknown recipe, a root ``nn.Linear`` with child modules (they would be lost), a
+            ``generator`` on another device than a module to convert (both devices and its fqn named), or a
+            layer the filter accepts that is already converted with another recipe, by
+            :func:`mixprec.float8.convert_to_float8_training` or by a plan (layers and settings named;
+            a :class:`LowbitLinear` of this same recipe is left as it is: converting twice is a no-op).
         Nothing is converted when it raises.
+
+    Warns:
+        UserWarning: naming the layers that compute a linear map but were kept as they are (subclasses
+            of ``nn.Linear`` not in ``linear_types``, ``transformers``' ``Conv1D``), or saying that nothing
+            was converted.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     recipe, generator = _check(recipe, generator)
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError(f"module_filter_fn must be callable (module, fqn) -> bool, got {module_filter_fn!r}")
+    check_filter(module_filter_fn)
     if not isinstance(linear_types, tuple) or not all(
         isinstance(t, type) and issubclass(t, nn.Linear) for t in linear_types
     ):
         raise TypeError(f"linear_types must be a tuple of nn.Linear subclasses, got {linear_types!r}")
-    wanted = [
-        (fqn, m)
-        for fqn, m in model.named_modules(remove_duplicate=False)
-        if type(m) in linear_types and (module_filter_fn is None or bool(module_filter_fn(m, fqn)))
-    ]
+    wanted, same, conflicts, kept = [], 0, [], {}
+    for fqn, m in model.named_modules(remove_duplicate=False):
+        if not isinstance(m, nn.Linear) or isinstance(m, NonDynamicallyQuantizable):
+            if is_conv1d(m) and filter_says(module_filter_fn, m, fqn):
+                kept[fqn] = CONV1D_KEPT
+            continue
+        if not filter_says(module_filter_fn, m, fqn):
+            continue
+        if isinstance(m, LowbitLinear):
+            same += m.recipe == recipe
+            if m.recipe != recipe:
+                conflicts.append((fqn, f"LowbitLinear, recipe {m.recipe}"))
+        elif type(m) in linear_types:
+            wanted.append((fqn, m))
+        elif is_converted(m):
+            conflicts.append((fqn, converted_as(m)))
+        else:
+            kept[fqn] = f"{type(m).__name__} is a subclass of nn.Linear (name it in linear_types to convert)"
+    refuse_reconversion(conflicts, "convert_to_lowbit_training", f"recipe {recipe}")
     for fqn, module in wanted if generator is not None else ():
         check_generator_device(generator, module.weight.device, f"the weight of {fqn or 'the model'!r}")
     if wanted and wanted[0][0] == "":
@@ -78,6 +107,7 @@ def convert_to_lowbit_training(
         if children:
             raise ValueError(f"cannot convert a root {type(model).__name__} with child modules {children}")
         return LowbitLinear.from_linear(model, recipe, generator)
+    warn_if_unconverted("convert_to_lowbit_training", len(wanted) + same, model, kept)
     replacements: dict[int, LowbitLinear] = {}
     for fqn, module in wanted:  # a module shared by several parents is swapped once, everywhere
         new = replacements.setdefault(id(module), LowbitLinear.from_linear(module, recipe, generator))

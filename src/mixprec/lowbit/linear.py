@@ -7,6 +7,7 @@ from torch import nn
 
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.recipes import Recipe, get_recipe
+from mixprec.lowbit.swap import register_converted
 
 __all__ = ["LowbitLinear", "check_generator_device"]
 
@@ -112,3 +113,6 @@ def _check(recipe: object, generator: object) -> tuple[Recipe, torch.Generator |
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     return recipe, generator
+
+
+register_converted(LowbitLinear, lambda m: f"LowbitLinear, recipe {m.recipe}")
