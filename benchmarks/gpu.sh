@@ -177,11 +177,11 @@ planned=0 total=0
 [ "$plan" = 0 ] || printf '%-16s %6s  %s\n' step "limit" command
 for name in "${STEPS[@]}"; do
     [[ $only == *",$name,"* ]] || continue
+    limit=${LIMIT[$name]}
+    step_command "$name"  # may probe packages or list the bench's modes: before the clock is read
     # what is left of the budget: measured when running, the earlier steps' full limits in a plan
     used=$(( plan ? planned : $(date +%s) - start ))
     left=$(( budget - SUMMARY_S - used ))
-    limit=${LIMIT[$name]}
-    step_command "$name"
     if [ -z "$why" ] && (( left < MIN_LEFT )); then
         why="budget: $(( left > 0 ? left : 0 )) s of ${budget} left, under ${MIN_LEFT} s"
     fi

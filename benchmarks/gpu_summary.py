@@ -153,7 +153,9 @@ def _plan_cost_md(plan: dict[str, Any]) -> list[str]:
         cells = [_num(r["median_s"], ".2e"), _num(r["relative_to_bf16"], ".2f"), _num(r["b200"], ".2f")]
         rows.append([r["source"], shape, r["format"], *cells, _num(r["h100"], ".2f")])
     head = ["source", "M,N,K", "format", "median s", "x bf16", "b200 roofline", "h100 roofline"]
-    return [f"cost: {plan['meta'].get('cost')}", "", *_table(head, rows)]
+    meta = plan["meta"]
+    done = f"; {meta['shapes_done']} of {meta['shapes_planned']} shapes" if "shapes_done" in meta else ""
+    return [f"cost: {meta.get('cost')}{done}", "", *_table(head, rows)]
 
 
 def _precision_paths_md(paths: dict[str, Any]) -> list[str]:

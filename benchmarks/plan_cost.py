@@ -16,6 +16,8 @@ planner then keeps layers in bf16 or fp32, whichever is faster). A CPU timing is
 alike. On CUDA, each format's GEMMs run on the tensor-core kernel ``mixprec.lowbit.gemm.kernel_path``
 names for the device, else emulated. A format that raises at a shape gets a row with its ``error`` (the
 other formats are then timed one by one, so they keep their figures); the exit code is then 1.
+``--json`` is rewritten after each shape (``meta.shapes_done`` of ``shapes_planned``), so a run cut
+short by a time limit keeps the shapes it measured.
 
 Usage::
 
@@ -38,7 +40,7 @@ from torch import nn
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
 from mixprec.inspect.demo import OutlierMLP
-from mixprec.inspect.plan_cost import TARGETS, MeasuredCost, gemm_cost
+from mixprec.inspect.plan_cost import TARGETS, MeasuredCost, gemm_cost, measured_name
 from mixprec.lowbit import RECIPES
 
 ROOFLINES = ("b200", "h100")
@@ -140,9 +142,24 @@ def main(argv: list[str] | None = None) -> int:
         formats.append("bf16")  # the reference of every ratio
     shapes = [(src, s) for src, found in workload_shapes().items() for s in found]
     shapes += [("extra", tuple(int(v) for v in s.split(","))) for s in args.shape]
-    rows, name = measure(shapes, formats, args)
-    print(f"{name}: median seconds of the three GEMMs / bf16's (roofline b200, h100 / bf16)")
+    print(f"{measured_name(torch.device(args.device))}: median seconds of the three GEMMs / bf16's "
+          "(roofline b200, h100 / bf16)")  # fmt: skip
     print(f"{'source':8} {'M,N,K':>16} {'format':18} {'median s':>10} {'IQR s':>21} {'x bf16':>7} b200  h100")
+    rows: list[dict] = []
+    for done, shape in enumerate(shapes, 1):  # the JSON after each shape: a run cut short keeps what it has
+        new, name = measure([shape], formats, args)
+        _print_rows(new)
+        rows += new
+        if args.json:
+            meta = {"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads()}
+            meta.update(machine=platform.processor() or platform.machine(), cost=name)
+            meta.update(shapes_done=done, shapes_planned=len(shapes))
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "args": vars(args), "results": rows}, f, indent=1)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _print_rows(rows: list[dict]) -> None:
     for r in rows:
         shape = ",".join(map(str, r["shape"]))
         if "error" in r:
@@ -152,14 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio = "-" if r["relative_to_bf16"] is None else f"{r['relative_to_bf16']:.2f}"
         print(
             f"{r['source']:8} {shape:>16} {r['format']:18} {r['median_s']:10.2e} {iqr:>21} "
-            f"{ratio:>7} {r['b200']:.2f}  {r['h100']:.2f}"
+            f"{ratio:>7} {r['b200']:.2f}  {r['h100']:.2f}",
+            flush=True,
         )
-    if args.json:
-        meta = {"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads()}
-        meta.update(machine=platform.processor() or platform.machine(), cost=name)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "args": vars(args), "results": rows}, f, indent=1)
-    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -102,8 +102,9 @@ def build(
     path: str, width: int, depth: int, lr: float, betas: tuple[float, float], wd: float, device: str = "cpu"
 ):
     torch.manual_seed(0)
-    blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())]
-    model = nn.Sequential(*blocks, nn.Linear(width, 10)).to(device)
+    with torch.device(device):  # built where it trains: a width-4096 init on the host would cost seconds
+        blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())]
+        model = nn.Sequential(*blocks, nn.Linear(width, 10))
     if path in ("bf16", "optimi-kahan", "kahan-fp32state"):
         model.to(torch.bfloat16)
     if path == "optimi-kahan":

@@ -153,6 +153,29 @@ def test_plan_cost_records_a_failing_format_and_keeps_the_others(monkeypatch) ->
     assert "error" in no_reference[1]
 
 
+def test_plan_cost_cut_short_keeps_the_shapes_it_measured(tmp_path: Path, monkeypatch) -> None:
+    script = _script("plan_cost")
+    monkeypatch.setattr(script, "workload_shapes", lambda: {"lm": [(8, 16, 32), (8, 32, 16)]})
+    measure, calls = script.measure, []
+
+    def measure_then_time_out(shapes, formats, args):
+        calls.append(shapes)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal does to the second shape
+        return measure(shapes, formats, args)
+
+    monkeypatch.setattr(script, "measure", measure_then_time_out)
+    out = tmp_path / "c.json"
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--formats", "fp8_rowwise", "--repeats", "1", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert (written["meta"]["shapes_done"], written["meta"]["shapes_planned"]) == (1, 2)
+    assert [(r["shape"], r["format"]) for r in written["results"]] == [
+        ([8, 16, 32], "fp8_rowwise"),
+        ([8, 16, 32], "bf16"),
+    ]
+
+
 # precision_paths
 
 PATHS_ARGV = ["--widths", "16", "--depth", "1", "--steps", "2", "--warmup", "1", "--rounds", "1"]
