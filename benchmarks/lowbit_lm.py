@@ -10,7 +10,9 @@ within 8%). On a CPU every quantized GEMM is emulated (quantize, dequantize, flo
 are slower than bf16 by design and the step time here says nothing about a GPU. On CUDA (``--device
 cuda``, run by ``benchmarks/gpu.sh``) the fp8 tensorwise/rowwise GEMMs run in ``torch._scaled_mm`` and
 the step time (wall clock after a synchronize, not CPU time) against bf16 is the figure; the block-scaled
-recipes are still emulated there (one warning says which kernel is missing).
+recipes are still emulated there (one warning says which kernel is missing). A mode that raises (while
+it is built, trained or evaluated) is dropped and its error kept under ``errors`` in the JSON, so one
+broken recipe does not lose the others' results; the exit code is then 1.
 
 Tasks:
   lm        the bench's character-level GPT (``mixprec.bench`` workload ``lm``: Python stdlib sources,
@@ -184,17 +186,42 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    runs = [Run(args.task, m, s, args.steps, device) for s in seeds for m in modes]
+    errors: dict[str, str] = {}
+    runs = [
+        run
+        for s in seeds
+        for m in modes
+        if (run := _guarded(errors, m, Run, args.task, m, s, args.steps, device))
+    ]
     start = time.perf_counter()
     for step in range(args.steps):
+        runs = [r for r in runs if r.mode not in errors]  # a mode that raised is out, on every seed
         for i in range(len(runs)):
-            runs[(step + i) % len(runs)].step()
+            run = runs[(step + i) % len(runs)]
+            if run.mode not in errors:
+                _guarded(errors, run.mode, run.step)
         if (step + 1) % 50 == 0:
             print(f"step {step + 1}/{args.steps} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     results = {"task": args.task, "steps": args.steps, "seeds": seeds, "torch": torch.__version__}
     results.update(device=str(device), time="wall s (synchronized)" if device.type == "cuda" else "CPU s")
-    results["modes"] = {m: _summarise([r for r in runs if r.mode == m]) for m in modes}
+    results["modes"] = {}
+    for m in modes:
+        summary = m not in errors and _guarded(errors, m, _summarise, [r for r in runs if r.mode == m])
+        if summary:
+            results["modes"][m] = summary
+    if errors:
+        results["errors"] = errors
     return _finish(results, args.json)
+
+
+def _guarded(errors: dict[str, str], mode: str, call, *args):
+    """``call(*args)``, or None with the error kept under ``mode``: one failing recipe loses only itself."""
+    try:
+        return call(*args)
+    except Exception as exc:
+        errors[mode] = f"{type(exc).__name__}: {exc}"
+        print(f"lowbit_lm: mode {mode!r} failed, going on without it: {errors[mode]}", file=sys.stderr)
+        return None
 
 
 def _finish(results: dict, path: str | None) -> dict:
@@ -230,6 +257,9 @@ def combine(runs: list[dict]) -> dict:
     first = runs[0]
     results = {k: first[k] for k in ("task", "steps", "torch", "device", "time")}
     results.update(seeds=seeds, combined=len(runs), modes={})
+    errors = {mode: error for run in runs for mode, error in run.get("errors", {}).items()}
+    if errors:
+        results["errors"] = errors
     for mode, by_seed in losses.items():
         if sorted(by_seed) != seeds:
             raise ValueError(f"--combine: mode {mode!r} ran seeds {sorted(by_seed)}, bf16 ran {seeds}")
@@ -259,7 +289,7 @@ def _summarise(runs: list[Run]) -> dict:
 
 def _print(results: dict) -> None:
     modes = results["modes"]
-    base = modes["bf16"]["val_loss"]
+    base = modes.get("bf16", {}).get("val_loss")  # None when bf16 itself failed: no gaps to print
     metric = "perplexity" if results["task"] == "lm" else "accuracy"
     where = f"seeds {results['seeds']}, {results['device']}, torch {results['torch']}"
     print(f"{results['task']}, {results['steps']} steps, {where}")
@@ -267,10 +297,14 @@ def _print(results: dict) -> None:
     spread = "(range of runs)" if results.get("combined") else "(IQR)"
     print(head + f" {results['time'] + '/step ' + spread:>26}")
     for mode, r in modes.items():
-        gaps = " ".join(f"{v / b - 1:+.2%}" for v, b in zip(r["val_loss"], base, strict=True))
+        gaps = (
+            " ".join(f"{v / b - 1:+.2%}" for v, b in zip(r["val_loss"], base, strict=True)) if base else "-"
+        )
         loss = statistics.fmean(r["val_loss"])
         spread = f"{r['step_s_median']:.4f} ({r['step_s_p25']:.4f}-{r['step_s_p75']:.4f})"
         print(f"{mode:<22} {loss:>14.4f} {gaps:>22} {statistics.fmean(r['val_metric']):>10.4f} {spread:>26}")
+    for mode, error in results.get("errors", {}).items():
+        print(f"{mode:<22} FAILED: {error}")
     if results["device"] == "cpu":
         print(
             "CPU: quantized GEMMs are emulated, slower than bf16 by design; the held-out loss is the figure."
@@ -278,4 +312,4 @@ def _print(results: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main().get("errors") else 0)

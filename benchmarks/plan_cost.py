@@ -13,7 +13,11 @@ On a CPU every low-bit format is emulated in PyTorch (quantize, dequantize, a fl
 slower than bf16 there: the figures show what measured cost does on a machine without the hardware (the
 planner then keeps layers in bf16 or fp32, whichever is faster). A CPU timing is wall time
 (``time.perf_counter``), noisy on a shared machine; the interleaving spreads the noise over the formats
-alike. On CUDA, fp8 tensorwise/rowwise GEMMs run in ``torch._scaled_mm``; the others are emulated.
+alike. On CUDA, each format's GEMMs run on the tensor-core kernel ``mixprec.lowbit.gemm.kernel_path``
+names for the device, else emulated. A format that raises at a shape gets a row with its ``error`` (the
+other formats are then timed one by one, so they keep their figures); the exit code is then 1.
+``--json`` is rewritten after each shape (``meta.shapes_done`` of ``shapes_planned``), so a run cut
+short by a time limit keeps the shapes it measured.
 
 Usage::
 
@@ -36,7 +40,7 @@ from torch import nn
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
 from mixprec.inspect.demo import OutlierMLP
-from mixprec.inspect.plan_cost import TARGETS, MeasuredCost, gemm_cost
+from mixprec.inspect.plan_cost import TARGETS, MeasuredCost, gemm_cost, measured_name
 from mixprec.lowbit import RECIPES
 
 ROOFLINES = ("b200", "h100")
@@ -75,23 +79,53 @@ def _quartiles(values: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
-def measure(shapes, formats, args) -> list[dict]:
+def _timed(cost: MeasuredCost, formats: list[str], shape: tuple[int, int, int], args) -> dict[str, str]:
+    """Time every format at ``shape`` into ``cost.samples``, interleaved; returns format -> error.
+
+    When the interleaved measurement raises, each format is timed alone, so only the formats that raise
+    themselves are lost (their error is kept, the others' timings stand).
+    """
+    try:
+        for fmt in formats:
+            cost(fmt, *shape)
+        return {}
+    except Exception:
+        pass
+    errors = {}
+    for fmt in formats:
+        alone = MeasuredCost(args.device, torch.float32, [fmt], warmup=args.warmup, repeats=args.repeats)
+        try:
+            alone(fmt, *shape)
+        except Exception as exc:
+            errors[fmt] = f"{type(exc).__name__}: {exc}"
+            print(f"plan_cost: {fmt} at M,N,K={shape} failed: {errors[fmt]}", file=sys.stderr)
+        cost.samples.update(alone.samples)
+    return errors
+
+
+def measure(shapes, formats, args) -> tuple[list[dict], str]:
+    """One row per (shape, format); a format that raises at a shape gets a row with its ``error``."""
     cost = MeasuredCost(args.device, torch.float32, formats, warmup=args.warmup, repeats=args.repeats)
     rows = []
     for source, (m, n, k) in shapes:
-        bf16 = cost("bf16", m, n, k)
+        errors = _timed(cost, formats, (m, n, k), args)
+        bf16 = None if "bf16" in errors else cost("bf16", m, n, k)
         for fmt in formats:
-            samples = cost.samples[(str(cost.device), fmt, m, n, k)]
-            row = {"source": source, "shape": [m, n, k], "format": fmt, "median_s": cost(fmt, m, n, k)}
-            row.update(iqr_s=_quartiles(samples), relative_to_bf16=row["median_s"] / bf16, samples_s=samples)
+            row = {"source": source, "shape": [m, n, k], "format": fmt}
             for name in ROOFLINES:
                 target = TARGETS[name]
                 row[name] = gemm_cost(target, fmt, m, n, k) / gemm_cost(target, "bf16", m, n, k)
+            if fmt in errors:
+                rows.append({**row, "error": errors[fmt]})
+                continue
+            samples = cost.samples[(str(cost.device), fmt, m, n, k)]
+            row.update(median_s=cost(fmt, m, n, k), iqr_s=_quartiles(samples), samples_s=samples)
+            row["relative_to_bf16"] = row["median_s"] / bf16 if bf16 else None
             rows.append(row)
     return rows, cost.__name__
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--formats", default=",".join([*RECIPES, "bf16", "fp32"]))
@@ -100,7 +134,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     formats = [f for f in args.formats.split(",") if f]
@@ -108,22 +142,37 @@ def main() -> None:
         formats.append("bf16")  # the reference of every ratio
     shapes = [(src, s) for src, found in workload_shapes().items() for s in found]
     shapes += [("extra", tuple(int(v) for v in s.split(","))) for s in args.shape]
-    rows, name = measure(shapes, formats, args)
-    print(f"{name}: median seconds of the three GEMMs / bf16's (roofline b200, h100 / bf16)")
+    print(f"{measured_name(torch.device(args.device))}: median seconds of the three GEMMs / bf16's "
+          "(roofline b200, h100 / bf16)")  # fmt: skip
     print(f"{'source':8} {'M,N,K':>16} {'format':18} {'median s':>10} {'IQR s':>21} {'x bf16':>7} b200  h100")
+    rows: list[dict] = []
+    for done, shape in enumerate(shapes, 1):  # the JSON after each shape: a run cut short keeps what it has
+        new, name = measure([shape], formats, args)
+        _print_rows(new)
+        rows += new
+        if args.json:
+            meta = {"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads()}
+            meta.update(machine=platform.processor() or platform.machine(), cost=name)
+            meta.update(shapes_done=done, shapes_planned=len(shapes))
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "args": vars(args), "results": rows}, f, indent=1)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _print_rows(rows: list[dict]) -> None:
     for r in rows:
-        iqr = f"{r['iqr_s'][0]:.2e}-{r['iqr_s'][1]:.2e}"
         shape = ",".join(map(str, r["shape"]))
+        if "error" in r:
+            print(f"{r['source']:8} {shape:>16} {r['format']:18} FAILED: {r['error']}")
+            continue
+        iqr = f"{r['iqr_s'][0]:.2e}-{r['iqr_s'][1]:.2e}"
+        ratio = "-" if r["relative_to_bf16"] is None else f"{r['relative_to_bf16']:.2f}"
         print(
             f"{r['source']:8} {shape:>16} {r['format']:18} {r['median_s']:10.2e} {iqr:>21} "
-            f"{r['relative_to_bf16']:7.2f} {r['b200']:.2f}  {r['h100']:.2f}"
+            f"{ratio:>7} {r['b200']:.2f}  {r['h100']:.2f}",
+            flush=True,
         )
-    if args.json:
-        meta = {"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads()}
-        meta.update(machine=platform.processor() or platform.machine(), cost=name)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "args": vars(args), "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,18 +18,27 @@ O2                  ``initialize(..., "O2")``: bf16 model, fp32 masters, dynamic
 Every (path, width) runs in a fresh process, ``--rounds`` times, interleaved (round 1 runs every path once,
 then round 2, ...), so drift on a shared machine spreads over all paths. One process times ``--steps``
 training steps after ``--warmup`` and reports their median; the table gives the median over rounds and the
-interquartile range (IQR) of the per-round medians. ``step ms`` is CPU time of the process per training
-step (forward, backward, optimizer step; ``time.process_time``), which other load on a shared machine
-disturbs far less than the wall clock (also printed, ``wall ms``); with ``--threads 1`` (default) the two
-agree on an idle machine. ``tensors`` counts the distinct storages alive after a
+interquartile range (IQR) of the per-round medians. On a CPU ``step ms`` is CPU time of the process per
+training step (forward, backward, optimizer step; ``time.process_time``), which other load on a shared
+machine disturbs far less than the wall clock (also printed, ``wall ms``); with ``--threads 1`` (default)
+the two agree on an idle machine. With ``--device cuda`` the model and batch live on the GPU and ``step
+ms`` is wall time between two ``torch.cuda.synchronize`` calls (CPU time would miss the GPU's work).
+``tensors`` counts the distinct storages alive after a
 step: parameters, buffers, gradients, optimizer state, masters (and their gradients), Kahan buffers; exact
 and reproducible. ``scratch`` is what a CompensatedOptimizer keeps between steps besides (its workspace
 buffers and random-bit pool: bounded, not per parameter). ``peak`` is the process's peak RSS growth over
-training (includes transients).
+training (includes transients); on CUDA the peak of ``torch.cuda.max_memory_allocated`` over training.
+
+``--in-process`` runs every (path, width, round) in this process instead of paths x widths x rounds fresh
+processes (150 by default, each paying torch's import): on CUDA that loses nothing (memory is the
+device's, counted per run), on a CPU the RSS peak of a shared process means nothing and is left out
+(``peak_mib`` None). Without torch-optimi installed the ``optimi-kahan`` rows are skipped (the reason is
+in the JSON's ``skipped``) and the ``vs optimi`` ratios are None.
 
 Usage::
 
     python benchmarks/precision_paths.py --widths 256,512 --beta2 0.999,0.99 --rounds 7 --json out.json
+    python benchmarks/precision_paths.py --device cuda --in-process --widths 1024,4096 --rounds 3
 """
 
 from __future__ import annotations
@@ -89,10 +98,13 @@ def scratch_bytes(optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build(path: str, width: int, depth: int, lr: float, betas: tuple[float, float], wd: float):
+def build(
+    path: str, width: int, depth: int, lr: float, betas: tuple[float, float], wd: float, device: str = "cpu"
+):
     torch.manual_seed(0)
-    blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())]
-    model = nn.Sequential(*blocks, nn.Linear(width, 10))
+    with torch.device(device):  # built where it trains: a width-4096 init on the host would cost seconds
+        blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())]
+        model = nn.Sequential(*blocks, nn.Linear(width, 10))
     if path in ("bf16", "optimi-kahan", "kahan-fp32state"):
         model.to(torch.bfloat16)
     if path == "optimi-kahan":
@@ -118,27 +130,46 @@ def build(path: str, width: int, depth: int, lr: float, betas: tuple[float, floa
     return initialize(model, optimizer, path)
 
 
-def worker(args: argparse.Namespace) -> dict:
-    """One (path, width) in this fresh process."""
+def worker(args: argparse.Namespace, fresh_process: bool = True) -> dict:
+    """One (path, width), in a fresh process unless ``fresh_process`` is False (``--in-process``)."""
     torch.set_num_threads(args.threads)
-    x = torch.randn(args.batch, args.width)
-    y = torch.randint(0, 10, (args.batch,))
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(1)  # the same batch in a fresh process and in-process
+    x = torch.randn(args.batch, args.width).to(device)
+    y = torch.randint(0, 10, (args.batch,)).to(device)
     if args.path in ("bf16", "optimi-kahan", "kahan-fp32state"):
         x = x.bfloat16()
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    else:
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     beta2 = float(args.beta2)
-    model, optimizer = build(args.path, args.width, args.depth, args.lr, (0.9, beta2), args.wd)
+    model, optimizer = build(args.path, args.width, args.depth, args.lr, (0.9, beta2), args.wd, device)
     times, cpu_times = [], []
     for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize(device)
         start, cpu_start = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x).float(), y)
         optimizer.backward(loss) if hasattr(optimizer, "backward") else loss.backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
     params = sum(p.numel() for p in model.parameters())
+    if cuda:
+        peak: float | None = (torch.cuda.max_memory_allocated(device) - baseline) / MIB
+        cpu_times = times  # the GPU's work is not CPU time: the synchronized wall clock is the figure
+    elif fresh_process:
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+    else:
+        peak = None  # the RSS peak of a process that ran other paths before is not this run's
     return {
         "path": args.path,
         "width": args.width,
@@ -148,7 +179,7 @@ def worker(args: argparse.Namespace) -> dict:
         "wall_ms": statistics.median(times) * 1e3,
         "step_ms": statistics.median(cpu_times) * 1e3,
         "tensor_bytes": tensor_bytes(model, optimizer),
-        "peak_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024,
+        "peak_mib": peak,
     }
 
 
@@ -176,7 +207,9 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def _row(beta2: float, width: int, path: str, mine: list[dict], peers: dict[int, float]) -> dict:
     q1, median, q3 = _quartiles([r["step_ms"] for r in mine])
-    r1, ratio, r3 = _quartiles([r["step_ms"] / peers[r["round"]] for r in mine if r["round"] in peers])
+    ratios = [r["step_ms"] / peers[r["round"]] for r in mine if r["round"] in peers]
+    r1, ratio, r3 = _quartiles(ratios) if ratios else (None, None, None)  # no optimi-kahan runs
+    peaks = [r["peak_mib"] for r in mine if r["peak_mib"] is not None]
     return {
         "beta2": beta2,
         "width": width,
@@ -191,7 +224,7 @@ def _row(beta2: float, width: int, path: str, mine: list[dict], peers: dict[int,
         "tensor_mib": mine[0]["tensor_bytes"] / MIB,
         "bytes_per_param": mine[0]["tensor_bytes"] / mine[0]["params"],
         "scratch_mib": mine[0]["scratch_bytes"] / MIB,
-        "peak_mib": statistics.median(r["peak_mib"] for r in mine),
+        "peak_mib": statistics.median(peaks) if peaks else None,
         "rounds": len(mine),
     }
 
@@ -199,7 +232,7 @@ def _row(beta2: float, width: int, path: str, mine: list[dict], peers: dict[int,
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"AdamW lr {args.lr} wd {args.wd}, depth {args.depth}, batch {args.batch}, {args.threads} threads; "
-        f"CPU ms per training step: median of {args.steps} steps per process, median and IQR over "
+        f"{_clock(args)} ms per training step: median of {args.steps} steps per run, median and IQR over "
         f"{args.rounds} interleaved rounds; vs optimi: per-round ratio, median [IQR]"
     )
     print(
@@ -207,12 +240,28 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         f"{'vs optimi':>17} {'B/param':>7} {'scratch MiB':>11} {'peak MiB':>8}"
     )
     for row in rows:
-        ratio = f"{row['vs_optimi']:.2f} [{row['vs_optimi_q1']:.2f}-{row['vs_optimi_q3']:.2f}]"
+        ratio = "-"
+        if row["vs_optimi"] is not None:
+            ratio = f"{row['vs_optimi']:.2f} [{row['vs_optimi_q1']:.2f}-{row['vs_optimi_q3']:.2f}]"
+        peak = "-" if row["peak_mib"] is None else f"{row['peak_mib']:.1f}"
         print(
             f"{row['beta2']:>5} {row['width']:>5} {row['path']:16} {row['params'] / 1e6:6.2f}M "
             f"{row['step_ms']:8.2f} {row['step_iqr_ms']:5.2f} {ratio:>17} {row['bytes_per_param']:7.2f} "
-            f"{row['scratch_mib']:11.1f} {row['peak_mib']:8.1f}"
+            f"{row['scratch_mib']:11.1f} {peak:>8}"
         )
+
+
+def _clock(args: argparse.Namespace) -> str:
+    return "synchronized wall" if torch.device(args.device).type == "cuda" else "CPU"
+
+
+def optimi_missing() -> str | None:
+    """Why torch-optimi cannot be imported, or None when it can."""
+    try:
+        import optimi  # noqa: F401
+    except ImportError as exc:
+        return f"torch-optimi is not installed ({exc})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,6 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wd", type=float, default=0.01)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {list(PATHS)}")
     parser.add_argument("--json", help="write the rows and every run to this file")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model trains")
+    parser.add_argument(
+        "--in-process", action="store_true", help="run every path here, not in fresh processes (see above)"
+    )
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -241,23 +294,38 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown paths {unknown}; accepted: {list(PATHS)}")
     if "optimi-kahan" not in paths:
         parser.error("the table compares every path with optimi-kahan: keep it in --paths")
-    shared = [f"--{k}={getattr(args, k)}" for k in ("depth", "batch", "steps", "warmup", "threads", "lr")]
-    shared += [f"--wd={args.wd}"]
+    skipped = {}
+    if (why := optimi_missing()) is not None:
+        skipped["optimi-kahan"] = why
+        paths.remove("optimi-kahan")
+        print(
+            f"precision_paths: skipping optimi-kahan: {why}; the vs optimi ratios are left out",
+            file=sys.stderr,
+        )
     runs = []
     for round_ in range(args.rounds):
         for beta2 in args.beta2.split(","):
             for width in map(int, args.widths.split(",")):
                 for path in paths:
-                    command = [sys.executable, __file__, *shared, f"--beta2={beta2}", f"--path={path}"]
-                    done = subprocess.run(
-                        [*command, f"--width={width}"], capture_output=True, text=True, check=True
-                    )
-                    runs.append({**json.loads(done.stdout.strip().splitlines()[-1]), "round": round_})
+                    runs.append({**_run(args, path, width, beta2), "round": round_})
     rows = summarize(runs)
     print_table(rows, args)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "rows": rows, "runs": runs}, out, indent=1)
+            json.dump({"args": vars(args), "rows": rows, "runs": runs, "skipped": skipped}, out, indent=1)
+
+
+def _run(args: argparse.Namespace, path: str, width: int, beta2: str) -> dict:
+    """One (path, width) run: in this process with ``--in-process``, else in a fresh one."""
+    if args.in_process:
+        return worker(
+            argparse.Namespace(**{**vars(args), "path": path, "width": width, "beta2": beta2}), False
+        )
+    shared = [f"--{k}={getattr(args, k)}" for k in ("depth", "batch", "steps", "warmup", "threads", "lr")]
+    command = [sys.executable, __file__, *shared, f"--wd={args.wd}", f"--device={args.device}"]
+    command += [f"--beta2={beta2}", f"--path={path}", f"--width={width}"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

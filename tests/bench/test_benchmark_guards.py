@@ -1,0 +1,210 @@
+"""The GPU check's benchmarks on the CPU: gemm_numerics covers every recipe and catches a wrong kernel; one
+recipe that raises costs lowbit_lm, plan_cost and gemm_numerics only its own rows; precision_paths runs
+in-process as a fresh process does and skips torch-optimi's rows without it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec.inspect.plan_cost as plan_cost_lib
+from mixprec.lowbit import RECIPES, Recipe
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# gemm_numerics
+
+
+def test_numerics_covers_every_recipe_and_gemm_and_a_new_recipe_too(tmp_path: Path, monkeypatch) -> None:
+    numerics = _script("gemm_numerics")
+    extra = Recipe("mxfp8", "mxfp8", "fp8_rowwise", "fp8_rowwise", "hp", "hp")
+    monkeypatch.setitem(numerics.RECIPES, "test_extra", extra)
+    out = tmp_path / "n.json"
+    assert numerics.main(["--device", "cpu", "--shape", "16,64,32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["recipe"], r["gemm"]) for r in rows} == {
+        (name, gemm) for name in [*RECIPES, "test_extra"] for gemm in ("fprop", "dgrad", "wgrad")
+    }
+    by = {(r["recipe"], r["gemm"]): r for r in rows}
+    assert by[("test_extra", "wgrad")]["path"] == "hp"  # a high-precision operand: nothing to compare
+    assert by[("test_extra", "dgrad")]["formats"] == ["fp8_rowwise", "fp8_rowwise"]
+    quantized = [r for r in rows if r["path"] != "hp"]
+    assert quantized and all(r["passed"] and r["rel_error"] <= 2**-6 for r in quantized)
+
+
+def test_numerics_fails_a_kernel_that_reads_the_scales_wrong(monkeypatch, capsys) -> None:
+    numerics = _script("gemm_numerics")
+    right = numerics.lowbit_mm
+    monkeypatch.setattr(numerics, "lowbit_mm", lambda a, b, dtype: right(a, b, dtype) * (1 + 2**-5))
+    assert numerics.main(["--device", "cpu", "--shape", "16,64,32"]) == 1
+    rows = numerics.run(torch.device("cpu"), (16, 64, 32))
+    assert all(not r["passed"] for r in rows if r["path"] != "hp")
+    assert abs(max(r["rel_error"] for r in rows if r["path"] != "hp") - 2**-5) < 1e-6
+
+
+def test_numerics_keeps_the_other_recipes_when_one_raises(monkeypatch) -> None:
+    numerics = _script("gemm_numerics")
+    real = numerics.quantize
+
+    def quantize(x, fmt, **kw):
+        if fmt == "mxfp4":
+            raise RuntimeError("no mxfp4 here")
+        return real(x, fmt, **kw)
+
+    monkeypatch.setattr(numerics, "quantize", quantize)
+    rows = numerics.run(torch.device("cpu"), (16, 64, 32))
+    broken = [r for r in rows if r["recipe"] == "mxfp4"]
+    assert broken == [
+        {"recipe": "mxfp4", "gemm": None, "error": "RuntimeError: no mxfp4 here", "passed": False}
+    ]
+    assert {r["recipe"] for r in rows if r.get("passed")} == set(RECIPES) - {"mxfp4"}
+    assert numerics.main(["--device", "cpu", "--shape", "16,64,32"]) == 1
+
+
+def test_numerics_refuses_a_bad_shape() -> None:
+    with pytest.raises(SystemExit):
+        _script("gemm_numerics").main(["--shape", "16,64"])
+
+
+# lowbit_lm
+
+
+def test_lowbit_lm_keeps_going_past_a_recipe_that_fails_to_build_or_to_step(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("lowbit_lm")
+    convert = script.convert_to_lowbit_training
+
+    def convert_or_fail(model, recipe, **kw):
+        if recipe == RECIPES["mxfp8"]:
+            raise RuntimeError("mxfp8 cannot convert")
+        return convert(model, recipe, **kw)
+
+    monkeypatch.setattr(script, "convert_to_lowbit_training", convert_or_fail)
+    step = script.Run.step
+
+    def step_or_fail(run) -> None:
+        if run.mode == "fp8_rowwise" and len(run.losses) == 1:
+            raise RuntimeError("fp8_rowwise blew up in step 2")
+        step(run)
+
+    monkeypatch.setattr(script.Run, "step", step_or_fail)
+    out = tmp_path / "r.json"
+    argv = ["--task", "classify", "--steps", "3", "--modes", "fp8_rowwise,mxfp8,nvfp4", "--json", str(out)]
+    results = script.main(argv)
+    assert list(results["modes"]) == ["bf16", "nvfp4"]
+    assert results["errors"] == {
+        "mxfp8": "RuntimeError: mxfp8 cannot convert",
+        "fp8_rowwise": "RuntimeError: fp8_rowwise blew up in step 2",
+    }
+    written = json.loads(out.read_text())
+    assert written["errors"] == results["errors"] and written["modes"]["nvfp4"]["val_loss"][0] > 0
+
+
+# plan_cost
+
+
+def test_plan_cost_records_a_failing_format_and_keeps_the_others(monkeypatch) -> None:
+    script = _script("plan_cost")
+    real = plan_cost_lib.swapped_in
+
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("mxfp4 kernel refused")
+
+    def swapped_in(linear, fmt, gen):
+        return Broken() if fmt == "mxfp4" else real(linear, fmt, gen)
+
+    monkeypatch.setattr(plan_cost_lib, "swapped_in", swapped_in)
+    args = argparse.Namespace(device="cpu", warmup=0, repeats=2)
+    shapes = [("extra", (16, 32, 64)), ("extra", (8, 32, 32))]
+    rows, name = script.measure(shapes, ["fp8_rowwise", "mxfp4", "bf16"], args)
+    assert name == "measured:cpu" and len(rows) == 6
+    for row in rows:
+        if row["format"] == "mxfp4":
+            assert row["error"] == "RuntimeError: mxfp4 kernel refused" and "median_s" not in row
+        else:
+            assert "error" not in row and row["median_s"] > 0 and len(row["samples_s"]) == 2
+            assert row["relative_to_bf16"] == pytest.approx(row["median_s"] / next(
+                r["median_s"] for r in rows if r["format"] == "bf16" and r["shape"] == row["shape"]
+            ))  # fmt: skip
+    bf16_too = script.measure(shapes[:1], ["fp8_rowwise", "mxfp4"], args)[0]
+    monkeypatch.setattr(
+        plan_cost_lib, "swapped_in", lambda lin, fmt, g: Broken() if fmt == "bf16" else real(lin, fmt, g)
+    )
+    no_reference = script.measure(shapes[:1], ["fp8_rowwise", "bf16"], args)[0]
+    assert [r["format"] for r in bf16_too] == ["fp8_rowwise", "mxfp4"]
+    assert no_reference[0]["median_s"] > 0 and no_reference[0]["relative_to_bf16"] is None
+    assert "error" in no_reference[1]
+
+
+def test_plan_cost_cut_short_keeps_the_shapes_it_measured(tmp_path: Path, monkeypatch) -> None:
+    script = _script("plan_cost")
+    monkeypatch.setattr(script, "workload_shapes", lambda: {"lm": [(8, 16, 32), (8, 32, 16)]})
+    measure, calls = script.measure, []
+
+    def measure_then_time_out(shapes, formats, args):
+        calls.append(shapes)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal does to the second shape
+        return measure(shapes, formats, args)
+
+    monkeypatch.setattr(script, "measure", measure_then_time_out)
+    out = tmp_path / "c.json"
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--formats", "fp8_rowwise", "--repeats", "1", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert (written["meta"]["shapes_done"], written["meta"]["shapes_planned"]) == (1, 2)
+    assert [(r["shape"], r["format"]) for r in written["results"]] == [
+        ([8, 16, 32], "fp8_rowwise"),
+        ([8, 16, 32], "bf16"),
+    ]
+
+
+# precision_paths
+
+PATHS_ARGV = ["--widths", "16", "--depth", "1", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+
+
+def test_precision_paths_skips_optimi_rows_without_torch_optimi(tmp_path: Path, monkeypatch) -> None:
+    script = _script("precision_paths")
+    monkeypatch.setitem(sys.modules, "optimi", None)  # import optimi raises ImportError
+    out = tmp_path / "p.json"
+    script.main(
+        [*PATHS_ARGV, "--in-process", "--paths", "fp32,optimi-kahan,bf16-true+kahan", "--json", str(out)]
+    )
+    written = json.loads(out.read_text())
+    assert [r["path"] for r in written["rows"]] == ["fp32", "bf16-true+kahan"]
+    assert "torch-optimi is not installed" in written["skipped"]["optimi-kahan"]
+    assert all(r["vs_optimi"] is None and r["peak_mib"] is None for r in written["rows"])  # in-process CPU
+
+
+def test_precision_paths_in_process_measures_what_a_fresh_process_does(tmp_path: Path) -> None:
+    script = _script("precision_paths")
+    runs = {}
+    for where in ("fresh", "in-process"):
+        out = tmp_path / f"{where}.json"
+        flags = ["--in-process"] if where == "in-process" else []
+        script.main([*PATHS_ARGV, *flags, "--paths", "optimi-kahan,bf16-true+kahan", "--json", str(out)])
+        runs[where] = json.loads(out.read_text())["runs"]
+    exact = ("path", "width", "params", "tensor_bytes", "scratch_bytes")
+    assert [{k: r[k] for k in exact} for r in runs["fresh"]] == [
+        {k: r[k] for k in exact} for r in runs["in-process"]
+    ]
+    assert all(r["peak_mib"] is not None for r in runs["fresh"])
+    assert all(r["peak_mib"] is None for r in runs["in-process"])
