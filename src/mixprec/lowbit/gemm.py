@@ -104,20 +104,26 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def _select(a: Quantized, b: Quantized) -> tuple[Kernel | None, str]:
+def _select(
+    a: Quantized, b: Quantized, capability: tuple[int, int] | None = None
+) -> tuple[Kernel | None, str]:
     if a.data.device != b.data.device:
         return None, f"{a.fmt.name} x {b.fmt.name}: operands on {a.data.device} and {b.data.device}"
-    cap = device_capability(a.data.device)
+    cap = device_capability(a.data.device) if capability is None else capability
     return select_kernel(a.fmt, b.fmt, _value_shape(a), _value_shape(b), cap)
 
 
-def kernel_path(a: Quantized, b: Quantized) -> tuple[str | None, str]:
+def kernel_path(
+    a: Quantized, b: Quantized, capability: tuple[int, int] | None = None
+) -> tuple[str | None, str]:
     """``(kernel name or None, why)`` for ``a @ b.T`` of two (rows, K) matrices quantized along K.
 
     The name is a :data:`mixprec.lowbit.kernels.KERNELS` entry (``"fp8_rowwise"``, ``"mxfp8"``, ...) or
     None when :func:`lowbit_mm` emulates; the string names the formats, the device and the reason.
+    ``capability``: decide for this CUDA compute capability instead of the operands' device's (a table
+    for GPUs this machine lacks; the operands may be CPU or meta tensors).
     """
-    kernel, reason = _select(a, b)
+    kernel, reason = _select(a, b, capability)
     return (kernel.name if kernel is not None else None), reason
 
 
@@ -274,12 +280,17 @@ _GEMM_OPERANDS = {
 
 
 def gemm_kernel_paths(
-    x2: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, recipe: Recipe
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    grad_out: torch.Tensor,
+    recipe: Recipe,
+    capability: tuple[int, int] | None = None,
 ) -> dict[str, tuple[str | None, str]]:
     """GEMM (``"fprop"``, ``"dgrad"``, ``"wgrad"``) -> :func:`kernel_path` of its operands as quantized.
 
     Shapes as :func:`gemm_operands`. A GEMM with a high-precision operand runs ``torch.mm``:
-    ``(None, "... hp ...")``. For tables and benchmarks (e.g. under FakeTensorMode on a CUDA build).
+    ``(None, "... hp ...")``. For tables and benchmarks: ``capability`` as :func:`kernel_path` (with
+    ``device="meta"`` tensors nothing is computed), or FakeTensorMode on a CUDA build.
     """
     ops = gemm_operands(x2, weight, grad_out, recipe)
     paths = {}
@@ -288,7 +299,7 @@ def gemm_kernel_paths(
         if HP in (fmt_a, fmt_b):
             paths[gemm] = None, f"{fmt_a} x {fmt_b}: a high-precision operand, torch.mm"
         else:
-            paths[gemm] = kernel_path(quantize(a, fmt_a, pad=True), quantize(b, fmt_b, pad=True))
+            paths[gemm] = kernel_path(quantize(a, fmt_a, pad=True), quantize(b, fmt_b, pad=True), capability)
     return paths
 
 
