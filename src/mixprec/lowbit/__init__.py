@@ -9,7 +9,9 @@
   forward, input-gradient and weight-gradient GEMMs, as Transformer Engine's and torchao's recipes;
 * :func:`convert_to_lowbit_training` swaps ``nn.Linear`` for :class:`LowbitLinear` (torchao's
   ``module_filter_fn(module, fqn) -> bool`` contract). GEMMs are emulated on a CPU (dequantize, float32
-  matmul); on CUDA fp8 tensorwise/rowwise GEMMs run in ``torch._scaled_mm``;
+  matmul); on CUDA each GEMM runs on the tensor-core kernel the device has (fp8 tensorwise / rowwise from
+  sm89, fp8 blockwise on sm90, MXFP8 / MXFP4 / NVFP4 on sm100; :mod:`~mixprec.lowbit.kernels`), else
+  emulated;
   :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws.
 
 Example::
