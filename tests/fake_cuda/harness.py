@@ -39,12 +39,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "CAPABILITIES",
+    "Applied",
     "Ctx",
     "Event",
     "FakeCudaGenerator",
     "FakeCudaMode",
     "Recorder",
     "cuda_patched",
+    "direct_autograd",
     "fake_cuda",
 ]
 
@@ -322,3 +324,43 @@ class Ctx:
 
     def set_materialize_grads(self, value: bool) -> None:
         pass
+
+
+@dataclass
+class Applied:
+    """One ``autograd.Function.apply`` run by :func:`direct_autograd`: the function, its ctx, its output."""
+
+    fn: type[torch.autograd.Function]
+    ctx: Ctx
+    output: Any
+
+    def backward(self, *grads: torch.Tensor) -> Any:
+        """The function's ``backward(ctx, *grads)`` without grad, as autograd's engine calls it."""
+        with torch.no_grad():
+            return self.fn.backward(self.ctx, *grads)
+
+
+@contextlib.contextmanager
+def direct_autograd(*fns: type[torch.autograd.Function]) -> Iterator[list[Applied]]:
+    """Each of ``fns``' ``apply`` runs ``forward`` directly with a :class:`Ctx` and is recorded.
+
+    So a module's own ``forward`` (which calls ``Fn.apply``) runs unchanged under fake CUDA, and the test
+    calls :meth:`Applied.backward` for each recorded call with a gradient of the output's shape.
+    ``needs_input_grad`` is each argument's ``requires_grad``; forward runs without grad, as in autograd.
+    """
+    calls: list[Applied] = []
+
+    def direct(fn: type[torch.autograd.Function]) -> Any:
+        def apply(*args: Any) -> Any:
+            ctx = Ctx(tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+            with torch.no_grad():
+                out = fn.forward(ctx, *args)
+            calls.append(Applied(fn, ctx, out))
+            return out
+
+        return staticmethod(apply)
+
+    with contextlib.ExitStack() as stack:
+        for fn in fns:
+            stack.enter_context(mock.patch.object(fn, "apply", direct(fn)))
+        yield calls

@@ -66,7 +66,8 @@ class Float8Config:
         emulate: True computes the matmuls as float32 matmuls of the dequantized fp8 values (torchao's
             ``emulate=True``) instead of ``torch._scaled_mm``; the values are the same up to the order
             of accumulation. False uses ``torch._scaled_mm`` (CPU in torch >= 2.13, Hopper-class GPUs) and
-            falls back to emulation for shapes it rejects (on CUDA: dimensions not multiples of 16).
+            falls back to emulation for shapes it rejects (on CUDA: a reduction dimension or output
+            width not a multiple of 16).
         recipe: torchao's recipe names: ``"tensorwise"`` (one scale per tensor, the scalings above),
             ``"rowwise"`` (one scale per row along each GEMM's reduction dim, e4m3 everywhere) or
             ``"rowwise_with_gw_hp"`` (rowwise forward, weight-gradient GEMM in high precision); the rowwise

@@ -72,8 +72,9 @@ def scaled_mm(
 
 def _scaled_mm_accepts(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``torch._scaled_mm`` takes fp8 ``a`` (M, K) @ ``b`` (K, N) on their device: any pair on a
-    CPU but the fnuz dtypes; on CUDA sizes that are multiples of 16, not e5m2 x e5m2, and the fnuz dtypes
-    (AMD MI300's) only in a ROCm build (``torch.version.hip``), where the "cuda" device is an AMD GPU."""
+    CPU but the fnuz dtypes; on CUDA K and N multiples of 16 (torch checks those, any M is taken), not
+    e5m2 x e5m2, and the fnuz dtypes (AMD MI300's) only in a ROCm build (``torch.version.hip``), where the
+    "cuda" device is an AMD GPU."""
     if not hasattr(torch, "_scaled_mm"):
         return False
     if a.numel() == 0 or b.numel() == 0:
@@ -87,7 +88,7 @@ def _scaled_mm_accepts(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if fnuz and torch.version.hip is None:
         return False
-    return all(size % 16 == 0 for size in (*a.shape, b.shape[1]))
+    return a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
 
 
 def _gemm_kwargs(config: Float8Config, gemm: int) -> dict[str, bool]:

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from mixprec.inspect._plan_measure import swapped_in
 
@@ -181,9 +180,9 @@ class MeasuredCost:
         m, n, k = shape
         gen = torch.Generator(device=self.device).manual_seed(0)
         kw = {"device": self.device, "dtype": self.dtype}
-        linear = skip_init(nn.Linear, k, n, bias=False, **kw)  # no draw from torch's global RNG
-        with torch.no_grad():
-            linear.weight.copy_(torch.randn(n, k, generator=gen, **kw) / k**0.5)
+        with torch.device("meta"):  # no draw from torch's global RNG, and no to_empty() swap
+            linear = nn.Linear(k, n, bias=False)
+        linear.weight = nn.Parameter(torch.randn(n, k, generator=gen, **kw) / k**0.5)
         x = torch.randn(m, k, generator=gen, **kw).requires_grad_(True)
         grad_out = torch.randn(m, n, generator=gen, **kw)
         runs = {fmt: _step(swapped_in(linear, fmt, gen), x, grad_out) for fmt in formats}
