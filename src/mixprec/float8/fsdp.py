@@ -252,10 +252,9 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> int:
 
 def _local_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
     """float32[len(shards)]: ``max|shard|`` of each (one ``_foreach_norm``; 0 for an empty shard, which
-    an uneven split gives a rank and which ``_foreach_norm``'s infinity norm refuses)."""
-    amaxes = torch.zeros(len(shards), dtype=torch.float32, device=shards[0].device)
-    full = [i for i, shard in enumerate(shards) if shard.numel()]
-    if full:
-        norms = torch._foreach_norm([shards[i] for i in full], ord=math.inf)
-        amaxes[full] = torch.stack(norms).to(torch.float32)
-    return amaxes
+    an uneven split gives a rank and which ``_foreach_norm``'s infinity norm refuses). Stacked, not
+    written at a list of indices: that index list would be a host-to-device copy every step."""
+    full = [shard for shard in shards if shard.numel()]
+    norms = iter(torch._foreach_norm(full, ord=math.inf) if full else ())
+    zero = torch.zeros((), dtype=torch.float32, device=shards[0].device)
+    return torch.stack([next(norms).to(torch.float32) if shard.numel() else zero for shard in shards])
