@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -139,11 +140,22 @@ def plan_precision(
         ValueError: for a budget or grad_budget that is not a finite number > 0, a max_flushed
             outside (0, 1], a measure other than "exact" or "local", an empty ``batches``
             (or ``check_batches`` given empty), an unknown format or cost target, a model without linear
-            layers (or that is one), or a ``loss_fn`` that returns a non-scalar loss, or a non-finite one
-            at high precision. Nothing is changed then.
+            layers (or that is one), a model with parameters or buffers on the meta device, or a
+            ``loss_fn`` that returns a non-scalar loss, or a non-finite one at high precision. Nothing is
+            changed then.
+
+    Warns:
+        UserWarning: naming the ``nn.Linear`` layers ``loss_fn`` never called; they are left out of the
+            plan and stay as they are.
     """
     start = time.process_time()
     check_model(model)
+    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:  # nothing to measure: torch would fail deep inside with "META device type not an accelerator"
+        raise ValueError(
+            f"plan_precision needs a model with real weights; {len(on_meta)} tensor(s) are on the meta "
+            f"device (first: {on_meta[0]!r}): materialize it (model.to_empty(device=...), then initialize)"
+        )
     _check_dual(budget, grad_budget, max_cost, min_low_share)
     formats, budget, grad_budget, batches, checks = _check(
         formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds
@@ -190,10 +202,18 @@ def plan_precision(
         finally:
             slots.restore()
     layers = measurer.layers
+    never_ran = [f for f in fqns if f not in layers or f not in chosen]
+    if never_ran:  # nothing was measured for them: they stay as they are, out of the plan
+        warnings.warn(
+            f"plan_precision: loss_fn never called {never_ran}; not in the plan, they stay as they are",
+            UserWarning,
+            stacklevel=2,
+        )
+    ran = [f for f in fqns if f not in never_ran]
     if max_cost is None:
-        reasons = {f: reason(f, chosen, layers, limits, rounds) for f in fqns}
+        reasons = {f: reason(f, chosen, layers, limits, rounds) for f in ran}
     else:
-        reasons = {f: reason_at_cost(f, chosen, layers, max_cost, max_flushed) for f in fqns}
+        reasons = {f: reason_at_cost(f, chosen, layers, max_cost, max_flushed) for f in ran}
     seconds = time.process_time() - start
     return PrecisionPlan(
         chosen,

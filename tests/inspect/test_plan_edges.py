@@ -1,0 +1,42 @@
+"""plan_precision on models users bring (issue 33 item 5): an unused head, a meta-device model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.inspect import plan_precision
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)) for _ in range(2)]
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model["used"](batch[0]), batch[1])
+
+
+def test_a_linear_loss_fn_never_calls_stays_out_of_the_plan_and_as_it_is() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {
+            "used": nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)),
+            "unused_head": nn.Linear(32, 8),
+        }
+    )
+    head = model["unused_head"]
+    with pytest.warns(UserWarning, match=r"loss_fn never called \['unused_head'\]"):
+        plan = plan_precision(model, _batches(), _loss)  # was: KeyError: 'unused_head'
+    assert set(plan.formats) == set(plan.reasons) == {"used.0", "used.2"}
+    assert "unused_head" not in plan.table()
+    plan.apply(model)
+    assert model["unused_head"] is head and type(head) is nn.Linear
+
+
+def test_a_meta_device_model_is_refused_with_mixprecs_message() -> None:
+    with torch.device("meta"):
+        model = nn.ModuleDict({"used": nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))})
+    with pytest.raises(ValueError, match=r"4 tensor\(s\) are on the meta device \(first: 'used.0.weight'\)"):
+        plan_precision(model, _batches(), _loss)
