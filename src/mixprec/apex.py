@@ -283,7 +283,7 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
         super().__init__(init_optimizer, scaler=scaler, master_weights=True)
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
 
-    def backward(
+    def backward(  # type: ignore[override]  # apex FP16_Optimizer's own signature
         self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
     ) -> None:
         """``(loss.float() * loss_scale).backward()``; then :meth:`update_master_grads` unless told not to.
@@ -305,7 +305,9 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
         """Copy the model's gradients to the fp32 masters, unscaled (after ``backward(..., False)``)."""
         self.unscale_grads()
 
-    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | int:
+    def clip_master_grads(  # type: ignore[override]  # apex returns -1 on overflow
+        self, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor | int:
         """Clip the masters' unscaled gradients; the norm before clipping, or -1 on overflow (apex's)."""
         norm = super().clip_master_grads(max_norm, norm_type)
         return norm if bool(torch.isfinite(norm)) else -1

@@ -162,9 +162,10 @@ def _number(name: str, value: object, positive: bool = False) -> float:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}: {value!r:.60}")
+    value = float(value)
     if positive and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return value
 
 
 def _scaled(value: object, scale: object) -> float:

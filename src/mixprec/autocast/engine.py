@@ -134,7 +134,8 @@ def _native_off(device_type: str, func: Callable, args: tuple, kwargs: dict) -> 
 
 
 def _run_cast(dtype: torch.dtype, mode: _DeviationMode, func: Callable, args: tuple, kwargs: dict) -> Any:
-    dev, cache, memo = mode.device_type, torch.is_autocast_cache_enabled(), {}
+    dev, cache = mode.device_type, torch.is_autocast_cache_enabled()
+    memo: dict[int, Any] = {}
     args = cast_floating(args, dtype, dev, cache, memo)
     kwargs = cast_floating(kwargs, dtype, dev, cache, memo)
     return _native_off(dev, func, args, kwargs)

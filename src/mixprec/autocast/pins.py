@@ -58,7 +58,7 @@ class _ProcessHooks:
         with self.lock:
             self.users += 1
             if self.users == 1:
-                self.root_handles.append(register_module_forward_pre_hook(_root_pre_hook))
+                self.root_handles.append(register_module_forward_pre_hook(_root_pre_hook))  # type: ignore[arg-type]
                 self.root_handles.append(register_module_forward_hook(_root_post_hook, always_call=True))
 
     def release(self) -> None:

@@ -40,6 +40,13 @@ class DemoNet(nn.Module):
         return self.head(x)
 
 
+def _fc(model: DemoNet, index: int) -> nn.Linear:
+    """The linear layer of block ``index`` (typed: ModuleList indexing gives a plain Module)."""
+    block = model.blocks[index]
+    assert isinstance(block, Block)
+    return block.fc
+
+
 def healthy_model(seed: int = 0) -> DemoNet:
     """Default-initialised weights: finite everywhere in float16."""
     generator_state = torch.random.get_rng_state()
@@ -59,7 +66,7 @@ def forward_overflow_model() -> DemoNet:
     """``blocks.2.fc`` has weights of 30000: its outputs exceed float16's 65504 in the forward pass."""
     model = healthy_model()
     with torch.no_grad():
-        model.blocks[2].fc.weight.fill_(30000.0)
+        _fc(model, 2).weight.fill_(30000.0)
     return model
 
 
@@ -71,10 +78,10 @@ def backward_overflow_model() -> DemoNet:
     """
     model = healthy_model()
     with torch.no_grad():
-        model.blocks[0].fc.weight.zero_()
-        model.blocks[0].fc.bias.fill_(1e-6)
-        model.blocks[1].fc.weight.fill_(30000.0)
-        model.blocks[1].fc.bias.zero_()
+        _fc(model, 0).weight.zero_()
+        _fc(model, 0).bias.fill_(1e-6)
+        _fc(model, 1).weight.fill_(30000.0)
+        _fc(model, 1).bias.zero_()
     return model
 
 
@@ -104,6 +111,7 @@ class OutlierMLP(nn.Module):
         self.fc3, self.head = nn.Linear(hidden, hidden), nn.Linear(hidden, classes)
         gain = torch.ones(hidden)
         gain[0] = 300.0
+        self.gain: torch.Tensor
         self.register_buffer("gain", gain)
         with torch.no_grad():
             self.fc3.weight[:, 0] /= 300.0

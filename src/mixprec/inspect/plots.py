@@ -173,6 +173,7 @@ def plot_scale_history(
                 axes.set_yscale("log", base=2)
             axes.legend(fontsize=8, ncol=1 + len(runs) // 6)
         axes.grid(alpha=0.3)
+    assert first is not None  # the loop above ran at least once
     first.set_title(title or "loss scale over training steps")
     figure.axes[-1].set_xlabel("step")
     return _save(figure, path)

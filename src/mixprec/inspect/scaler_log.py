@@ -136,6 +136,7 @@ class ScalerLog:
         return self._previous_scale is not None and scale < self._previous_scale
 
     def _add_gradients(self, record: dict[str, Any]) -> None:
+        assert self.source is not None  # only called when there is one
         record["grad_amax"] = _finite_or_none(grad_amax(self.source, model=self.model))
         if record["skipped"]:
             names = nonfinite_params(self.source, model=self.model)

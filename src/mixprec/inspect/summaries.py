@@ -61,7 +61,8 @@ class GradStats:
             ]
         ).tolist()
         amax = float(torch.where(finite, magnitude, 0.0).max())
-        return cls(magnitude.numel(), *counts, amax=amax)
+        zero, flushed, subnormal, overflow = counts
+        return cls(magnitude.numel(), zero, flushed, subnormal, overflow, amax=amax)
 
     def __add__(self, other: GradStats) -> GradStats:
         if not isinstance(other, GradStats):

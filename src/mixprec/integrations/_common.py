@@ -119,7 +119,7 @@ def checkpoint_in_region(
     ]
     rewired = 0
     for module in armed:
-        original = module._gradient_checkpointing_func
+        original: Callable[..., Any] = module._gradient_checkpointing_func  # type: ignore[assignment]
         keywords = getattr(original, "keywords", {})
         if getattr(original, "_mixprec_region", False) or keywords.get("context_fn") is not None:
             continue
@@ -131,7 +131,7 @@ def checkpoint_in_region(
                 "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False, "
                 "'context_fn': mixprec.autocast_context_fn}), or leave use_reentrant unset"
             )
-        module._gradient_checkpointing_func = _in_region(original)
+        module._gradient_checkpointing_func = _in_region(original)  # type: ignore[assignment]
         rewired += 1
     if rewired:
         logger.info(
@@ -156,6 +156,12 @@ def _in_region(original: Callable[..., Any]) -> Callable[..., Any]:
 def scaler_metrics(scaler: GradScaler) -> dict[str, float]:
     """``{"loss_scale": ..., "skipped_steps": ...}`` as floats, for a logger (one host sync)."""
     return {"loss_scale": float(scaler.get_scale()), "skipped_steps": float(scaler.skipped_steps)}
+
+
+def _require_loss(loss: torch.Tensor | None) -> torch.Tensor:
+    if loss is None:
+        raise ValueError("the diagnosis re-ran the step but its output holds no loss (pass loss_fn=)")
+    return loss
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
@@ -245,7 +251,7 @@ class Diagnoser:
             report = find_nonfinite(
                 model,
                 batch,
-                loss_fn=lambda output: get_loss(output).float() * scale,
+                loss_fn=lambda output: _require_loss(get_loss(output)).float() * scale,
                 dtype=region.fast_dtype,
                 device_type=region.device_type,
                 policy=region.policy,

@@ -222,8 +222,9 @@ class _TrainingStep(nn.Module):
 @contextlib.contextmanager
 def _logging_muted(module: pl.LightningModule) -> Generator[None, None, None]:
     """``self.log``/``log_dict`` do nothing while the diagnosis re-runs training_step (restored after)."""
-    saved = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
-    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    names = ("log", "log_dict")
+    saved: dict[str, Any] = {name: module.__dict__[name] for name in names if name in module.__dict__}
+    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -280,11 +281,11 @@ class MixprecDiagnostics(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        plugin = trainer.precision_plugin
-        ours = isinstance(plugin, MixprecPrecision)
-        skips = plugin.take_skips() if ours else []
-        stepped = ours and plugin.steps != self._steps_seen
-        self._steps_seen = plugin.steps if ours else 0
+        found = trainer.precision_plugin
+        plugin = found if isinstance(found, MixprecPrecision) else None
+        skips = plugin.take_skips() if plugin is not None else []
+        stepped = plugin is not None and plugin.steps != self._steps_seen
+        self._steps_seen = plugin.steps if plugin is not None else 0
         window = [*self._window, (batch, batch_idx)]
         accumulating = pl_module.automatic_optimization and not stepped
         self._window = window if accumulating else []  # kept until the step they feed
@@ -299,7 +300,7 @@ class MixprecDiagnostics(pl.Callback):
         if not pl_module.automatic_optimization:
             self._diagnoser.note(step, reason, _manual_finding(skips))
             return
-        if ours:
+        if plugin is not None:
             region, scale = plugin.region(), skips[0][1] if skips else plugin.last_step_scale
         elif str(trainer.precision) in _DTYPES:
             region, scale = autocast(pl_module.device.type, dtype=_DTYPES[str(trainer.precision)]), 1.0

@@ -117,6 +117,7 @@ class ReplanSchedule:
         starts = starts and self.lr_decay is not None
         insert = starts and step not in self.replan.phases  # a phase given for this step wins
         if insert:
+            assert self.lr_decay is not None  # implied by starts
             self.replan.phases[step] = self.lr_decay
         try:  # make_plan's result is checked against the model before Replan changes anything
             plan = self.replan.step(model, step)

@@ -75,6 +75,7 @@ class _AfterStep(transformers.TrainerCallback):
         user_kwargs = user_kwargs or getattr(args, "gradient_checkpointing_kwargs", None) or {}
         ours = bool(enabled) and "use_reentrant" not in user_kwargs
         model = kwargs.get("model") or trainer.model
+        assert isinstance(model, torch.nn.Module), type(model)
         checkpoint_in_region(model, trainer._mixprec_policy, args.device.type, reentrant_is_ours=ours)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

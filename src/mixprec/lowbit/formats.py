@@ -116,8 +116,9 @@ class LowbitFormat:
 
 
 def _block(block: object) -> tuple[int, int]:
-    ok = isinstance(block, tuple) and len(block) == 2
-    ok = ok and all(isinstance(b, int) and not isinstance(b, bool) and (b == -1 or b >= 1) for b in block)
+    if not (isinstance(block, tuple) and len(block) == 2):
+        raise ValueError(f"block must be (rows, cols) of ints >= 1 or -1 (whole dimension), got {block!r}")
+    ok = all(isinstance(b, int) and not isinstance(b, bool) and (b == -1 or b >= 1) for b in block)
     if ok and ((block[0] == -1 and block[1] != -1) or (block[0] not in (-1, 1) and block[1] == -1)):
         ok = False
     if not ok:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -153,7 +154,7 @@ class Policy:
                 raise ValueError(
                     f"unknown op category {category!r} for {op!r}; accepted: {list(_ALL_CATEGORIES)}"
                 )
-            canonical_op(op)  # raises for an unknown op name
+            canonical_op(op)  # type: ignore[arg-type]  # checked here: raises for an unknown op name
         modules = []
         for key, value in _pairs("module_overrides", self.module_overrides):
             _module_key(key)
@@ -310,7 +311,7 @@ class Policy:
         output: torch.dtype | str | None = None,
     ) -> Policy:
         """A new policy with some of its dtypes replaced."""
-        changes: dict[str, torch.dtype] = {}
+        changes: dict[str, Any] = {}
         for name, value in (("compute_dtype", compute), ("param_dtype", params), ("output_dtype", output)):
             if value is not None:
                 changes[name] = _dtype(value, name)

@@ -109,7 +109,10 @@ def _resolve(policy: Policy, family: str, dtype: torch.dtype | None) -> Resolved
     by_name = dict(_base_table(base))
     by_callable: dict[Callable, str] = {}
     for op, category in policy.op_overrides:
-        (by_name if isinstance(op, str) else by_callable)[op] = category
+        if isinstance(op, str):
+            by_name[op] = category
+        else:
+            by_callable[op] = category
     resolved = ResolvedPolicy(policy, family, compute, by_name, by_callable)
     if len(_RESOLVED) < 256:  # a memo of immutable values; bounded so odd callers cannot grow it forever
         _RESOLVED[key] = resolved
