@@ -9,14 +9,16 @@ the same cases in the same run as the oracle.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from mixprec.inspect import plan_precision
 from mixprec.lowbit import auto_filter, convert_to_lowbit_training, lowbit_linears
-from mixprec.lowbit.cost import TARGETS, gemm_cost
+from mixprec.lowbit.cost import TARGETS, gemm_cost, relative_cost
 
 #: torchao's thresholds come from measured H100 speedups; the roofline meets them at these settings.
 AS_TORCHAO = {"target": "h100", "tokens_per_step": 16384, "min_gain": 0.28}
@@ -148,3 +150,41 @@ def test_unknown_recipe_and_bad_filter_fqns() -> None:
         auto_filter("fp8_rowwize", tokens_per_step=8)
     with pytest.raises(TypeError, match="filter_fqns must be a sequence of strings, got 'head'"):
         auto_filter("mxfp8", tokens_per_step=8, filter_fqns="head")
+
+
+def test_the_planner_and_the_filter_agree_on_which_layers_are_too_small() -> None:
+    torch.manual_seed(0)
+    widths = [64, 2048, 2048, 1024, 64]
+    layers: list[nn.Module] = []
+    for k, n in itertools.pairwise(widths):
+        layers += [nn.Linear(k, n), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g))]
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    for tokens in (512, 4096):
+        # a budget no format breaks, so only the cost decides: a layer stays bf16 only where it cannot gain
+        plan = plan_precision(
+            model,
+            batches,
+            loss_fn,
+            formats=("fp8_tensorwise", "bf16"),
+            budget=1.0,
+            cost="h100",
+            tokens_per_step=tokens,
+        )
+        fn = auto_filter("fp8_tensorwise", tokens_per_step=tokens, target="h100")
+        converted = {fqn for fqn, m in model.named_modules() if fn(m, fqn)}
+        assert converted == {f for f, fmt in plan.formats.items() if fmt == "fp8_tensorwise"}, tokens
+        for fqn, info in plan.layers.items():
+            ratio = relative_cost(
+                lambda *a: gemm_cost(TARGETS["h100"], *a), "fp8_tensorwise", tokens, *info["shape"][1:]
+            )
+            assert (fqn in converted) is (ratio < 1), (tokens, fqn, ratio)
+        if tokens == 4096:
+            assert converted == {"2"}  # the 2048 x 2048 layer; the others are memory-bound there
+        else:
+            assert converted == set()
