@@ -1,4 +1,5 @@
-"""plan_precision on models users bring (issue 33 item 5): an unused head, a meta-device model."""
+"""plan_precision on models users bring (issue 33 item 5): an unused head (listed as not run, kept as is),
+a meta-device model."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.inspect import plan_precision
+from mixprec.inspect import PrecisionPlan, plan_precision
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -30,7 +31,10 @@ def test_a_linear_loss_fn_never_calls_stays_out_of_the_plan_and_as_it_is() -> No
     with pytest.warns(UserWarning, match=r"loss_fn never called \['unused_head'\]"):
         plan = plan_precision(model, _batches(), _loss)  # was: KeyError: 'unused_head'
     assert set(plan.formats) == set(plan.reasons) == {"used.0", "used.2"}
-    assert "unused_head" not in plan.table()
+    assert plan.not_run == ["unused_head"]
+    row = [line for line in plan.table().splitlines() if line.startswith("unused_head")]
+    assert len(row) == 1 and row[0].endswith("not run, kept as is")
+    assert PrecisionPlan.from_json(plan.to_json()).not_run == ["unused_head"]
     plan.apply(model)
     assert model["unused_head"] is head and type(head) is nn.Linear
 

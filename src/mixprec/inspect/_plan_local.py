@@ -44,8 +44,8 @@ class LocalMeasurer(Measurer):
     """A :class:`~mixprec.inspect._plan_measure.Measurer` whose divergences are one-layer estimates on
     the reference pass's kept operands (``ref.kept``, from ``run_pass(..., keep=True)``)."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._references: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._loss_total = sum(abs(loss) for loss in self.ref.losses)
         self._grad_total = sum(float(g.square().sum()) for g in self.ref.weight_grads)

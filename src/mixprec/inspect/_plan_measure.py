@@ -200,7 +200,9 @@ class Measurer:
     that format. Quantization statistics come from the reference pass's captured operands, so a format
     over ``max_flushed`` needs no pass to be ruled out (unless ``exhaustive``)."""
 
-    def __init__(self, slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, limits) -> None:
+    def __init__(
+        self, slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, limits, rows=None
+    ) -> None:
         self.slots, self.ref, self.batches, self.loss_fn = slots, ref, batches, loss_fn
         self.seed, self.generator, self.formats = seed, generator, formats
         self.max_flushed, self.exhaustive = limits
@@ -211,8 +213,15 @@ class Measurer:
                 continue  # never called on these batches: nothing to measure, left as it is
             m, k = captured["x"].shape
             n = captured["w"].shape[0]
-            costs = {fmt: float(cost_fn(fmt, m, n, k)) for fmt in (*formats, "bf16", "fp32")}
-            self.layers[fqn] = {"shape": [m, n, k], "flops": 6 * m * n * k, "cost": costs, "divergence": {}}
+            priced = m if rows is None else rows  # errors are measured at m, the cost is the run's
+            costs = {fmt: float(cost_fn(fmt, priced, n, k)) for fmt in (*formats, "bf16", "fp32")}
+            self.layers[fqn] = {
+                "shape": [m, n, k],
+                "priced_rows": priced,
+                "flops": 6 * priced * n * k,
+                "cost": costs,
+                "divergence": {},
+            }
 
     def measure(self, fqn: str, fmt: str) -> dict[str, Any]:
         done = self.layers[fqn]["divergence"]

@@ -178,7 +178,8 @@ def _trace(names: list, backs: list[dict], key: tuple[int, int]) -> dict:
 
 def reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -> str:
     """Why ``fqn`` got its format in a plan within a loss budget (``limits``: budget, grad_budget,
-    max_flushed)."""
+    max_flushed): every other measured format's cost relative to bf16 at the priced shape, and for each
+    cheaper one the limit it broke."""
     budget, grad_budget, max_flushed = limits
     fmt = chosen[fqn]
     info = layers[fqn]
@@ -187,14 +188,20 @@ def reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) ->
     cheaper = [f for f, c in info["cost"].items() if c < info["cost"][fmt] and f in info["divergence"]]
     own = info["divergence"][fmt]["loss"]
     if not cheaper:
-        return f"cheapest format; loss divergence {own:.2e} ({own / budget:.0%} of the budget)"
+        own_cost = "" if fmt == "bf16" else f"{_relative(info, fmt)}, "
+        return (
+            f"{own_cost}cheapest at {_at(info)}"
+            + _dearer(info, fmt)
+            + f"; loss divergence {own:.2e} ({own / budget:.0%} of the budget)"
+        )
     cheaper.sort(key=lambda g: info["cost"][g])
     d = info["divergence"][cheaper[0]]
     details = [f"{key} {d[key]:.1%}" for key in ("flushed", "saturated", "outlier_blocks") if d[key] >= 0.01]
-    scores = [_why_not(g, info["divergence"][g], grad_budget, max_flushed) for g in cheaper]
+    scores = [_why_not(g, info["divergence"][g], grad_budget, max_flushed, info) for g in cheaper]
     tightened = " after tightening" if len(rounds) > 1 else ""
     return (
-        ", ".join(scores)
+        f"{_relative(info, fmt)} at {_at(info)}; "
+        + ", ".join(scores)
         + (f" ({cheaper[0]}: " + ", ".join(details) + ")" if details else "")
         + f"; budget {budget:.2e}"
         + ("" if grad_budget is None else f", grad_budget {grad_budget:.2e}")
@@ -209,19 +216,46 @@ def reason_at_cost(fqn: str, chosen: dict, layers: dict, max_cost: float, max_fl
     own = info["divergence"][fmt]["loss"]
     others = sorted((g for g in info["divergence"] if g != fmt), key=lambda g: info["cost"][g])
     cheaper = [
-        _why_not(g, info["divergence"][g], None, max_flushed)
+        _why_not(g, info["divergence"][g], None, max_flushed, info)
         for g in others
         if info["cost"][g] < info["cost"][fmt]
     ]
-    text = f"loss divergence {own:.2e}; the most accurate measured mix within {max_cost:g}x bf16's cost"
+    text = (
+        f"{_relative(info, fmt)} at {_at(info)}, loss divergence {own:.2e}; "
+        f"the most accurate measured mix within {max_cost:g}x bf16's cost"
+    )
     return text + ("" if not cheaper else "; cheaper: " + ", ".join(cheaper))
 
 
-def _why_not(fmt: str, d: dict[str, Any], grad_budget: float | None, max_flushed: float) -> str:
+def _relative(info: dict[str, Any], fmt: str) -> str:
+    """``"nvfp4 0.31x bf16"``: a format's cost over bf16's for this layer in the plan's cost model."""
+    return f"{fmt} {info['cost'][fmt] / info['cost']['bf16']:.2f}x bf16"
+
+
+def _at(info: dict[str, Any]) -> str:
+    """The shape the layer was priced at: ``"M=4096"`` (rows of its GEMMs)."""
+    return f"M={info.get('priced_rows', info['shape'][0])}"
+
+
+def _dearer(info: dict[str, Any], fmt: str) -> str:
+    """The formats that cost more than ``fmt`` here, each relative to bf16: why they lost without a
+    measurement (fp32, which the cost always holds, only when it was a candidate and measured)."""
+    dearer = [
+        g
+        for g, c in info["cost"].items()
+        if c > info["cost"][fmt] and g != "bf16" and (g != "fp32" or g in info["divergence"])
+    ]
+    dearer.sort(key=info["cost"].get)
+    return "" if not dearer else " (no gain: " + ", ".join(_relative(info, g) for g in dearer) + ")"
+
+
+def _why_not(
+    fmt: str, d: dict[str, Any], grad_budget: float | None, max_flushed: float, info: dict[str, Any]
+) -> str:
+    priced = _relative(info, fmt)
     if d["fprop_flushed"] > max_flushed:
-        return (
-            f"{fmt} flushes {d['fprop_flushed']:.0%} of its forward input or weight (over {max_flushed:.0%})"
-        )
+        flushed = d["fprop_flushed"]
+        return f"{priced} flushes {flushed:.0%} of its forward input or weight (over {max_flushed:.0%})"
     if grad_budget is not None and d["weight_grad"] > grad_budget:
-        return f"{fmt} would change the weight gradients {d['weight_grad']:.2e} (over {grad_budget:.2e})"
-    return f"{fmt} would change the loss {d['loss']:.2e}"
+        return f"{priced} would change the weight gradients {d['weight_grad']:.2e} (over {grad_budget:.2e})"
+    return f"{priced} would change the loss {d['loss']:.2e}"

@@ -43,7 +43,10 @@ the (up to 3) assignments of least summed squared weight-gradient divergence wit
 each as a whole and returns the one whose weight gradients changed least.
 
 The cost of a format for a layer is the roofline time of its three training GEMMs on a named GPU
-(:mod:`mixprec.inspect.plan_cost`), or a user's ``cost(format, m, n, k)``.
+(:mod:`mixprec.lowbit.cost`, the model :func:`mixprec.lowbit.auto_filter` uses too), timed on the
+model's device, or a user's ``cost(format, m, n, k)``, at ``M = tokens_per_step`` rows (the run's step;
+the calibration batch's rows, with a warning, when it is not given) while the errors are measured on the
+calibration batches.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from mixprec.inspect._restore import preserved
 from mixprec.inspect.plan_cost import CostFn, resolve_cost
 from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.lowbit import RECIPES, get_recipe
+from mixprec.lowbit.cost import check_tokens_per_step
 
 __all__ = ["plan_precision"]
 
@@ -85,6 +89,7 @@ def plan_precision(
     formats: Sequence[str] = ("nvfp4", "mxfp8", "bf16"),
     budget: float | None = 0.01,
     cost: str | CostFn | None = None,
+    tokens_per_step: int | None = None,
     grad_budget: float | None = None,
     max_flushed: float = 0.15,
     max_cost: float | None = None,
@@ -111,6 +116,11 @@ def plan_precision(
             None together with ``max_cost``.
         cost: a target name (``"b200"``, ``"h100"``), ``"measured"`` (timed on the model's device) or
             ``cost(format, m, n, k) -> float``; None: ``"measured"`` on a CUDA model, else ``"b200"``.
+        tokens_per_step: the rows M of every linear layer's GEMMs in one training step of the run
+            (batch x sequence length per rank): each format is priced at ``(tokens_per_step, N, K)``
+            while its errors are measured on ``batches``. None: priced at the calibration batch's own
+            rows, with a warning naming them (a small calibration batch makes every low-bit GEMM
+            look memory-bound, so the plan would be for the calibration batch, not the run).
         grad_budget: an optional second bound (> 0) on the whole plan's measured relative change of the
             weight gradients (all linears, ``||G - G_ref|| / ||G_ref||``); None: gradients only break ties.
         max_flushed: the largest share (in (0, 1]) of the nonzero values of a layer's forward input or
@@ -145,8 +155,9 @@ def plan_precision(
             changed then.
 
     Warns:
-        UserWarning: naming the ``nn.Linear`` layers ``loss_fn`` never called; they are left out of the
-            plan and stay as they are.
+        UserWarning: naming the ``nn.Linear`` layers ``loss_fn`` never called (left out of the plan,
+            listed in its ``not_run``, they stay as they are); and, without ``tokens_per_step``, naming
+            the calibration rows every GEMM was priced at.
     """
     start = time.process_time()
     check_model(model)
@@ -164,6 +175,8 @@ def plan_precision(
     if measure not in ("exact", "local"):
         raise ValueError(f"measure must be 'exact' or 'local', got {measure!r}")
     target, cost_fn = resolve_cost(cost, model, formats)
+    if tokens_per_step is not None:
+        check_tokens_per_step(tokens_per_step)
     fqns = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not fqns:
         raise ValueError("model has no nn.Linear layer to plan")
@@ -187,7 +200,16 @@ def plan_precision(
             if not all(math.isfinite(loss) for loss in losses):
                 raise ValueError(f"loss_fn returned a non-finite loss at high precision: {losses}")
             measurer = (LocalMeasurer if measure == "local" else Measurer)(
-                slots, ref, batches, loss_fn, seed, generator, cost_fn, formats, (max_flushed, exhaustive)
+                slots,
+                ref,
+                batches,
+                loss_fn,
+                seed,
+                generator,
+                cost_fn,
+                formats,
+                (max_flushed, exhaustive),
+                rows=tokens_per_step,
             )
             limits = (budget, grad_budget, float(max_flushed))
             if max_cost is None:
@@ -209,6 +231,8 @@ def plan_precision(
             UserWarning,
             stacklevel=2,
         )
+    if tokens_per_step is None:
+        _warn_calibration_rows(layers)
     ran = [f for f in fqns if f not in never_ran]
     if max_cost is None:
         reasons = {f: reason(f, chosen, layers, limits, rounds) for f in ran}
@@ -230,6 +254,21 @@ def plan_precision(
         measure=measure + ("+exact" if any("switched_to_exact" in r for r in rounds) else ""),
         max_cost=max_cost,
         min_low_share=min_low_share,
+        tokens_per_step=tokens_per_step,
+        not_run=never_ran,
+    )
+
+
+def _warn_calibration_rows(layers: dict[str, dict[str, Any]]) -> None:
+    """Say that the plan was priced at the calibration batch's rows, and how to price the run."""
+    rows = sorted({info["shape"][0] for info in layers.values()})
+    shown = str(rows[0]) if len(rows) == 1 else f"{rows[0]}-{rows[-1]}"
+    warnings.warn(
+        f"plan_precision: tokens_per_step not given, so every GEMM is priced at the calibration batch's "
+        f"{shown} rows; pass tokens_per_step=N (the rows of each layer's GEMMs in one training step) "
+        f"to plan for the run's shape",
+        UserWarning,
+        stacklevel=3,
     )
 
 

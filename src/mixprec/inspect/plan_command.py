@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak, measured (timed here)"
     )
+    parser.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=None,
+        help="rows M of each layer's GEMMs in one training step: the shape the cost is priced at "
+        "(default: the calibration batch's rows, with a warning)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
     parser.add_argument("--plot", type=Path, default=Path("plan.png"), help="where the plot goes")
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         max_cost=args.max_cost,
         min_low_share=args.min_low_share,
         cost=args.cost,
+        tokens_per_step=args.tokens_per_step,
         grad_budget=args.grad_budget,
         exhaustive=args.exhaustive,
         measure=args.measure,

@@ -19,8 +19,10 @@ from mixprec.lowbit.swap import converted_as, is_converted, refuse_reconversion
 
 __all__ = ["PrecisionPlan"]
 
-_VERSION = 3
-_READS = (2, 3)  # version 2 documents have no ``measure`` field: they were measured exactly
+_VERSION = 4
+#: version 2 documents have no ``measure`` field (they were measured exactly); versions 2-3 have no
+#: ``tokens_per_step`` or ``not_run`` (priced at the calibration rows; every linear that ran is listed)
+_READS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,14 @@ class PrecisionPlan:
 
     Attributes:
         formats: qualified name -> format (a :mod:`mixprec.lowbit` recipe name, ``"bf16"`` or ``"fp32"``).
-        layers: qualified name -> ``{"shape": [M, N, K], "flops": int, "cost": {format: float},
+        layers: qualified name -> ``{"shape": [M, N, K], "priced_rows": int, "flops": int,
+            "cost": {format: float},
             "divergence": {format: {"loss", "weight_grad", "input_grad", "error", "flushed",
             "saturated", "outlier_blocks", "fprop_flushed"}}}``: ``M`` rows of input (tokens) over the
-            planning batches' first batch, ``N`` outputs, ``K`` inputs; ``flops`` of the three training
-            GEMMs (``6 M N K``); cost in the cost model's unit; the divergences are relative (0.01 = 1 %),
+            planning batches' first batch, ``N`` outputs, ``K`` inputs; ``priced_rows`` the rows the
+            cost was computed at (``tokens_per_step``, else ``M``); ``flops`` of the three training
+            GEMMs at those rows (``6 priced_rows N K``); cost in the cost model's unit; the divergences
+            are relative (0.01 = 1 %),
             quantization shares in [0, 1] (``fprop_flushed``: of the forward input and weight only).
         reasons: qualified name -> why its format was chosen, in words.
         budget: the bound on the measured relative loss change of the whole plan (None for a plan made
@@ -52,6 +57,8 @@ class PrecisionPlan:
             (that round is marked ``switched_to_exact`` in ``rounds``).
         max_cost, min_low_share: the cost bound (relative to all planned layers in bf16) and least share
             of GEMM FLOPs below bf16 of a plan made as the most accurate within a cost (else None).
+        tokens_per_step: the rows M every GEMM was priced at (None: each layer's calibration rows).
+        not_run: the ``nn.Linear`` layers ``loss_fn`` never called: not planned, kept as they are.
     """
 
     formats: dict[str, str]
@@ -68,6 +75,8 @@ class PrecisionPlan:
     max_cost: float | None = None
     min_low_share: float | None = None
     measure: str = "exact"
+    tokens_per_step: int | None = None
+    not_run: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ reading
     def flop_share(self, fqn: str) -> float:
@@ -150,7 +159,12 @@ class PrecisionPlan:
                 f"{fqn:<24} {f'{m}x{n}x{k}':>18} {self.flop_share(fqn):>6.1%} {fmt:<15} "
                 f"{d['loss']:>9.2e} {d['weight_grad']:>9.2e}  {self.reasons[fqn]}"
             )
+        lines += [
+            f"{fqn:<24} {'':>18} {'':>6} {'-':<15} {'':>9} {'':>9}  not run, kept as is"
+            for fqn in self.not_run
+        ]
         m = self.measured
+        lines.append(self._priced())
         lines.append(
             f"plan: {self.low_precision_share():.1%} of GEMM FLOPs below bf16, "
             f"cost {self.relative_cost():.3f}x bf16 on {self.target}; "
@@ -160,6 +174,15 @@ class PrecisionPlan:
             f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps, {self.passes} passes"
         )
         return "\n".join(lines)
+
+    def _priced(self) -> str:
+        """The line saying which rows M the cost model priced the GEMMs at (M x N x K above is measured)."""
+        if self.tokens_per_step is not None:
+            rows = self.tokens_per_step
+            return f"priced at M={rows} rows per GEMM (tokens_per_step); errors measured at M x N x K above"
+        rows = sorted({info["shape"][0] for info in self.layers.values()})
+        shown = ", ".join(map(str, rows)) if len(rows) < 4 else f"{rows[0]}-{rows[-1]}"
+        return f"priced at the calibration batch's M={shown} rows (no tokens_per_step: not the run's shape)"
 
     def _bound(self) -> str:
         if self.budget is not None:

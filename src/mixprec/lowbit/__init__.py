@@ -12,7 +12,9 @@
   matmul); on CUDA each GEMM runs on the tensor-core kernel the device has (fp8 tensorwise / rowwise from
   sm89, fp8 blockwise on sm90, MXFP8 / MXFP4 / NVFP4 on sm100; :mod:`~mixprec.lowbit.kernels`), else
   emulated;
-  :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws.
+  :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws;
+* :func:`auto_filter` is a ``module_filter_fn`` that keeps out the layers too small to gain from a recipe
+  at a run's ``tokens_per_step``, by the planner's roofline (:mod:`~mixprec.lowbit.cost`).
 
 Example::
 
@@ -29,6 +31,7 @@ from mixprec.lowbit.convert import (
     lowbit_linears,
     sr_state_dict,
 )
+from mixprec.lowbit.cost import auto_filter
 from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRule, get_format
 from mixprec.lowbit.gemm import hadamard_16, lowbit_mm
 from mixprec.lowbit.linear import LowbitLinear
@@ -46,6 +49,7 @@ __all__ = [
     "Quantized",
     "Recipe",
     "ScaleRule",
+    "auto_filter",
     "convert_to_lowbit_training",
     "get_format",
     "get_recipe",
