@@ -12,7 +12,9 @@
   matmul); on CUDA each GEMM runs on the tensor-core kernel the device has (fp8 tensorwise / rowwise from
   sm89, fp8 blockwise on sm90, MXFP8 / MXFP4 / NVFP4 on sm100; :mod:`~mixprec.lowbit.kernels`), else
   emulated;
-  :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws.
+  :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws;
+* :class:`save_activations` keeps the tensors autograd saves for backward in fp8 or mxfp8
+  (:mod:`~mixprec.lowbit.activations`).
 
 Example::
 
@@ -22,6 +24,7 @@ Example::
     err = (q.dequantize() - x).abs().max()
 """
 
+from mixprec.lowbit.activations import save_activations
 from mixprec.lowbit.convert import (
     ModuleFilter,
     convert_to_lowbit_training,
@@ -55,5 +58,6 @@ __all__ = [
     "lowbit_mm",
     "quantize",
     "round_to_element",
+    "save_activations",
     "sr_state_dict",
 ]
