@@ -225,7 +225,7 @@ def lowbit_allreduce_hook(fmt: str) -> Callable[[LowbitCommState | None, Any], t
         state.bytes_sent += payload.numel() * payload.element_size() + (4 if fmt == "fp8" else 0)
         wire = payload.view(torch.uint8) if fmt == "fp8" else payload  # gloo has no float8 dtypes
         gathered = wire.new_empty(world * wire.numel())  # gloo wants one flat output
-        work = dist.all_gather_into_tensor(gathered, wire, group=group, async_op=True)
+        work = dist.all_gather_single(gathered, wire, group=group, async_op=True)
         out_dtype = bucket.buffer().dtype
 
         def reduce(_: torch.futures.Future) -> torch.Tensor:

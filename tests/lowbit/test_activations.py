@@ -126,6 +126,7 @@ def test_ints_bools_small_tensors_and_parameters_untouched() -> None:
     with save_activations("fp8", module=module) as saved:
         _Probe.apply(*tensors).backward()
     assert saved.quantized == 0 and saved.kept == len(tensors)
+    assert saved.kept_bytes == sum(t.numel() * t.element_size() for t in tensors)
     assert all(back is t or torch.equal(back, t) for back, t in zip(_Probe.seen, tensors, strict=True))
     assert _Probe.seen[0].dtype == torch.int64 and _Probe.seen[1].dtype == torch.bool
     with save_activations("fp8") as saved:  # without module=, the buffer's slice is quantized
@@ -152,6 +153,7 @@ def test_packed_bytes_count_the_pack_hooks_outputs(fmt: str) -> None:
     assert saved.original_bytes == 6400
     assert saved.packed_bytes == q.data.numel() + q.scale.numel() * q.scale.element_size()
     assert saved.packed_bytes == (1600 + 64 if fmt == "fp8" else 16 * 128 + 16 * 4)
+    assert saved.kept_bytes == 0
 
 
 def test_nested_innermost_applies_and_active_instance_refused() -> None:

@@ -79,7 +79,8 @@ class save_activations:  # lower case: a context manager, spelled like torch's s
     Attributes:
         quantized, kept: how many saved tensors were quantized / kept as they are.
         original_bytes: the bytes the quantized tensors had; packed_bytes: what their quantized form
-            holds (data and scales). Kept tensors are not counted in either.
+            holds (data and scales); kept_bytes: the bytes of the tensors kept as they are (a parameter
+            saved twice counts twice).
 
     Raises:
         ValueError: for another ``fmt`` or a ``min_numel`` that is not an int >= 1, or on entering an
@@ -107,6 +108,7 @@ class save_activations:  # lower case: a context manager, spelled like torch's s
         self.kept = 0
         self.original_bytes = 0
         self.packed_bytes = 0
+        self.kept_bytes = 0
         self._hooks: Any = None
         self._owned: frozenset[int] = frozenset()
 
@@ -132,6 +134,7 @@ class save_activations:  # lower case: a context manager, spelled like torch's s
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _Packed:
         if not self._quantizes(t):
             self.kept += 1
+            self.kept_bytes += t.numel() * t.element_size()
             return t
         q = quantize(t.detach(), self.lowbit_format, axis=-1, pad=True)
         self.quantized += 1
