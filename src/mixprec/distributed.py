@@ -8,18 +8,33 @@ per-process and unaffected by the wrappers. What is here:
   scaler (docs/distributed.md explains the fp16 overflow in the all-reduce).
 - :func:`replicas_identical`: whether every rank holds bit-identical tensors, the invariant DDP relies on and
   a per-rank skip decision silently breaks.
+- :func:`lowbit_allreduce_hook` / :class:`LowbitCommState`: a DDP comm hook that sends gradient buckets in
+  fp8 (one scale agreed across ranks, all-gather, float32 sum) or bf16, with optional error feedback;
+  :class:`LowbitReduceScatter` is the same for FSDP2 (``FSDPModule.set_custom_reduce_scatter``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMPRESSION_HOOKS", "compression_hook", "replicas_identical"]
+from mixprec.lowbit import scaling
+from mixprec.lowbit.formats import E4M3
+from mixprec.scaling.skip import RankSync
+
+__all__ = [
+    "COMPRESSION_HOOKS",
+    "LOWBIT_COMM_FORMATS",
+    "LowbitCommState",
+    "LowbitReduceScatter",
+    "compression_hook",
+    "lowbit_allreduce_hook",
+    "replicas_identical",
+]
 
 # Format name -> name of the DDP comm hook in torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
 COMPRESSION_HOOKS: dict[str, str] = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
@@ -94,3 +109,184 @@ def replicas_identical(
     digests: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)
     return len(set(digests)) == 1
+
+
+# -- low-bit gradient communication ------------------------------------------------------------------------
+
+#: Formats the low-bit hooks send gradients in.
+LOWBIT_COMM_FORMATS = ("fp8", "bf16")
+
+
+def _check_comm_format(fmt: object) -> str:
+    if not isinstance(fmt, str) or fmt not in LOWBIT_COMM_FORMATS:
+        raise ValueError(
+            f"low-bit communication format must be one of {list(LOWBIT_COMM_FORMATS)}, got {fmt!r}"
+        )
+    return fmt
+
+
+class LowbitCommState:
+    """The state :func:`lowbit_allreduce_hook` keeps between steps (``register_comm_hook(state, hook)``).
+
+    Args:
+        process_group: the ranks that reduce; None means the default group.
+        error_feedback: add the previous step's quantization error of each bucket to its gradients before
+            quantizing (residual kept per bucket index; dropped when DDP rebuilds its buckets).
+
+    Attributes:
+        residuals: bucket index -> float32 residual (with ``error_feedback``).
+        bytes_sent: bytes this rank has handed to collectives (the inputs' sizes: the amax and the payload).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, error_feedback: bool = False) -> None:
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group must be a ProcessGroup or None, got {type(process_group).__name__}"
+            )
+        self.process_group = process_group
+        self.error_feedback = error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.bytes_sent = 0
+
+
+def _agreed_scale(grad: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the e4m3 scale from the MAX over the ranks of ``max|grad|``, whether that amax is finite)."""
+    amax = grad.abs().max().to(torch.float32) if grad.numel() else grad.new_zeros((), dtype=torch.float32)
+    _, amax = RankSync(True, group).max_across_ranks(torch.zeros((), device=grad.device), amax)
+    finite = torch.isfinite(amax)
+    return scaling.fp32_scale(torch.where(finite, amax, 1.0), E4M3, False), finite
+
+
+def _encode(grad: torch.Tensor, fmt: str, scale: torch.Tensor | None) -> torch.Tensor:
+    if fmt == "bf16":
+        return grad.to(torch.bfloat16)
+    return torch.clamp(grad * scale, -E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
+
+
+def _decode_sum(payloads: torch.Tensor, fmt: str, scale: torch.Tensor | None, finite: torch.Tensor | None):
+    """float32 sum over dim 0 of the ranks' payloads, in rank order (the same bits on every rank)."""
+    total = payloads.to(torch.float32).sum(dim=0)
+    if fmt == "bf16":
+        return total
+    return torch.where(finite, total / scale, torch.nan)  # a non-finite gradient anywhere: nan everywhere
+
+
+def _with_residual(state: LowbitCommState, index: int, grad: torch.Tensor) -> torch.Tensor:
+    residual = state.residuals.get(index)
+    if state.error_feedback and residual is not None and residual.shape == grad.shape:
+        return grad.to(torch.float32) + residual
+    return grad.to(torch.float32)
+
+
+def _keep_residual(state, index, grad, payload, fmt, scale) -> None:
+    if state.error_feedback:
+        sent = payload.to(torch.float32) if fmt == "bf16" else payload.to(torch.float32) / scale
+        state.residuals[index] = torch.nan_to_num(grad - sent, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def lowbit_allreduce_hook(fmt: str) -> Callable[[LowbitCommState | None, Any], torch.futures.Future]:
+    """A DDP communication hook that averages gradient buckets sent in ``fmt``.
+
+    Use: ``ddp.register_comm_hook(LowbitCommState(error_feedback=True), lowbit_allreduce_hook("fp8"))``
+    (a None state means the default group and no error feedback). Per bucket::
+
+        g = bucket + residual                   (error feedback only)
+        fp8:  amax = all_reduce(max|g|, MAX)     one scale for every rank (RankSync, as GradScaler's)
+              q = e4m3(saturate(g * 448 / amax)); gathered = all_gather(q)
+              out = float32 sum of gathered in rank order / scale / world size   (nan everywhere if amax
+              is not finite, so a loss scaler skips on every rank)
+        bf16: gathered = all_gather(bf16(g)); out = float32 sum / world size
+        residual = g - dequantize(q)            (error feedback only)
+
+    fp8 values are not summed in flight (a sum of e4m3 values is not an e4m3 value, and the reduction order
+    would differ between ranks); every rank sums the same gathered bytes in the same order, so the reduced
+    gradients are bitwise identical on every rank. An all-gather moves ``world_size - 1`` payloads per
+    rank, a ring all-reduce about two, so at more than ~8 ranks fp8 stops saving wire bytes over a bf16
+    all-reduce.
+
+    Raises:
+        ValueError: for a format other than "fp8" or "bf16".
+        RuntimeError: when torch.distributed is not available.
+    """
+    fmt = _check_comm_format(fmt)
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed, so no DDP comm hooks")
+
+    def hook(state: LowbitCommState | None, bucket: Any) -> torch.futures.Future:
+        state = state if state is not None else LowbitCommState()
+        group = state.process_group
+        world = dist.get_world_size(group)
+        grad = _with_residual(state, bucket.index(), bucket.buffer())
+        scale, finite = _agreed_scale(grad, group) if fmt == "fp8" else (None, None)
+        payload = _encode(grad, fmt, scale)
+        _keep_residual(state, bucket.index(), grad, payload, fmt, scale)
+        state.bytes_sent += payload.numel() * payload.element_size() + (4 if fmt == "fp8" else 0)
+        wire = payload.view(torch.uint8) if fmt == "fp8" else payload  # gloo has no float8 dtypes
+        gathered = wire.new_empty(world * wire.numel())  # gloo wants one flat output
+        work = dist.all_gather_single(gathered, wire, group=group, async_op=True)
+        out_dtype = bucket.buffer().dtype
+
+        def reduce(_: torch.futures.Future) -> torch.Tensor:
+            payloads = (gathered.view(payload.dtype) if fmt == "fp8" else gathered).view(world, -1)
+            return (_decode_sum(payloads, fmt, scale, finite) / world).to(out_dtype)
+
+        return work.get_future().then(reduce)
+
+    hook.__name__ = hook.__qualname__ = f"lowbit_allreduce_hook_{fmt}"
+    # DDP compares the annotations with the objects; this module's are strings (postponed evaluation).
+    hook.__annotations__ = {
+        "state": LowbitCommState | None,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return hook
+
+
+class LowbitReduceScatter:
+    """FSDP2's reduce-scatter in ``fmt``: ``module.set_custom_reduce_scatter(LowbitReduceScatter("fp8"))``.
+
+    torch 2.13's ``FSDPModule.set_custom_reduce_scatter`` takes any object with FSDP's ``ReduceScatter``
+    shape (``allocate`` and ``__call__(output_tensor, input_tensor, group, op, async_op)``). Per call: a
+    scale agreed across ``group`` (fp8), each rank's ``world_size`` chunks encoded, exchanged with one
+    all-to-all, and the received chunks summed in float32 in rank order into ``output_tensor``; ``op``
+    AVG divides by the world size, SUM does not (FSDP divides before / after itself then). The call is
+    synchronous. ``bytes_sent`` counts the payload and amax bytes handed to the collectives.
+
+    Raises:
+        ValueError: for another format, or (at a reduce-scatter) an ``op`` other than SUM or AVG, e.g. the
+            PREMUL_SUM FSDP picks for a custom ``set_gradient_divide_factor``.
+    """
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = _check_comm_format(fmt)
+        self.bytes_sent = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(
+                f"LowbitReduceScatter reduces with SUM or AVG, got {op!r}; drop set_gradient_divide_factor "
+                "or call set_force_sum_reduction_for_comms(True)"
+            )
+        world = dist.get_world_size(group)
+        grad = input_tensor.to(torch.float32)
+        scale, finite = _agreed_scale(grad, group) if self.fmt == "fp8" else (None, None)
+        payload = _encode(grad, self.fmt, scale)
+        wire = payload.view(torch.uint8) if self.fmt == "fp8" else payload
+        received = torch.empty_like(wire)
+        dist.all_to_all_single(received, wire, group=group)
+        self.bytes_sent += wire.numel() * wire.element_size() + (4 if self.fmt == "fp8" else 0)
+        payloads = received.view(payload.dtype).view(world, -1)
+        total = _decode_sum(payloads, self.fmt, scale, finite)
+        output_tensor.copy_(total / world if op == dist.ReduceOp.AVG else total)

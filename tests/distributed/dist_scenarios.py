@@ -332,7 +332,106 @@ def fsdp(rank: int, world_size: int) -> Result:
     return result
 
 
-SCENARIOS: dict[str, Callable[[int, int], Result]] = {"sharded": sharded, "ddp": ddp, "fsdp": fsdp}
+# -- low-bit gradient communication (issue 30 item 3) -----------------------------------------------------
+
+
+def _lowbit_grads(rank: int, world_size: int, fmt: str | None) -> Result:
+    """One DDP backward on rank-local data: the reduced gradients, with the hook or plain fp32."""
+    from mixprec.distributed import LowbitCommState, lowbit_allreduce_hook
+
+    model = DDP(_mlp(), bucket_cap_mb=0.001)  # several buckets
+    state = LowbitCommState()
+    if fmt is not None:
+        model.register_comm_hook(state, lowbit_allreduce_hook(fmt))
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(8, 12) * (1 + 3 * rank), torch.randint(0, 3, (8,))
+    F.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return {"grads": grads, "bytes": state.bytes_sent, "numel": sum(g.numel() for g in grads)}
+
+
+def _lowbit_train(rank: int, world_size: int, fmt: str | None, feedback: bool) -> Result:
+    from mixprec.distributed import LowbitCommState, lowbit_allreduce_hook
+
+    model = DDP(_mlp())
+    state = LowbitCommState(error_feedback=feedback)
+    if fmt is not None:
+        model.register_comm_hook(state, lowbit_allreduce_hook(fmt))
+    x, y = _data()
+    local = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+    for _ in range(40):
+        loss = F.cross_entropy(model(x[local]), y[local])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        full = F.cross_entropy(model(x), y).item()
+    return {
+        "losses": losses,
+        "full": full,
+        "identical": replicas_identical(model),
+        "residuals": len(state.residuals),
+    }
+
+
+def _lowbit_nonfinite(rank: int) -> Result:
+    from mixprec.distributed import lowbit_allreduce_hook
+
+    model = DDP(_mlp())
+    model.register_comm_hook(None, lowbit_allreduce_hook("fp8"))
+    x = torch.randn(4, 12)
+    if rank == 1:
+        x[0, 0] = INF
+    model(x).sum().backward()
+    return {"finite": [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]}
+
+
+def _lowbit_fsdp2(rank: int, world_size: int, fmt: str | None) -> Result:
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec.distributed import LowbitReduceScatter
+
+    model = _mlp()
+    comms = []
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+        if fmt is not None:
+            comms.append(LowbitReduceScatter(fmt))
+            module.set_custom_reduce_scatter(comms[-1])
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(8, 12) * (1 + 3 * rank), torch.randint(0, 3, (8,))
+    F.cross_entropy(model(x), y).backward()
+    return {
+        "grads": [p.grad.full_tensor().clone() for p in model.parameters()],
+        "bytes": sum(c.bytes_sent for c in comms),
+    }
+
+
+def lowbit_comm(rank: int, world_size: int) -> Result:
+    return {
+        "grads_fp32": _lowbit_grads(rank, world_size, None),
+        "grads_fp8": _lowbit_grads(rank, world_size, "fp8"),
+        "grads_bf16": _lowbit_grads(rank, world_size, "bf16"),
+        "train_fp32": _lowbit_train(rank, world_size, None, False),
+        "train_fp8": _lowbit_train(rank, world_size, "fp8", False),
+        "train_fp8_ef": _lowbit_train(rank, world_size, "fp8", True),
+        "train_bf16": _lowbit_train(rank, world_size, "bf16", False),
+        "nonfinite": _lowbit_nonfinite(rank),
+        "fsdp2_fp32": _lowbit_fsdp2(rank, world_size, None),
+        "fsdp2_fp8": _lowbit_fsdp2(rank, world_size, "fp8"),
+        "fsdp2_bf16": _lowbit_fsdp2(rank, world_size, "bf16"),
+    }
+
+
+SCENARIOS: dict[str, Callable[[int, int], Result]] = {
+    "sharded": sharded,
+    "ddp": ddp,
+    "fsdp": fsdp,
+    "lowbit_comm": lowbit_comm,
+}
 
 
 def main(name: str, world_size: int, out: Path, rank: int) -> None:

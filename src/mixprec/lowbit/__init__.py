@@ -15,6 +15,8 @@
   :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws;
 * :func:`auto_filter` is a ``module_filter_fn`` that keeps out the layers too small to gain from a recipe
   at a run's ``tokens_per_step``, by the planner's roofline (:mod:`~mixprec.lowbit.cost`).
+* :class:`save_activations` keeps the tensors autograd saves for backward in fp8 or mxfp8
+  (:mod:`~mixprec.lowbit.activations`).
 
 Example::
 
@@ -24,6 +26,7 @@ Example::
     err = (q.dequantize() - x).abs().max()
 """
 
+from mixprec.lowbit.activations import save_activations
 from mixprec.lowbit.convert import (
     ModuleFilter,
     convert_to_lowbit_training,
@@ -59,5 +62,6 @@ __all__ = [
     "lowbit_mm",
     "quantize",
     "round_to_element",
+    "save_activations",
     "sr_state_dict",
 ]
