@@ -150,6 +150,47 @@ class LowbitCommState:
         self.residuals: dict[int, torch.Tensor] = {}
         self.bytes_sent = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """``{"error_feedback", "residuals" (bucket index -> float32 tensor, cloned), "bytes_sent"}``.
+
+        The process group is not saved: it belongs to the run, not to the checkpoint.
+        """
+        residuals = {int(k): v.detach().clone() for k, v in self.residuals.items()}
+        return {"error_feedback": self.error_feedback, "residuals": residuals, "bytes_sent": self.bytes_sent}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; checked whole first, so a bad one changes nothing.
+
+        Raises:
+            ValueError: a missing key, an ``error_feedback`` other than this state's, a residual that is
+                not a float32 tensor under an int key, or a negative ``bytes_sent``.
+        """
+        missing = {"error_feedback", "residuals", "bytes_sent"} - set(state_dict)
+        if missing:
+            raise ValueError(f"LowbitCommState.load_state_dict: missing keys {sorted(missing)}")
+        if state_dict["error_feedback"] != self.error_feedback:
+            raise ValueError(
+                "LowbitCommState.load_state_dict: saved with "
+                f"error_feedback={state_dict['error_feedback']!r}, "
+                f"this state has error_feedback={self.error_feedback!r}"
+            )
+        residuals = state_dict["residuals"]
+        for key, value in residuals.items():
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise ValueError(
+                    f"LowbitCommState.load_state_dict: residual key {key!r} is not a bucket index"
+                )
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+                raise ValueError(
+                    f"LowbitCommState.load_state_dict: residual {key} must be a float32 tensor, got "
+                    f"{getattr(value, 'dtype', type(value).__name__)}"
+                )
+        sent = state_dict["bytes_sent"]
+        if isinstance(sent, bool) or not isinstance(sent, int) or sent < 0:
+            raise ValueError(f"LowbitCommState.load_state_dict: bytes_sent must be an int >= 0, got {sent!r}")
+        self.residuals = {k: v.detach().clone() for k, v in residuals.items()}
+        self.bytes_sent = sent
+
 
 def _agreed_scale(grad: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the e4m3 scale from the MAX over the ranks of ``max|grad|``, whether that amax is finite)."""

@@ -83,3 +83,70 @@ def test_reduce_scatter_refuses_premul_sum() -> None:
     out = torch.empty(2)
     with pytest.raises(ValueError, match="SUM or AVG"):
         LowbitReduceScatter("fp8")(out, torch.ones(4), None, op)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo group in this process, destroyed afterwards so no other test sees it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _ddp_steps(state, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)))
+    model.register_comm_hook(state, lowbit_allreduce_hook("fp8"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + step))
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        optimizer.step()
+    return grads
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_comm_state_round_trips_and_resumes_error_feedback() -> None:
+    state = LowbitCommState(error_feedback=True)
+    _ddp_steps(state, 2)
+    assert state.residuals and state.bytes_sent > 0
+    saved = state.state_dict()
+    fresh = LowbitCommState(error_feedback=True)
+    fresh.load_state_dict(saved)
+    assert fresh.bytes_sent == state.bytes_sent
+    assert all(torch.equal(fresh.residuals[k], v) for k, v in state.residuals.items())
+    saved["residuals"][0].add_(1.0)  # the loaded state holds its own copy
+    assert not torch.equal(fresh.residuals[0], saved["residuals"][0])
+    # the residual is what the next step adds back: equal states give bitwise-equal next gradients
+    same = LowbitCommState(error_feedback=True)
+    same.load_state_dict(state.state_dict())
+    assert torch.equal(_ddp_steps(state, 1, seed=1)[0], _ddp_steps(same, 1, seed=1)[0])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"error_feedback": False}, "error_feedback=False"),
+        ({"residuals": {"0": torch.zeros(3)}}, "not a bucket index"),
+        ({"residuals": {0: torch.zeros(3, dtype=torch.bfloat16)}}, "float32"),
+        ({"bytes_sent": -1}, "bytes_sent"),
+    ],
+)
+def test_comm_state_refuses_a_bad_state_and_keeps_its_own(change: dict, message: str) -> None:
+    state = LowbitCommState(error_feedback=True)
+    state.residuals, state.bytes_sent = {0: torch.ones(3)}, 12
+    bad = {**state.state_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        state.load_state_dict(bad)
+    assert torch.equal(state.residuals[0], torch.ones(3)) and state.bytes_sent == 12
+    with pytest.raises(ValueError, match="missing keys"):
+        state.load_state_dict({})
