@@ -136,7 +136,8 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
             lows.append(n)
         work["grad"][n].copy_(params[i].grad.reshape(-1)[a:b])
         for key, role in zip(sf.MOMENTS, ("moment", "second"), strict=True):
-            sf.dequantize_(fmt, key == "exp_avg_sq", *_codes(fmt, states[i], key, a, b), work[role][n])
+            codes, scale = _codes(fmt, states[i], key, a, b)
+            sf.dequantize_(fmt, key == "exp_avg_sq", codes, scale, work[role][n], workspace.tables)
     steps = [states[i]["step"] for i, _, _ in segments]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
     (beta1, beta2), maximize = group["betas"], group.get("maximize", False)
@@ -146,7 +147,7 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
     for n, (i, a, b) in enumerate(segments):
         for key, role in zip(sf.MOMENTS, ("moment", "second"), strict=True):
             codes, scale = _codes(fmt, states[i], key, a, b)
-            sf.quantize_(fmt, key == "exp_avg_sq", work[role][n], codes, scale)
+            sf.quantize_(fmt, key == "exp_avg_sq", work[role][n], codes, scale, workspace.tables)
     for n in lows:
         i, a, b = segments[n]
         weight, value = params[i].view(-1)[a:b], work["values"][n]

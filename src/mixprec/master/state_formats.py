@@ -49,7 +49,6 @@ _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = torch.finfo(_E4M3).max
 _TINY = 1e-12  # the smallest block absmax, as torchao: an all-zero block gets a finite scale
 _CODE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.uint8, "fp8": _E4M3}
-_MAPS: dict[tuple[bool, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def check_state_format(value: Any) -> str | None:
@@ -85,13 +84,14 @@ def dynamic_map(signed: bool) -> list[float]:
     return sorted(data)
 
 
-def _map(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The map and the midpoints between its neighbours (fp32, on ``device``), made once per device."""
-    key = (signed, str(device))
-    if key not in _MAPS:
-        qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device)
-        _MAPS[key] = qmap, qmap[:-1] + (qmap[1:] - qmap[:-1]) * 0.5
-    return _MAPS[key]
+def _map(signed: bool, device: torch.device, tables: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map and the midpoints between its neighbours (fp32, on ``device``), made once per ``tables``
+    (the caller's cache, e.g. a :class:`~mixprec.master.lowp.Workspace`'s: no state shared process-wide)."""
+    key = ("qmap", signed, str(device))
+    if key not in tables:
+        qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32).to(device)
+        tables[key] = qmap, qmap[:-1] + (qmap[1:] - qmap[:-1]) * 0.5
+    return tables[key]
 
 
 def new_moments(fmt: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -142,10 +142,16 @@ def _scale_blocks_(values: torch.Tensor, scale: torch.Tensor, divide: bool) -> N
 
 
 def quantize_(
-    fmt: str, second: bool, values: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None
+    fmt: str,
+    second: bool,
+    values: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    tables: dict[Any, Any] | None = None,
 ) -> None:
     """Store the fp32 flat ``values`` (a segment starting at a block boundary) into ``codes`` and the
-    matching ``scale`` slice; ``values`` is used as workspace. ``second``: it is ``exp_avg_sq``."""
+    matching ``scale`` slice; ``values`` is used as workspace. ``second``: it is ``exp_avg_sq``;
+    ``tables``: where the int8 map is cached per device (None: made for this call)."""
     if fmt == "bf16":
         codes.copy_(values)
         return
@@ -158,12 +164,17 @@ def quantize_(
     if fmt == "fp8":
         codes.copy_(values)
         return
-    _, mids = _map(not second, values.device)
+    _, mids = _map(not second, values.device, {} if tables is None else tables)
     codes.copy_(torch.bucketize(values, mids, right=True))  # nearest map entry; a tie rounds up
 
 
 def dequantize_(
-    fmt: str, second: bool, codes: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor
+    fmt: str,
+    second: bool,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    out: torch.Tensor,
+    tables: dict[Any, Any] | None = None,
 ) -> None:
     """The fp32 values of the flat ``codes`` segment (and its ``scale`` slice), written into ``out``."""
     if fmt == "bf16":
@@ -173,7 +184,7 @@ def dequantize_(
     if fmt == "fp8":
         out.copy_(codes)
     else:
-        qmap, _ = _map(not second, codes.device)
+        qmap, _ = _map(not second, codes.device, {} if tables is None else tables)
         torch.index_select(qmap, 0, codes.int(), out=out)
     _scale_blocks_(out, scale, divide=False)
     if fmt == "fp8" and second:
