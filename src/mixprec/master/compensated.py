@@ -48,7 +48,9 @@ from torch.optim import Optimizer
 
 from mixprec.master import updates
 from mixprec.master.fused_adam import AdamUnit, adam_step
+from mixprec.master.lowbit_adam import check_lowbit_params, step_groups
 from mixprec.master.lowp import CHUNK, FOLD, Workspace
+from mixprec.master.state_formats import check_state_format
 from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
 
 __all__ = ["METHODS", "CompensatedOptimizer"]
@@ -78,6 +80,10 @@ class CompensatedOptimizer(OptimizerWrapper):
             scratch copy of each weight, then rounding it).
         skip_nonfinite: skip (and warn about) a step whose gradients are inf/nan or would overflow the
             optimizer state; False steps whatever comes, as torch does.
+        state_format: None (the moments as ``state_dtype`` says) or ``"bf16"``, ``"int8"``, ``"fp8"``: Adam's
+            moments stored in that low-bit format (:mod:`mixprec.master.state_formats`), stepped chunk by
+            chunk (:mod:`mixprec.master.lowbit_adam`); needs ``torch.optim.Adam``/``AdamW`` and
+            ``state_dtype=None``.
 
     Attributes:
         skipped_steps: steps skipped by ``skip_nonfinite`` so far.
@@ -87,7 +93,8 @@ class CompensatedOptimizer(OptimizerWrapper):
         TypeError: ``optimizer`` is not an Optimizer, ``scratch_numel`` not an int, ``skip_nonfinite`` not
             a bool.
         ValueError: unknown method, a parameter dtype the method cannot round, a non-positive
-            ``scratch_numel``, another ``state_dtype``, or an optimizer that already holds state.
+            ``scratch_numel``, another ``state_dtype``, an unknown ``state_format`` (or one with an optimizer
+            other than Adam/AdamW, or with ``state_dtype``), or an optimizer that already holds state.
     """
 
     def __init__(
@@ -99,17 +106,20 @@ class CompensatedOptimizer(OptimizerWrapper):
         scratch_numel: int | None = 2**24,
         state_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = True,
+        state_format: str | None = None,
     ) -> None:
         _check_args(optimizer, method, seed, scratch_numel, state_dtype)
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         _check_params(optimizer, method, [p for g in optimizer.param_groups for p in g["params"]])
+        _check_state_format(optimizer, state_format, state_dtype)
         super().__init__(optimizer)
         self.method = method
         self.scratch_numel = scratch_numel
         self.state_dtype = state_dtype
         self.seed = torch.initial_seed() if seed is None else seed  # reads, never draws from, torch's RNG
         self.skip_nonfinite = skip_nonfinite
+        self.state_format = state_format
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.algorithm = updates.fast_algorithm(optimizer)
@@ -121,6 +131,8 @@ class CompensatedOptimizer(OptimizerWrapper):
             self._adopt(group["params"])
 
     def _adopt(self, params: list[torch.Tensor]) -> None:
+        if self.state_format is not None:
+            check_lowbit_params(params)
         for param in params:
             if param.dtype in LOW_PRECISION_DTYPES:
                 self.model_params.append(param)
@@ -136,6 +148,8 @@ class CompensatedOptimizer(OptimizerWrapper):
         held = [p for group in self.param_groups for p in group["params"]]
         _check_unique(held + params, "param_group")
         _check_params(self.optimizer, self.method, params)
+        if self.state_format is not None:
+            check_lowbit_params(params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1]["params"])
         self.algorithm = updates.fast_algorithm(self.optimizer)
@@ -159,6 +173,11 @@ class CompensatedOptimizer(OptimizerWrapper):
         if closure is not None:
             raise ValueError("CompensatedOptimizer.step does not take a closure")
         self._follow_groups()
+        if self.state_format is not None and self.algorithm != "adam":
+            raise ValueError(
+                f"state_format={self.state_format!r} steps Adam/AdamW only; a param group added since "
+                "makes the optimizer unsupported (amsgrad, differentiable, capturable or tensor options)"
+            )
         with torch.no_grad():
             stepped = self._step_fast() if self.algorithm is not None else self._step_generic()
         self.last_step_skipped = not stepped
@@ -172,8 +191,28 @@ class CompensatedOptimizer(OptimizerWrapper):
                 stacklevel=2,
             )
 
+    def _step_lowbit(self) -> bool:
+        """Adam/AdamW with low-bit moments; False when ``skip_nonfinite`` skipped it (checked before
+        anything is created or written)."""
+        graded = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.skip_nonfinite and not updates.grads_fit(graded):
+            return False
+        buffers = {id(p): c for p, c in zip(self.model_params, self.compensation, strict=False)}
+        stochastic = self.method == "stochastic"
+        step_groups(
+            self.optimizer,
+            self.state_format,  # type: ignore[arg-type]
+            self.workspace,
+            self.method,
+            kahan_of=lambda p: buffers.get(id(p)),
+            generator_of=self._generator if stochastic else None,
+        )
+        return True
+
     def _step_fast(self) -> bool:
         """Torch's Adam/AdamW/SGD on the groups' own state; False when ``skip_nonfinite`` skipped it."""
+        if self.state_format is not None:
+            return self._step_lowbit()
         slots = {id(p): i for i, p in enumerate(self.model_params)}
         fused, unfused, fresh = [], [], []
         for group in self.param_groups:
@@ -306,12 +345,15 @@ class CompensatedOptimizer(OptimizerWrapper):
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, Kahan compensation buffers and stochastic-rounding generator states."""
-        return {
+        out = {
             "method": self.method,
             "optimizer": self.optimizer.state_dict(),
             "compensation": [c.detach() for c in self.compensation],
             "generators": {key: g.get_state() for key, g in self.generators.items()},
         }
+        if self.state_format is not None:  # absent for None: such a state dict is as before
+            out["state_format"] = self.state_format
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; validated in full before anything changes.
@@ -355,6 +397,22 @@ def _check_args(optimizer: Any, method: Any, seed: Any, scratch_numel: Any, stat
         raise ValueError(f"scratch_numel must be a positive int or None, got {scratch_numel!r}")
     if state_dtype not in _STATE_DTYPES:
         raise ValueError(f"state_dtype must be None (automatic) or torch.float32, got {state_dtype!r}")
+
+
+def _check_state_format(optimizer: Optimizer, state_format: Any, state_dtype: Any) -> None:
+    check_state_format(state_format)
+    if state_format is None:
+        return
+    if state_dtype is not None:
+        raise ValueError(
+            f"state_format={state_format!r} sets the moments' storage; state_dtype must stay None, "
+            f"got {state_dtype!r}"
+        )
+    if updates.fast_algorithm(optimizer) != "adam":
+        raise ValueError(
+            f"state_format={state_format!r} needs torch.optim.Adam or AdamW (without amsgrad, "
+            f"differentiable, capturable, tensor hyperparameters), got {type(optimizer).__name__}"
+        )
 
 
 def _check_unique(params: list[Any], where: str) -> None:

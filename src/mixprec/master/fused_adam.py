@@ -173,11 +173,12 @@ def _plan(
     return plan
 
 
-def _segments(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
+def _segments(sizes: list[int], limit: int, align: int = ALIGN) -> list[list[tuple[int, int, int]]]:
     """``(index, start, stop)`` pieces of tensors of ``sizes``, grouped into chunks of at most ``limit``.
 
-    A tensor is cut only ``ALIGN`` elements from its start: the kernel's vector lanes then see every element
-    where they see it in the whole tensor, and the result is bit for bit the unchunked one.
+    A tensor is cut only ``align`` elements from its start: the kernel's vector lanes then see every element
+    where they see it in the whole tensor, and the result is bit for bit the unchunked one (low-bit states
+    cut at their block boundaries, a multiple of ``ALIGN``).
     """
     out: list[list[tuple[int, int, int]]] = [[]]
     room = limit
@@ -186,11 +187,11 @@ def _segments(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
         while start < numel:
             take = min(numel - start, room)
             if take < numel - start:
-                take -= take % ALIGN
+                take -= take % align
             if take:
                 out[-1].append((i, start, start + take))
                 start, room = start + take, room - take
-            if room == 0 or (room < ALIGN and start < numel):
+            if room == 0 or (room < align and start < numel):
                 out.append([])
                 room = limit
     return [chunk for chunk in out if chunk]

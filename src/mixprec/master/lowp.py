@@ -64,6 +64,7 @@ class Workspace:
         self.buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
         self.pools: dict[str, RandomBits] = {}
         self.plans: dict[tuple[Any, ...], Any] = {}  # fused_adam's chunk views, keyed by their tensors
+        self.tables: dict[tuple[Any, ...], Any] = {}  # constant lookup tables per device (the int8 state map)
         self.generation = 0  # bumped whenever a buffer is replaced, which makes cached views stale
 
     def get(self, device: torch.device, dtype: torch.dtype, role: str, numel: int) -> torch.Tensor:
@@ -95,7 +96,7 @@ class Workspace:
     def __getstate__(self) -> dict[str, Any]:
         # scratch, not state: recreated on demand
         return {"numel": self.numel, "fold_numel": self.fold_numel, "buffers": {}, "pools": {}, "plans": {},
-                "generation": 0}  # fmt: skip
+                "tables": {}, "generation": 0}  # fmt: skip
 
 
 def views(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

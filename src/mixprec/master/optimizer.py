@@ -67,14 +67,26 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             a GradScaler-like object.
         master_weights: keep fp32 copies of half-precision params (True), or step them in place (False, apex
             O3 / "bf16-true").
+        state_format: None (the inner optimizer's own state and step) or ``"bf16"``, ``"int8"``, ``"fp8"``:
+            Adam's moments stored in that low-bit format (:mod:`mixprec.master.state_formats`) and the masters
+            stepped chunk by chunk through torch's fused kernel (:mod:`mixprec.master.lowbit_adam`); needs a
+            fresh ``torch.optim.Adam``/``AdamW``.
 
     Raises:
         TypeError: ``optimizer`` is not an Optimizer or is already a MixedPrecisionOptimizer;
             ``master_weights`` is not a bool.
-        ValueError: for an unknown scaler spec.
+        ValueError: for an unknown scaler spec or ``state_format``, or a ``state_format`` with an optimizer
+            other than a fresh Adam/AdamW.
     """
 
-    def __init__(self, optimizer: Optimizer, *, scaler: Any = "dynamic", master_weights: bool = True) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        scaler: Any = "dynamic",
+        master_weights: bool = True,
+        state_format: str | None = None,
+    ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise TypeError("optimizer is already a MixedPrecisionOptimizer; wrap the inner optimizer once")
         if not isinstance(optimizer, Optimizer):
@@ -83,13 +95,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             )
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be True or False, got {master_weights!r}")
+        _check_state_format(optimizer, state_format)
         resolved = resolve_scaler(scaler, first_device(optimizer).type)
         super().__init__(optimizer)
         self.master_weights = master_weights
+        self.state_format = state_format
         self.model_params: list[torch.Tensor] = []
         self.master_params: list[torch.Tensor] = []
         self.scaler = resolved
-        self._scaler_view = ScalerView(optimizer, _guard_for(optimizer, resolved))
+        self._scaler_view = ScalerView(optimizer, _guard_for(optimizer, resolved), state_format)
         self._grads_ready = False
         self._seen: list[tuple[int, int]] = []
         self._stepped: list[torch.Tensor] = []  # what the groups held at the last adoption
@@ -282,11 +296,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Inner optimizer state, fp32 masters (references, as torch does) and scaler state."""
         self._follow_groups()
         self._follow_model()
-        return {
+        out = {
             "optimizer": self.optimizer.state_dict(),
             "master_params": [m.detach() for m in self.master_params],
             "scaler": self.scaler.state_dict(),
         }
+        if self.state_format is not None:  # absent for None: such a state dict is as before
+            out["state_format"] = self.state_format
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the model's half-precision weights are set from the masters.
@@ -326,6 +343,29 @@ def _check_new_params(
                 f"{where}: some parameters appear in more than one parameter group: a model parameter "
                 f"of shape {tuple(param.shape)} already has an fp32 master in this optimizer"
             )
+
+
+def _check_state_format(optimizer: Optimizer, state_format: Any) -> None:
+    from mixprec.master import updates
+    from mixprec.master.compensated import CompensatedOptimizer
+    from mixprec.master.lowbit_adam import check_lowbit_params
+    from mixprec.master.state_formats import check_state_format
+
+    if check_state_format(state_format) is None:
+        return
+    if isinstance(optimizer, CompensatedOptimizer):
+        raise ValueError(
+            f"state_format={state_format!r}: give it to the CompensatedOptimizer inside "
+            "(CompensatedOptimizer(..., state_format=...)), which steps the state"
+        )
+    if updates.fast_algorithm(optimizer) != "adam":
+        raise ValueError(
+            f"state_format={state_format!r} needs torch.optim.Adam or AdamW (without amsgrad, "
+            f"differentiable, capturable, tensor hyperparameters), got {type(optimizer).__name__}"
+        )
+    if any(optimizer.state.values()):
+        raise ValueError(f"state_format={state_format!r}: wrap the optimizer before its first step")
+    check_lowbit_params([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def _guard_for(optimizer: Optimizer, scaler: Any) -> HugeGradientGuard | None:

@@ -80,9 +80,54 @@ def check_scaler_state(scaler: Any, state_dict: Any) -> None:
         copy.deepcopy(scaler).load_state_dict(state_dict)
 
 
+def check_state_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any, what: str) -> None:
+    """Refuse a state dict saved with another ``state_format`` (``saved``), or whose moments do not have
+    the layout ``fmt`` stores (:func:`mixprec.master.state_formats.expected_layout`); changes nothing."""
+    from mixprec.master.state_formats import expected_layout
+
+    if saved != fmt:
+        raise ValueError(
+            f"{what} state_dict was saved with state_format={saved!r}, this optimizer uses "
+            f"state_format={fmt!r}; build the optimizer with state_format={saved!r} to load it "
+            "(nothing was changed)"
+        )
+    if not (
+        isinstance(state, dict)
+        and isinstance(state.get("state"), dict)
+        and isinstance(state.get("param_groups"), list)
+    ):
+        return  # a CompensatedOptimizer's dict (checked on its own), or malformed: check_inner_state says
+    ids = [i for g in state["param_groups"] if isinstance(g, dict) for i in g.get("params", [])]
+    params = [p for g in inner.param_groups for p in g["params"]]
+    for index, param in zip(ids, params, strict=False):
+        saved_state = state["state"].get(index, {})
+        if not saved_state:
+            continue
+        layout = expected_layout(fmt, param)
+        for key, (shape, dtype) in layout.items():
+            value = saved_state.get(key)
+            if not torch.is_tensor(value) or tuple(value.shape) != shape or value.dtype != dtype:
+                got = (tuple(value.shape), value.dtype) if torch.is_tensor(value) else value
+                raise ValueError(
+                    f"optimizer state {index}[{key!r}] is {got}; state_format={fmt!r} stores {shape} {dtype}"
+                )
+        if fmt is None and any(str(k).endswith("_scale") for k in saved_state):
+            raise ValueError(
+                f"optimizer state {index} holds block scales ({sorted(map(str, saved_state))}): it was saved "
+                "with a low-bit state_format, this optimizer uses state_format=None"
+            )
+
+
 def check_compensated_state(optimizer: Any, state_dict: Any) -> dict[str, torch.Generator]:
     """Validate a :class:`CompensatedOptimizer` state dict; returns the generators it restores."""
     _require(state_dict, ("method", "optimizer", "compensation", "generators"), "CompensatedOptimizer")
+    check_state_format(
+        optimizer.optimizer,
+        getattr(optimizer, "state_format", None),
+        state_dict.get("state_format"),
+        state_dict["optimizer"],
+        "CompensatedOptimizer",
+    )
     if state_dict["method"] != optimizer.method:
         raise ValueError(
             f"state_dict was saved with method {state_dict['method']!r}, this is {optimizer.method!r}"
@@ -128,6 +173,13 @@ def load_mixed_precision_state(optimizer: Any, state_dict: Any) -> None:
     if not all(t.is_floating_point() for t in saved):
         raise ValueError("saved master params must be floating-point tensors")
     inner = optimizer.optimizer
+    check_state_format(
+        inner,
+        getattr(optimizer, "state_format", None),
+        state_dict.get("state_format"),
+        state_dict["optimizer"],
+        "MixedPrecisionOptimizer",
+    )
     if hasattr(inner, "compensation"):  # a CompensatedOptimizer inside
         check_compensated_state(inner, state_dict["optimizer"])
     else:

@@ -131,13 +131,18 @@ class ScalerView:
     For a plain optimizer these are its params (the fp32 masters among them). A wrapper such as
     CompensatedOptimizer reads the model's gradients while its groups hold gradient-less scratch params.
     ``guard`` (:class:`~mixprec.master.guard.HugeGradientGuard`) may skip the inner step after the scaler
-    decided to take it.
+    decided to take it. With a ``state_format`` the step is Adam/AdamW on low-bit moments
+    (:func:`mixprec.master.lowbit_adam.step_groups`) instead of the inner optimizer's own.
     """
 
-    def __init__(self, optimizer: Optimizer, guard: Any = None) -> None:
+    def __init__(self, optimizer: Optimizer, guard: Any = None, state_format: str | None = None) -> None:
+        from mixprec.master.lowp import Workspace
+
         self.optimizer = optimizer
         self.guard = guard  # a HugeGradientGuard, or None
         self.param_groups: list[dict[str, Any]] = []
+        self.state_format = state_format
+        self.workspace = Workspace() if state_format is not None else None
 
     def refresh(self) -> list[torch.Tensor]:
         inner = self.optimizer
@@ -155,5 +160,11 @@ class ScalerView:
             and self.param_groups
             and not self.guard.allows(self.param_groups[0]["params"])
         ):
+            return None
+        if self.state_format is not None:
+            from mixprec.master.lowbit_adam import step_groups
+
+            with torch.no_grad():
+                step_groups(self.optimizer, self.state_format, self.workspace)  # type: ignore[arg-type]
             return None
         return self.optimizer.step(*args, **kwargs)

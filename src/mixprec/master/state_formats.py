@@ -1,0 +1,201 @@
+"""Low-bit formats for Adam's moments: how ``exp_avg`` and ``exp_avg_sq`` are stored between steps.
+
+``state_format=`` on :class:`~mixprec.master.compensated.CompensatedOptimizer` and
+:class:`~mixprec.master.optimizer.MixedPrecisionOptimizer` picks one; each moment is kept in the torch
+optimizer's ``state`` under torch's key (the codes, shaped as the parameter) plus a ``<key>_scale`` tensor
+of one fp32 scale per block of ``BLOCK`` consecutive values of the flattened parameter (the last block may
+be shorter)::
+
+    "bf16":  code = bf16(x)                                       2 + 2 bytes per parameter, no scales
+    "int8":  s = absmax(block);  code = nearest(qmap, x / s)       1 + 1 bytes (+ 8 / BLOCK for the scales)
+             qmap: bitsandbytes' dynamic tree map (signed for exp_avg, unsigned for exp_avg_sq), as
+             torchao's AdamW8bit (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization")
+    "fp8":   exp_avg:     s = absmax(block) / 448;  code = e4m3(x / s)
+             exp_avg_sq:  r = sqrt(x);  s = absmax_r(block) / 448;  code = e4m3(r / s);  x = (code * s)**2
+
+Storing the second moment in square-root space halves its exponent range, so a block whose values span
+1e10 (e4m3 alone spans about 2e5 from its largest value to its smallest subnormal) keeps its small values
+instead of flushing them to 0, where ``m / (sqrt(0) + eps)`` would blow the update up (the concern COAT,
+arXiv 2410.19313, answers with dynamic range expansion; the square root is the simpler expansion ``x**0.5``).
+
+Quantization rounds to nearest, so a state is a deterministic function of the step's inputs and a resumed
+run repeats an uninterrupted one bit for bit. The functions work on flat segments that start at a block
+boundary of their tensor (a chunk of :mod:`mixprec.master.lowbit_adam`), so no full-precision copy of a
+whole moment exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "STATE_FORMATS",
+    "check_state_format",
+    "dequantize_",
+    "dynamic_map",
+    "new_moments",
+    "quantize_",
+    "scale_key",
+    "state_nbytes",
+]
+
+STATE_FORMATS = ("bf16", "int8", "fp8")
+BLOCK = 256  # values per scale, as torchao's and bitsandbytes' 8-bit optimizers
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_E4M3 = torch.float8_e4m3fn
+_E4M3_MAX = torch.finfo(_E4M3).max
+_TINY = 1e-12  # the smallest block absmax, as torchao: an all-zero block gets a finite scale
+_CODE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.uint8, "fp8": _E4M3}
+
+
+def check_state_format(value: Any) -> str | None:
+    """``value`` when it is None or one of ``STATE_FORMATS``.
+
+    Raises:
+        ValueError: for anything else, naming the value and the accepted ones.
+    """
+    if value is None or (isinstance(value, str) and value in STATE_FORMATS):
+        return value
+    raise ValueError(
+        f"unknown state_format {value!r}; accepted: None (the moments as today), "
+        + ", ".join(repr(f) for f in STATE_FORMATS)
+    )
+
+
+def scale_key(key: str) -> str:
+    return f"{key}_scale"
+
+
+def dynamic_map(signed: bool) -> list[float]:
+    """bitsandbytes' dynamic quantization map with 7 exponent bits, 256 sorted values in [-1, 1] (signed)
+    or [0, 1]: a decimal exponent 10**-6 .. 10**0 and a linear fraction whose bits shrink as it grows
+    (Dettmers 2016, arXiv 1511.04561; the map torchao's ``create_dynamic_map`` builds)."""
+    data: list[float] = []
+    exponents, non_sign_bits = 7, 7
+    for i in range(exponents):
+        items = 2 ** (i + non_sign_bits - exponents + (0 if signed else 1)) + 1
+        bounds = torch.linspace(0.1, 1, items)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0) * 10 ** (-(exponents - 1) + i)
+        data += means.tolist() + ((-means).tolist() if signed else [])
+    data += [0.0, 1.0]
+    return sorted(data)
+
+
+def _map(signed: bool, device: torch.device, tables: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map and the midpoints between its neighbours (fp32, on ``device``), made once per ``tables``
+    (the caller's cache, e.g. a :class:`~mixprec.master.lowp.Workspace`'s: no state shared process-wide)."""
+    key = ("qmap", signed, str(device))
+    if key not in tables:
+        qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32).to(device)
+        tables[key] = qmap, qmap[:-1] + (qmap[1:] - qmap[:-1]) * 0.5
+    return tables[key]
+
+
+def new_moments(fmt: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Zero ``exp_avg``/``exp_avg_sq`` codes (shaped as ``param``) and their block scales."""
+    out: dict[str, torch.Tensor] = {}
+    blocks = -(-param.numel() // BLOCK)
+    for key in MOMENTS:
+        out[key] = torch.zeros(param.shape, dtype=_CODE_DTYPES[fmt], device=param.device)
+        if fmt != "bf16":
+            out[scale_key(key)] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
+    return out
+
+
+def expected_layout(fmt: str | None, param: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What a moment state of ``param`` holds in ``fmt``: key -> (shape, dtype); {} for None (torch's)."""
+    if fmt is None:
+        return {}
+    blocks = -(-param.numel() // BLOCK)
+    out = {key: (tuple(param.shape), _CODE_DTYPES[fmt]) for key in MOMENTS}
+    if fmt != "bf16":
+        out.update({scale_key(key): ((blocks,), torch.float32) for key in MOMENTS})
+    return out
+
+
+def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flat`` as (full blocks, BLOCK) and its tail (possibly empty)."""
+    full = flat.numel() // BLOCK * BLOCK
+    return flat[:full].view(-1, BLOCK), flat[full:]
+
+
+def _absmax(values: torch.Tensor) -> torch.Tensor:
+    """Per-block absmax of the flat ``values`` (clipped below at ``_TINY``), one per block."""
+    body, tail = _blocks(values)
+    amax = body.abs().amax(-1)
+    if tail.numel():
+        amax = torch.cat([amax, tail.abs().amax().reshape(1)])
+    return amax.clamp_(min=_TINY)
+
+
+def _scale_blocks_(values: torch.Tensor, scale: torch.Tensor, divide: bool) -> None:
+    """Multiply (or divide) each block of the flat ``values`` by its scale, in place."""
+    body, tail = _blocks(values)
+    n = body.shape[0]
+    op = body.div_ if divide else body.mul_
+    op(scale[:n, None])
+    if tail.numel():
+        (tail.div_ if divide else tail.mul_)(scale[n])
+
+
+def quantize_(
+    fmt: str,
+    second: bool,
+    values: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    tables: dict[Any, Any] | None = None,
+) -> None:
+    """Store the fp32 flat ``values`` (a segment starting at a block boundary) into ``codes`` and the
+    matching ``scale`` slice; ``values`` is used as workspace. ``second``: it is ``exp_avg_sq``;
+    ``tables``: where the int8 map is cached per device (None: made for this call)."""
+    if fmt == "bf16":
+        codes.copy_(values)
+        return
+    assert scale is not None
+    if fmt == "fp8" and second:
+        values.sqrt_()  # square-root space: see the module docstring
+    amax = _absmax(values)
+    scale.copy_(amax / _E4M3_MAX if fmt == "fp8" else amax)
+    _scale_blocks_(values, scale, divide=True)
+    if fmt == "fp8":
+        codes.copy_(values)
+        return
+    _, mids = _map(not second, values.device, {} if tables is None else tables)
+    codes.copy_(torch.bucketize(values, mids, right=True))  # nearest map entry; a tie rounds up
+
+
+def dequantize_(
+    fmt: str,
+    second: bool,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    out: torch.Tensor,
+    tables: dict[Any, Any] | None = None,
+) -> None:
+    """The fp32 values of the flat ``codes`` segment (and its ``scale`` slice), written into ``out``."""
+    if fmt == "bf16":
+        out.copy_(codes)
+        return
+    assert scale is not None
+    if fmt == "fp8":
+        out.copy_(codes)
+    else:
+        qmap, _ = _map(not second, codes.device, {} if tables is None else tables)
+        torch.index_select(qmap, 0, codes.int(), out=out)
+    _scale_blocks_(out, scale, divide=False)
+    if fmt == "fp8" and second:
+        out.square_()
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, scales, step counters)."""
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
