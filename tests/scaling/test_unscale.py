@@ -1,4 +1,4 @@
-"""The gradient pass (and the grouping it reads) against torch's _amp_foreach_non_finite_check_and_unscale_, bit for bit."""
+"""The gradient pass, and the grouping it reads, against torch's check-and-unscale op, bit for bit."""
 
 from __future__ import annotations
 
