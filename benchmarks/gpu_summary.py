@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mixprec.inspect.bench_report import bench_summary
+from mixprec.bench.report import bench_summary
 
 EXTRA = ("env", "numerics", "lowbit_lm", "plan_cost", "precision_paths")
 

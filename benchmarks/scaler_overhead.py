@@ -195,7 +195,7 @@ def measure_kernels(args: argparse.Namespace) -> dict[str, list[float]]:
 
     candidates = {
         "torch check op": torch_op,
-        "aminmax per tensor": lambda: mixprec.scaling.kernels.per_tensor_kernel(grads, None),
+        "aminmax per tensor": lambda: mixprec.scaling.unscale.per_tensor_kernel(grads, None),
         "_foreach_norm(inf)": foreach_norm,
     }
     samples: dict[str, list[float]] = {name: [] for name in candidates}

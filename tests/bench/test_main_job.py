@@ -161,6 +161,28 @@ def test_table_fits_100_columns_and_the_noisy_footnote_wraps() -> None:
     assert len(long) > 3 and max(map(len, long)) <= report.WIDTH
 
 
+@pytest.mark.parametrize(
+    ("ms", "text"),
+    [
+        (5408.2, "5408"),
+        (1000.0, "1000"),
+        (311.46, "311.5"),
+        (120.0, "120.0"),
+        (15.0, "15.0"),
+        (1.034, "1.03"),
+    ],
+)
+def test_one_record_prints_its_time_one_way_in_the_table_and_the_report(ms: float, text: str) -> None:
+    """bench's table and the Markdown that `mixprec report` writes from the same record share one rule."""
+    assert report._ms(ms) == text and report._ms(None) == "-" and report._ms(float("nan")) == "nan"
+    results = [_result("cnn", "fp32", ms)]
+    table = report.format_table(results)
+    summary = report.bench_summary(report.make_records(results), "run", [])
+    row = next(line for line in summary.splitlines() if line.startswith("| cnn | fp32 |"))
+    assert row.split(" | ")[2] == text  # the step time's cell
+    assert any(line.split()[:2] == ["fp32", text] for line in table.splitlines())
+
+
 def test_the_aa_run_widens_every_other_row() -> None:
     base = [10.0 * (1 + 0.01 * (r % 3)) for r in range(16)]
     fp32 = SimpleNamespace(**{**vars(_result("w", "fp32", 1.0)), "history": _history(base)})

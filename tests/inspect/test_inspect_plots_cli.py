@@ -108,7 +108,7 @@ def test_report_reads_what_bench_json_writes(tmp_path, capsys):
     assert cli.report_main([str(path)]) == 0
     _png(tmp_path / "out_report" / "step_time.png")
     summary = (tmp_path / "out_report" / "summary.md").read_text()
-    assert "| lm | O2-bf16 | 120 | 108-132 | 2.08x [2.01-2.15] | 100.0 | 2.5000 | 12.2 | 0 |" in summary
+    assert "| lm | O2-bf16 | 120.0 | 108.0-132.0 | 2.08x [2.01-2.15] | 100.0 | 2.5000 | 12.2 | 0 |" in summary
     assert "NOISY (timings spread too widely to trust; rerun on a quieter machine): lm/bf16-true." in summary
     path.write_text(json.dumps([{"mode": "fp32"}]))
     assert cli.report_main([str(path)]) == 2
@@ -189,3 +189,17 @@ def test_examples_run(name, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [name, str(tmp_path)])
     runpy.run_path(str(EXAMPLES / name), run_name="__main__")
     assert capsys.readouterr().out
+
+
+def test_the_bench_report_names_moved_to_bench_and_the_old_path_warns():
+    import mixprec.bench.plots
+    import mixprec.bench.report
+    import mixprec.inspect.bench_report as old
+
+    with pytest.warns(DeprecationWarning, match="moved to mixprec.bench.report.bench_summary"):
+        assert old.bench_summary is mixprec.bench.report.bench_summary
+    with pytest.warns(DeprecationWarning, match="moved to mixprec.bench.plots.plot_bench_log"):
+        from mixprec.inspect.bench_report import plot_bench_log
+    assert plot_bench_log is mixprec.bench.plots.plot_bench_log
+    with pytest.raises(AttributeError, match="no attribute 'plot_everything'"):
+        old.plot_everything  # noqa: B018

@@ -69,7 +69,7 @@ def test_mx_floor_rule_saturation_is_measured_and_the_mxfp8_recipe_has_none() ->
 def test_fp8_report_is_the_per_tensor_case_of_the_lowbit_report() -> None:
     # On a plain model fp8_report's dynamic scale is fp8_tensorwise's: the same figures, from one code path.
     x = _inputs()
-    mine = fp8_report(_model(), x, loss_fn=_loss, max_underflow=0.5, max_saturate=0.05, max_error=0.2)
+    mine = fp8_report(_model(), x, loss_fn=_loss, max_flushed=0.5, max_saturated=0.05, max_error=0.2)
     theirs = lowbit_report(_model(), x, loss_fn=_loss, recipe="fp8_tensorwise")
     for name, layer in mine.layers.items():
         for role, operand in (("input", "fprop_x"), ("weight", "fprop_w"), ("grad_output", "dgrad_go")):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.scaling import kernels
+from mixprec.scaling import dynamic, unscale
 
 from .helpers import bits_equal
 
@@ -87,7 +87,7 @@ CASES = [
 def test_tensor_op_update_equals_torchs_op_bitwise(scale, tracker, found, factors, interval):
     """The fallback for devices without ``_amp_update_scale_`` gives torch's bits."""
     results = []
-    for update in (torch._amp_update_scale_, kernels.update_scale_with_tensor_ops_):
+    for update in (torch._amp_update_scale_, dynamic.update_scale_with_tensor_ops_):
         s = torch.tensor(scale, dtype=torch.float32)
         t = torch.tensor(tracker, dtype=torch.int32)
         update(s, t, torch.tensor(found), *factors, interval)
@@ -107,7 +107,7 @@ def test_a_device_without_torchs_update_op_falls_back_to_tensor_ops(monkeypatch)
 
     ours, theirs = mixprec.GradScaler(growth_interval=1), torch.amp.GradScaler("cpu", growth_interval=1)
     monkeypatch.setattr(torch, "_amp_update_scale_", missing)
-    monkeypatch.setattr(kernels, "_WITHOUT_UPDATE_OP", set())
+    monkeypatch.setattr(dynamic, "_WITHOUT_UPDATE_OP", set())
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=0.1)
     for _ in range(3):
@@ -115,7 +115,7 @@ def test_a_device_without_torchs_update_op_falls_back_to_tensor_ops(monkeypatch)
         ours.scale(param.sum()).backward()
         ours.step(optimizer)
         ours.update()
-    assert len(calls) == 1 and kernels._WITHOUT_UPDATE_OP == {"cpu"}  # tried once, then remembered
+    assert len(calls) == 1 and dynamic._WITHOUT_UPDATE_OP == {"cpu"}  # tried once, then remembered
     monkeypatch.undo()  # torch's scaler runs the real op
     param.grad = torch.ones(3)
     for _ in range(3):
@@ -135,8 +135,8 @@ def test_a_device_without_torchs_check_op_unscales_with_public_ops(monkeypatch):
     results = []
     for patch in (False, True):
         if patch:
-            monkeypatch.setattr(kernels, "TORCH_FUSED", missing)
-            monkeypatch.setattr(kernels, "_WITHOUT_CHECK_OP", set())
+            monkeypatch.setattr(unscale, "TORCH_FUSED", missing)
+            monkeypatch.setattr(unscale, "_WITHOUT_CHECK_OP", set())
         params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad.clone()
@@ -145,6 +145,6 @@ def test_a_device_without_torchs_check_op_unscales_with_public_ops(monkeypatch):
         scaler.scale(torch.ones(()))
         scaler.unscale_(torch.optim.SGD(params, lr=0.1))
         results.append([p.grad for p in params])
-    assert kernels._WITHOUT_CHECK_OP == {"cpu"}
+    assert unscale._WITHOUT_CHECK_OP == {"cpu"}
     for ours, theirs in zip(*results, strict=True):
         assert bits_equal(ours, theirs)

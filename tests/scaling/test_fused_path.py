@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from mixprec.scaling import DynamicScale, GradScaler, kernels
+from mixprec.scaling import DynamicScale, GradScaler, fused, unscale
+from mixprec.scaling.grads import _collect_each, collect_grads
 from mixprec.scaling.skip import SkipMonitor
 
 from .helpers import bits_equal, no_host_sync
@@ -37,7 +38,7 @@ def set_grads(params, scale: float, poison=None, zero: bool = False) -> None:
 def counting(monkeypatch):
     """Count torch's check-op calls and the public-op kernel's calls (the amax-measuring one on a CPU)."""
     calls = {"torch_op": 0, "amax_kernel": 0}
-    torch_op, amax_kernel = kernels.TORCH_FUSED, kernels.KERNELS["cpu"]
+    torch_op, amax_kernel = unscale.TORCH_FUSED, unscale.KERNELS["cpu"]
 
     def op(*args):
         calls["torch_op"] += 1
@@ -47,8 +48,8 @@ def counting(monkeypatch):
         calls["amax_kernel"] += 1
         return amax_kernel(*args)
 
-    monkeypatch.setattr(kernels, "TORCH_FUSED", op)
-    monkeypatch.setitem(kernels.KERNELS, "cpu", kernel)
+    monkeypatch.setattr(unscale, "TORCH_FUSED", op)
+    monkeypatch.setitem(unscale.KERNELS, "cpu", kernel)
     return calls
 
 
@@ -217,8 +218,8 @@ def test_collect_grads_groups_plain_gradients_as_the_per_gradient_loop():
     for index, param in enumerate(params):
         if index != 4:  # one parameter without a gradient
             param.grad = torch.full_like(param, float(index + 1))
-    fast = kernels.collect_grads(iter(params), allow_fp16=True)
-    loop = kernels._collect_each(params, allow_fp16=True)
+    fast = collect_grads(iter(params), allow_fp16=True)
+    loop = _collect_each(params, allow_fp16=True)
     assert {d: set(g) for d, g in fast.items()} == {d: set(g) for d, g in loop.items()}
     for device, per_dtype in loop.items():
         for dtype, grads in per_dtype.items():
@@ -226,11 +227,11 @@ def test_collect_grads_groups_plain_gradients_as_the_per_gradient_loop():
                 id(g) for g in grads
             ]  # the same tensors, in order
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
-        kernels.collect_grads(params, allow_fp16=False)
-    assert kernels.collect_grads([torch.nn.Parameter(torch.zeros(2))], allow_fp16=False) == {}
+        collect_grads(params, allow_fp16=False)
+    assert collect_grads([torch.nn.Parameter(torch.zeros(2))], allow_fp16=False) == {}
     complex_param = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
     complex_param.grad = torch.ones(2, dtype=torch.complex64)
-    groups = kernels.collect_grads([params[0], complex_param], allow_fp16=False)
+    groups = collect_grads([params[0], complex_param], allow_fp16=False)
     assert [g.shape for g in groups[torch.device("cpu")][torch.float32]] == [(1,), (2, 2)]  # real view
 
 
@@ -274,7 +275,7 @@ def test_the_grad_scaler_protocol_check_is_cached_and_takes_any_callable():
     optimizer.step = Step()
     for _ in range(2):
         with pytest.raises(TypeError, match="grad_scaler argument"):
-            kernels.supports_fused_scaling(optimizer)
+            fused.supports_fused_scaling(optimizer)
     optimizer.step = lambda closure=None: None
-    assert kernels.supports_fused_scaling(optimizer) and kernels.supports_fused_scaling(optimizer)
-    assert kernels._TAKES_GRAD_SCALER.get(optimizer.step) is False
+    assert fused.supports_fused_scaling(optimizer) and fused.supports_fused_scaling(optimizer)
+    assert fused._TAKES_GRAD_SCALER.get(optimizer.step) is False

@@ -1,8 +1,8 @@
 """The bench: side-by-side training runs of precision modes on real workloads (``mixprec bench``)."""
 
 from mixprec.bench import lowbit_modes as _lowbit_modes  # noqa: F401  (registers the lowbit-<recipe> modes)
+from mixprec.bench.jobs import Plan, make_plan
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES, ModeSpec, TrainMode, register
-from mixprec.bench.plan import Plan, make_plan
 from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log
 from mixprec.bench.runner import Job, RunFailed, RunResult, Trainer, run_job
 from mixprec.bench.schedule import run_plan

@@ -19,9 +19,9 @@ import torch
 
 from mixprec._files import write_atomic
 from mixprec.bench import checks
+from mixprec.bench.jobs import Plan, make_plan, split_names
 from mixprec.bench.machine import choose_threads
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
-from mixprec.bench.plan import Plan, make_plan, split_names
 from mixprec.bench.progress import Progress, estimate_s, format_duration, machine_factor
 from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log
 from mixprec.bench.runner import RunResult

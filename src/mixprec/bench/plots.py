@@ -7,38 +7,27 @@
   5th-95th whiskers) with the speedup over fp32 written beside it.
 
 Both read plain data (per-step records, lists of times), so ``mixprec report`` draws the same pictures
-from ``mixprec bench --log`` and ``--json`` files.
+from ``mixprec bench --log`` and ``--json`` files (:func:`plot_bench_log`, :func:`plot_bench_records`).
 """
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mixprec._files import write_atomic
+from mixprec._plots import new_figure, save_png
+from mixprec.inspect.plots import group_runs, plot_scale_history
 
-__all__ = ["plot_loss_difference", "plot_step_times", "smooth", "write_plots"]
-
-
-def _figure(**kwargs: Any) -> Any:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("the bench's plots need matplotlib: pip install 'mixprec[plot]'") from exc
-    return Figure(**kwargs)
-
-
-def _save(figure: Any, path: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout(rect=rect)
-    buffer = io.BytesIO()
-    FigureCanvasAgg(figure).print_png(buffer)
-    return write_atomic(path, buffer.getvalue())  # complete or absent, see mixprec._files
+__all__ = [
+    "plot_bench_log",
+    "plot_bench_records",
+    "plot_loss_difference",
+    "plot_step_times",
+    "smooth",
+    "write_plots",
+]
 
 
 def smooth(values: Sequence[float | None], window: int) -> list[float]:
@@ -78,7 +67,7 @@ def plot_loss_difference(
     window = max(3, steps // 25)
     smoothed = {mode: smooth(values, window) for mode, values in runs.items()}
     has_reference = reference in smoothed
-    figure = _figure(figsize=(8, 6.5 if has_reference else 4.2))
+    figure = new_figure(figsize=(8, 6.5 if has_reference else 4.2))
     top = figure.add_subplot(2 if has_reference else 1, 1, 1)
     colors = {mode: f"C{index % 10}" for index, mode in enumerate(smoothed)}
     for mode, values in smoothed.items():
@@ -100,7 +89,7 @@ def plot_loss_difference(
         bottom.grid(alpha=0.3)
         bottom.legend(fontsize=8, ncol=2)
     figure.axes[-1].set_xlabel("training step")
-    return _save(figure, Path(path))
+    return save_png(figure, path)
 
 
 def plot_step_times(
@@ -127,7 +116,7 @@ def plot_step_times(
     notes = notes or {}
     names = list(samples)
     rows = max((len(m) for m in samples.values()), default=1)
-    figure = _figure(figsize=(5.2 * len(names), 0.45 * rows + 2.4))
+    figure = new_figure(figsize=(5.2 * len(names), 0.45 * rows + 2.4))
     for index, workload in enumerate(names, 1):
         axes = figure.add_subplot(1, len(names), index)
         modes = [mode for mode, times in samples[workload].items() if times]
@@ -153,7 +142,7 @@ def plot_step_times(
     figure.suptitle(
         "step time per mode" + (" (right: speedup over fp32 [90% CI])" if shown else ""), fontsize=10
     )
-    return _save(figure, Path(path), rect=(0, 0.07, 0.93, 0.97))
+    return save_png(figure, path, rect=(0, 0.07, 0.93, 0.97))
 
 
 def _percentile95(values: Sequence[float]) -> float:
@@ -205,3 +194,44 @@ def write_plots(
     notes = {(rec["workload"], rec["mode"]): speedup_text(rec) for rec in records}
     written.append(plot_step_times(samples, directory / "step_time.png", notes=notes))
     return written
+
+
+def plot_bench_records(records: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """``step_time.png`` from ``mixprec bench --json`` records: a box of per-round medians per mode."""
+    samples: dict[str, dict[str, list[float]]] = {}
+    for record in records:
+        times = record.get("round_medians_ms") or [record["step_time_ms"]]
+        samples.setdefault(record["workload"], {})[record["mode"]] = [t for t in times if t is not None]
+    notes = {(r["workload"], r["mode"]): speedup_text(r) for r in records}
+    return plot_step_times(samples, path, notes=notes, what="median step time of each round")
+
+
+def plot_bench_log(records: Sequence[Mapping[str, Any]], out_dir: Path, name: str) -> list[Path]:
+    """From a ``mixprec bench --log``: ``loss_<workload>.png`` against fp32, ``step_time.png`` (steps after
+    the first round, which holds the warm-up) and ``scale_history.png`` of the runs that scale the loss."""
+    by_workload: dict[str, dict[str, list[Mapping[str, Any]]]] = {}
+    for label, run in group_runs(records).items():
+        workload, _, mode = label.partition(" / ")
+        by_workload.setdefault(workload, {})[mode or workload] = run
+    images = []
+    for workload, runs in by_workload.items():
+        losses = {mode: [r.get("loss") for r in run] for mode, run in runs.items()}
+        path = out_dir / f"loss_{workload}.png"
+        images.append(plot_loss_difference(losses, path, title=f"{name}: {workload} training loss per mode"))
+    samples = {
+        workload: {
+            mode: [
+                r["step_time_ms"] for r in run if r.get("round", 1) != 0 and r.get("step_time_ms") is not None
+            ]
+            for mode, run in runs.items()
+        }
+        for workload, runs in by_workload.items()
+    }
+    images.append(plot_step_times(samples, out_dir / "step_time.png", what="steps after the first round"))
+    scaled = [r for r in records if r.get("scale") is not None]
+    if scaled:
+        title = f"{name}: loss scale of the runs that scale the loss"
+        images.append(
+            plot_scale_history(scaled, out_dir / "scale_history.png", title=title, panels=("scale",))
+        )
+    return images

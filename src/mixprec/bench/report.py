@@ -1,16 +1,18 @@
-"""Present bench results: the comparison table, JSON records and the per-step JSONL log (plots: plots.py)."""
+"""Present bench results: the comparison table, JSON records, the per-step JSONL log, and the Markdown
+table ``mixprec report`` writes from the records (plots: plots.py). Every time prints by one rule, ``_ms``."""
 
 from __future__ import annotations
 
 import json
 import math
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mixprec._files import jsonl_text, write_atomic
 from mixprec.bench.memory import DESCRIPTIONS
+from mixprec.bench.plots import speedup_text
 from mixprec.bench.stats import AA_LABEL, NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
 from mixprec.bench.workloads import WORKLOADS
 
@@ -219,3 +221,35 @@ def write_log(results: Sequence[Any], path: str | Path, runs_planned: int | None
             lines.append({key: record.get(key) for key in LOG_KEYS})
     planned = len(results) if runs_planned is None else runs_planned
     return write_atomic(path, jsonl_text(lines, runs=len(results), runs_planned=planned))
+
+
+def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path]) -> str:
+    """Markdown: one row per run of ``mixprec bench --json``, the NOISY ones named, the images."""
+    lines = [
+        f"# mixprec bench report ({name})",
+        "",
+        "| workload | mode | step ms | IQR ms | speedup [90% CI] | peak MiB | loss | metric | skipped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        iqr = f"{_ms(r.get('step_time_q25_ms'))}-{_ms(r.get('step_time_q75_ms'))}"
+        cells = [
+            r["workload"],
+            r["mode"],
+            _ms(r["step_time_ms"]),
+            iqr,
+            speedup_text(r) or "-",
+            _number(r.get("peak_memory_mb"), ".1f"),
+            _number(r.get("final_loss"), ".4f"),
+            _number(r.get("final_metric"), ".4g"),
+            str(r.get("skipped_steps", "-")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    noisy = [f"{r['workload']}/{r['mode']}" for r in records if r.get("noisy")]
+    if noisy:
+        lines += [
+            "",
+            f"NOISY (timings spread too widely to trust; rerun on a quieter machine): {', '.join(noisy)}.",
+        ]
+    lines += ["", *(f"![{image.stem}]({image.name})" for image in images)]
+    return "\n".join(lines) + "\n"

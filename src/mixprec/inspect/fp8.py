@@ -17,6 +17,7 @@ ready filter for :func:`mixprec.float8.convert_to_float8_training`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from mixprec import formats
+from mixprec._plots import new_figure, save_png
 from mixprec.float8.convert import ModuleFilter, skip_fqns
 from mixprec.float8.linear import Float8Linear
 from mixprec.float8.scaling import amax_of, amax_to_scale, delayed_scale, to_float8
@@ -84,13 +86,26 @@ class Fp8Report:
 
     Attributes:
         layers: qualified module name -> :class:`Fp8LayerStats`, in ``named_modules`` order.
-        max_underflow, max_saturate, max_error: the thresholds a layer is judged against.
+        max_flushed, max_saturated, max_error: the thresholds a layer is judged against (the names
+            :class:`~mixprec.inspect.LowbitReport` uses).
     """
 
     layers: dict[str, Fp8LayerStats]
-    max_underflow: float
-    max_saturate: float
+    max_flushed: float
+    max_saturated: float
     max_error: float
+
+    @property
+    def max_underflow(self) -> float:
+        """Deprecated name of :attr:`max_flushed`."""
+        _warn_renamed("Fp8Report.max_underflow", "max_flushed")
+        return self.max_flushed
+
+    @property
+    def max_saturate(self) -> float:
+        """Deprecated name of :attr:`max_saturated`."""
+        _warn_renamed("Fp8Report.max_saturate", "max_saturated")
+        return self.max_saturated
 
     def reasons(self, name: str) -> list[str]:
         """Why layer ``name`` should stay in bf16 (empty: fp8 is fine for it)."""
@@ -98,7 +113,7 @@ class Fp8Report:
         for role, stats in asdict(self.layers[name]).items():
             if stats is None:
                 continue
-            for key, limit in (("underflow", self.max_underflow), ("saturate", self.max_saturate)):
+            for key, limit in (("underflow", self.max_flushed), ("saturate", self.max_saturated)):
                 if stats[key] > limit:
                     out.append(f"{role} {key} {stats[key]:.2%} > {limit:.2%}")
             if stats["error"] > self.max_error:
@@ -117,7 +132,7 @@ class Fp8Report:
         """Plain data (JSON-ready): per-layer stats, thresholds and the suggestion."""
         return {
             "layers": {name: asdict(stats) for name, stats in self.layers.items()},
-            "thresholds": {"underflow": self.max_underflow, "saturate": self.max_saturate},
+            "thresholds": {"underflow": self.max_flushed, "saturate": self.max_saturated},
             "max_error": self.max_error,
             "keep_in_bf16": self.keep_in_bf16(),
         }
@@ -163,9 +178,10 @@ def fp8_report(
     inputs: Any,
     *,
     loss_fn: Callable[[Any], torch.Tensor],
-    max_underflow: float = 0.01,
-    max_saturate: float = 0.001,
+    max_flushed: float = 0.01,
+    max_saturated: float = 0.001,
     max_error: float = 0.1,
+    **renamed: float,
 ) -> Fp8Report:
     """Measure every linear layer's fp8 losses on one forward and backward (see the module doc).
 
@@ -173,20 +189,24 @@ def fp8_report(
         model: the model (plain or converted); it is handed back exactly as it was.
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
         loss_fn: ``loss_fn(output) -> scalar tensor``.
-        max_underflow: a layer whose tensors flush more than this fraction of non-zero values is kept in bf16.
-        max_saturate: ... or saturate more than this fraction of values.
+        max_flushed: a layer whose tensors flush more than this fraction of non-zero values is kept in bf16.
+        max_saturated: ... or saturate more than this fraction of values.
         max_error: ... or lose more than this relative L2 error in the round trip.
+        renamed: ``max_underflow`` and ``max_saturate``, the old names of ``max_flushed`` and
+            ``max_saturated``, still accepted with a DeprecationWarning.
 
     Returns:
         An :class:`Fp8Report`; ``print(report.table())``, ``report.module_filter_fn()``.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``.
+        TypeError: if ``model`` is not an ``nn.Module``, for an unknown keyword, or for a threshold given
+            under both its names.
         ValueError: for a threshold outside [0, 1] (name in the message), a model without ``nn.Linear``,
             or a loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
-    check_fractions(max_underflow=max_underflow, max_saturate=max_saturate, max_error=max_error)
+    max_flushed, max_saturated = _thresholds(renamed, max_flushed, max_saturated)
+    check_fractions(max_flushed=max_flushed, max_saturated=max_saturated, max_error=max_error)
     layers = {}
     for name, seen in capture_linears(model, inputs, loss_fn).items():
         module = seen["module"]
@@ -196,7 +216,38 @@ def fp8_report(
             if key in seen
         }
         layers[name] = Fp8LayerStats(stats["input"], stats["weight"], stats.get("grad_output"))
-    return Fp8Report(layers, float(max_underflow), float(max_saturate), float(max_error))
+    return Fp8Report(layers, float(max_flushed), float(max_saturated), float(max_error))
+
+
+# The thresholds' names before fp8_report took lowbit_report's, kept for one release.
+_RENAMED = {"max_underflow": "max_flushed", "max_saturate": "max_saturated"}
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is now {new} (the name lowbit_report uses); the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _thresholds(renamed: dict[str, float], max_flushed: float, max_saturated: float) -> tuple[float, float]:
+    """``(max_flushed, max_saturated)`` with any value given under its old name (warned)."""
+    given = {"max_flushed": max_flushed, "max_saturated": max_saturated}
+    for old, value in renamed.items():
+        if old not in _RENAMED:
+            raise TypeError(f"fp8_report() got an unexpected keyword argument {old!r}")
+        new = _RENAMED[old]
+        if given[new] != fp8_report.__kwdefaults__[new]:  # the new name was passed too
+            raise TypeError(f"fp8_report() got both {new} and its old name {old}: pass {new} only")
+        warnings.warn(
+            f"fp8_report({old}=...) is now {new}=... (the name lowbit_report uses); the old name goes in the "
+            "next release",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        given[new] = value
+    return given["max_flushed"], given["max_saturated"]
 
 
 def plot_fp8_report(report: Fp8Report, path: str | Path) -> Path:
@@ -207,13 +258,11 @@ def plot_fp8_report(report: Fp8Report, path: str | Path) -> Path:
         TypeError: if ``report`` is not an :class:`Fp8Report`.
         ImportError: without matplotlib (``pip install 'mixprec[plot]'``).
     """
-    from mixprec.inspect.plots import _figure, _save
-
     if not isinstance(report, Fp8Report):
         raise TypeError(f"report must be an Fp8Report, got {type(report).__name__}")
     names = list(report.layers)
     keep = set(report.keep_in_bf16())
-    figure = _figure(figsize=(10, 1.2 + 0.45 * len(names)))
+    figure = new_figure(figsize=(10, 1.2 + 0.45 * len(names)))
     panels = (("round-trip error (relative L2)", "error"), ("fraction lost (underflow + saturate)", None))
     for index, (title, key) in enumerate(panels):
         axes = figure.add_subplot(1, 2, index + 1)
@@ -234,4 +283,4 @@ def plot_fp8_report(report: Fp8Report, path: str | Path) -> Path:
                 label.set_color("tab:red" if label.get_text() in keep else "black")
             axes.legend(fontsize=8, loc="lower right")
     figure.suptitle(f"fp8 per layer; keep in bf16 (red): {', '.join(sorted(keep)) or 'none'}", fontsize=11)
-    return _save(figure, path, top=0.93)
+    return save_png(figure, path, rect=(0, 0, 1, 0.93))

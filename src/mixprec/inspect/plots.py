@@ -4,20 +4,19 @@
 * :func:`plot_scale_history`: the loss scale over steps with skipped steps marked (and loss, grad amax);
 * :func:`plot_underflow`: per-module bars of flushed / subnormal / already-zero gradients.
 
-matplotlib is imported when a plot is drawn, never at import time, and only through its object API
-(``Figure`` + ``FigureCanvasAgg``): no pyplot, no global figure state, no display needed.
+matplotlib is imported when a plot is drawn, never at import time (:mod:`mixprec._plots`, shared with the
+bench's pictures).
 """
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mixprec import formats
-from mixprec._files import write_atomic
+from mixprec._plots import new_figure, save_png
 from mixprec.inspect._modules import display_name
 from mixprec.inspect.summaries import Log2Histogram
 from mixprec.inspect.underflow_report import UnderflowReport, format_scale
@@ -26,25 +25,6 @@ __all__ = ["plot_gradient_histogram", "plot_scale_history", "plot_underflow"]
 
 DEFAULT_FORMATS = ("fp16", "bf16", "fp8_e5m2", "fp8_e4m3fn")
 _COLORS = {"fp16": "tab:blue", "bf16": "tab:green", "fp8_e5m2": "tab:purple", "fp8_e4m3fn": "tab:red"}
-
-
-def _figure(**kwargs: Any) -> Any:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("mixprec's plots need matplotlib: pip install 'mixprec[plot]'") from exc
-    return Figure(**kwargs)
-
-
-def _save(figure: Any, path: str | Path, top: float = 1.0) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout(rect=(0, 0, 1, top))
-    buffer = io.BytesIO()
-    FigureCanvasAgg(figure).print_png(buffer)
-    return write_atomic(path, buffer.getvalue())  # complete or absent, see mixprec._files
 
 
 def _histograms(source: Any) -> dict[str, Log2Histogram]:
@@ -87,7 +67,7 @@ def plot_gradient_histogram(
     scale = scale if scale is not None else (source.scale if isinstance(source, UnderflowReport) else 1.0)
     shift = math.log2(scale)
     shown = [formats.get(name) for name in formats_shown]
-    figure = _figure(figsize=(9, 5.5))
+    figure = new_figure(figsize=(9, 5.5))
     grid = figure.add_gridspec(2, 1, height_ratios=(3, 0.35 * len(shown) + 0.4))
     axes, ruler = figure.add_subplot(grid[0]), figure.add_subplot(grid[1])
     low, high = 0.0, 1.0
@@ -116,7 +96,7 @@ def plot_gradient_histogram(
     right = max(high, math.log2(fp16.max) - shift) + 2
     for ax in (axes, ruler):
         ax.set_xlim(left, right)
-    return _save(figure, path)
+    return save_png(figure, path)
 
 
 def _draw_ruler(axes: Any, shown: Sequence[formats.Format], shift: float) -> None:
@@ -158,7 +138,7 @@ def plot_scale_history(
             raise ValueError(f"records[{i}] must be a dict with 'step' and 'scale' keys, got {record!r}")
     runs = group_runs(records)
     panels = ["scale"] + [key for key in ("loss", "grad_amax") if key in panels and _any_value(runs, key)]
-    figure = _figure(figsize=(9, 2.4 * len(panels) + 0.6))
+    figure = new_figure(figsize=(9, 2.4 * len(panels) + 0.6))
     first = None
     for index, key in enumerate(panels, 1):
         axes = figure.add_subplot(len(panels), 1, index, sharex=first)
@@ -176,7 +156,7 @@ def plot_scale_history(
     assert first is not None  # the loop above ran at least once
     first.set_title(title or "loss scale over training steps")
     figure.axes[-1].set_xlabel("step")
-    return _save(figure, path)
+    return save_png(figure, path)
 
 
 def group_runs(records: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -237,7 +217,7 @@ def plot_underflow(reports: UnderflowReport | Sequence[UnderflowReport], path: s
             f"got {type(reports).__name__}"
         )
     rows = max(len(r.activations) + len(r.parameters) for r in reports) + 4
-    figure = _figure(figsize=(5.5 * len(reports), 0.22 * rows + 2.5))
+    figure = new_figure(figsize=(5.5 * len(reports), 0.22 * rows + 2.5))
     for column, report in enumerate(reports):
         for row, (kind, stats) in enumerate(
             (("activation", report.activations), ("parameter", report.parameters))
@@ -252,7 +232,7 @@ def plot_underflow(reports: UnderflowReport | Sequence[UnderflowReport], path: s
             )
     handles, labels = figure.axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9)
-    return _save(figure, path, top=1 - 0.45 / figure.get_figheight())
+    return save_png(figure, path, rect=(0, 0, 1, 1 - 0.45 / figure.get_figheight()))
 
 
 def _draw_bars(axes: Any, stats: Mapping[str, Any]) -> None:

@@ -197,7 +197,8 @@ def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if bench is not None:
-        from mixprec.inspect.bench_report import bench_summary, plot_bench_records
+        from mixprec.bench.plots import plot_bench_records
+        from mixprec.bench.report import bench_summary
 
         images = [plot_bench_records(bench, out_dir / "step_time.png")]
         return [*images, _write_summary(out_dir, bench_summary(bench, log.name, images), note)]
@@ -214,7 +215,8 @@ def _write_summary(out_dir: Path, text: str, note: str | None) -> Path:
 
 def _write_folder_report(folder: Path, out_dir: Path) -> list[Path]:
     """A results folder: the bench records' table and step times, plus the log's loss pictures."""
-    from mixprec.inspect.bench_report import bench_summary, plot_bench_records
+    from mixprec.bench.plots import plot_bench_records
+    from mixprec.bench.report import bench_summary
 
     if not (folder / BENCH_FILE).exists():
         raise FileNotFoundError(
@@ -237,7 +239,7 @@ def _log_images(records: list[dict[str, Any]], out_dir: Path, name: str) -> list
         return []
     is_bench_log = any(r.get("workload") is not None and r.get("mode") is not None for r in records)
     if is_bench_log:
-        from mixprec.inspect.bench_report import plot_bench_log
+        from mixprec.bench.plots import plot_bench_log
 
         images = plot_bench_log(records, out_dir, name)
     else:

@@ -2,8 +2,9 @@
 
 ``GradScaler`` (grad_scaler.py) is the drop-in for ``torch.amp.GradScaler``, its state machine read in call
 order; how the scale moves is a small rule object (rules.py: ``StaticScale``, ``NoScale``; dynamic.py:
-``DynamicScale``; headroom.py: ``HeadroomScale``); the work on gradients and torch's ops are in kernels.py;
-rank agreement and the skip count in skip.py.
+``DynamicScale``, with torch's update op; headroom.py: ``HeadroomScale``); the gradients a pass reads in
+grads.py, the check-and-unscale pass in unscale.py, torch.optim's fused-optimizer hand-off in fused.py, device
+facts in devices.py; rank agreement and the skip count in skip.py.
 """
 
 from mixprec.scaling.dynamic import DynamicScale

@@ -1,13 +1,18 @@
-"""DynamicScale: torch's dynamic loss scale, with hysteresis, a floor and a cap."""
+"""DynamicScale: torch's dynamic loss scale, with hysteresis, a floor and a cap.
+
+The scale update itself is torch's ``_amp_update_scale_`` (:func:`update_scale_`, at the end), with the same
+rule written in tensor ops for devices whose backend lacks that kernel.
+"""
 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, ClassVar
 
 import torch
 
-from mixprec.scaling import kernels
+from mixprec.scaling.devices import wide_float
 from mixprec.scaling.rules import (
     DEFAULTS,
     FLOAT32_TINY,
@@ -230,7 +235,7 @@ class DynamicScale(ScaleRule):
             tracker.clamp_max_(self.growth_interval - 1)
             self._tracker_unchecked = False
         before = scale.clone() if self.hysteresis > 1 else None
-        kernels.update_scale_(
+        update_scale_(
             scale, tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
         )
         restarts = amax is not None and self.underflow_restart
@@ -368,3 +373,70 @@ def _check_bounds(min_scale: float | None, max_scale: float | None, init_scale: 
         raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
     if init_scale is not None and not low <= init_scale <= high:
         raise ValueError(f"init_scale {init_scale} is outside [min_scale, max_scale] = [{low}, {high}]")
+
+
+# -- torch's scale update, and the same rule as tensor ops where its kernel is missing ----------------
+
+# Device types where torch's ``_amp_update_scale_`` has no kernel (found at the first call): the same rule
+# then runs as tensor ops, which give the same bits (tests/scaling/test_devices.py).
+_WITHOUT_UPDATE_OP: set[str] = set()
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """torch.amp.GradScaler's update, in place and without a host sync: torch's own dispatcher op.
+
+    ``scale`` (float32, 0-dim) and ``growth_tracker`` (int32, 0-dim) on one device; ``found_inf`` (float32,
+    0-dim) non-zero when a step overflowed::
+
+        if found_inf:  scale *= backoff_factor;  growth_tracker = 0
+        elif growth_tracker + 1 == growth_interval:
+            growth_tracker = 0
+            if isfinite(scale * growth_factor):  scale *= growth_factor
+        else:  growth_tracker += 1
+
+    Each product is computed in float64 and rounded once to float32, as in torch's kernels.
+    """
+    args = (scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    if scale.device.type not in _WITHOUT_UPDATE_OP:
+        try:
+            torch._amp_update_scale_(*args)
+            return
+        except NotImplementedError:
+            _WITHOUT_UPDATE_OP.add(scale.device.type)
+    update_scale_with_tensor_ops_(*args)
+
+
+def update_scale_with_tensor_ops_(
+    scale: torch.Tensor,
+    tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth: float,
+    backoff: float,
+    interval: int,
+) -> None:
+    """:func:`update_scale_` written with public tensor ops, for devices without torch's kernel."""
+    found = found_inf != 0
+    successful = (tracker + 1) * ~found
+    grow = successful == interval
+    grown = times(scale, growth)
+    grown = torch.where(torch.isfinite(grown), grown, scale)
+    scale.copy_(torch.where(found, times(scale, backoff), torch.where(grow, grown, scale)))
+    tracker.copy_(successful.masked_fill_(grow, 0))
+
+
+def times(scale: torch.Tensor, factor: float) -> torch.Tensor:
+    """``scale * factor`` rounded once to float32, as torch's kernel computes it (in float64, then rounded).
+
+    A float32 product of two float32 numbers is already the correctly rounded exact product, so when
+    ``factor`` is exact in float32 (2.0, 0.5, ...) the float64 round trip is skipped: same bits, fewer ops.
+    """
+    if struct.unpack("f", struct.pack("f", factor))[0] == factor:
+        return scale * factor
+    return (scale.to(wide_float(scale.device)) * factor).float()

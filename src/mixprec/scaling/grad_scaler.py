@@ -2,7 +2,8 @@
 
 Per optimizer and iteration the scaler keeps a record: its stage (READY -> UNSCALED -> STEPPED) and what the
 gradient pass measured (found_inf, amax per device). ``update()`` combines the records and hands the result
-to the rule (rules.py, dynamic.py, headroom.py) and the skip monitor (skip.py); kernels.py does device work.
+to the rule (rules.py, dynamic.py, headroom.py) and the skip monitor (skip.py). The gradients a pass reads
+come from grads.py, the pass itself is unscale.py, fused optimizers get their hand-off from fused.py.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import torch
 import torch.distributed as dist
 
 from mixprec._tree import map_tensors
-from mixprec.scaling import kernels, rules
+from mixprec.scaling import rules
+from mixprec.scaling.devices import parse_device, warn_if_unavailable, wide_float
 from mixprec.scaling.dynamic import DynamicScale
+from mixprec.scaling.fused import run_fused_step, supports_fused_scaling
+from mixprec.scaling.grads import check_optimizer, collect_grads, params_of
 from mixprec.scaling.headroom import HeadroomScale  # noqa: F401  (registers growth="headroom")
 from mixprec.scaling.rules import DEFAULTS, GradScalerError, ScaleRule
 from mixprec.scaling.skip import RankSync, SkipMonitor
+from mixprec.scaling.unscale import check_and_unscale_, combine_max, measure_amax
 
 __all__ = ["GradScaler", "GradScalerError", "OptState"]
 
@@ -124,14 +129,23 @@ class GradScaler:
         process_group: dist.ProcessGroup | None = None,
         sync: str | bool = "auto",
     ) -> None:
-        self._device = None if device is None else kernels.parse_device(device)
-        dynamic = (init_scale, growth_factor, backoff_factor, growth_interval, growth, hysteresis)
-        self.rule = rules.build_rule(rule, rules.RuleArguments(*dynamic, min_scale, max_scale))
+        self._device = None if device is None else parse_device(device)
+        arguments = rules.RuleArguments(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            growth=growth,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        self.rule = rules.build_rule(rule, arguments)
         self.monitor = SkipMonitor(warn_after_skips)
         self.rank_sync = RankSync(sync, process_group)
         self.allow_fp16_grads = rules.check_flag("allow_fp16_grads", allow_fp16_grads)
         enabled = rules.check_flag("enabled", enabled)
-        self._enabled = enabled and not kernels.warn_if_unavailable(self._device, stacklevel=2)
+        self._enabled = enabled and not warn_if_unavailable(self._device, stacklevel=2)
         self._records: dict[int, _Record] = {}
 
     def is_enabled(self) -> bool:
@@ -171,7 +185,7 @@ class GradScaler:
         return self.rule.scale
 
     def _record(self, optimizer: torch.optim.Optimizer) -> _Record:
-        kernels.check_optimizer(optimizer)
+        check_optimizer(optimizer)
         return self._records.setdefault(id(optimizer), _Record())
 
     # -- unscale_ --------------------------------------------------------------------------------------
@@ -190,7 +204,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        self._require_scale("unscale_")
+        scale = self._require_scale("unscale_")
         record = self._record(optimizer)
         if record.stage is OptState.UNSCALED:
             raise GradScalerError(
@@ -198,11 +212,16 @@ class GradScaler:
             )
         if record.stage is OptState.STEPPED:
             raise GradScalerError("unscale_() is being called after step().")
-        self._check_grads(optimizer, record, unscale=True, measure_amax=True)
+        self._check_grads(optimizer, record, scale, unscale=True, measure_amax=True)
         record.stage = OptState.UNSCALED
 
     def _check_grads(
-        self, optimizer: torch.optim.Optimizer, record: _Record, unscale: bool, measure_amax: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _Record,
+        scale: torch.Tensor,
+        unscale: bool,
+        measure_amax: bool,
     ) -> None:
         """The gradient pass: found_inf (and amax, where the rule needs it) per device, unscaling if asked.
 
@@ -210,19 +229,16 @@ class GradScaler:
         and ``measure_amax`` (a fused step, which has no sync, or an explicit ``unscale_``, after which the
         user may edit the gradients: clipping an inf norm zeroes them); else a non-fused step's sync.
         """
-        scale = self._require_scale("unscale_")
         allow_fp16 = self.allow_fp16_grads or not unscale  # a check-only pass leaves gradients alone
-        groups = kernels.collect_grads(kernels.params_of(optimizer), allow_fp16)
+        groups = collect_grads(params_of(optimizer), allow_fp16)
         use = self.rule.amax_use
         want_amax = use == "every_step" or (use == "when_free" and measure_amax and self.rule.amax_due)
         if unscale or want_amax:  # the reciprocal in float64 (where there is one), as torch
-            inv_scale = scale.to(kernels.wide_float(scale.device)).reciprocal().float()
+            inv_scale = scale.to(wide_float(scale.device)).reciprocal().float()
         else:
             inv_scale = torch.ones_like(scale)  # a check-only pass multiplies by 1, as torch's does
         unscale = unscale and not self.rule.is_identity
-        record.found_inf, record.amax = kernels.check_and_unscale_(
-            groups, inv_scale, unscale, None, want_amax
-        )
+        record.found_inf, record.amax = check_and_unscale_(groups, inv_scale, unscale, want_amax=want_amax)
 
     # -- step ------------------------------------------------------------------------------------------
 
@@ -245,11 +261,11 @@ class GradScaler:
         record = self._record(optimizer)
         if record.stage is OptState.STEPPED:
             raise GradScalerError("step() has already been called since the last update().")
-        if kernels.supports_fused_scaling(optimizer):
-            return self._fused_step(optimizer, record, args, kwargs)
+        if supports_fused_scaling(optimizer):
+            return self._fused_step(optimizer, record, scale, args, kwargs)
         checked_here = record.stage is OptState.READY  # else unscale_() checked, and the user may edit since
         if checked_here:  # this step's sync measures amax where the rule needs it
-            self._check_grads(optimizer, record, unscale=True, measure_amax=False)
+            self._check_grads(optimizer, record, scale, unscale=True, measure_amax=False)
         if not record.found_inf:
             self._records.pop(id(optimizer))  # nothing was unscaled: leave no trace of this call
             raise GradScalerError(
@@ -257,7 +273,7 @@ class GradScaler:
                 "backward() called on the scaled loss, and does the optimizer hold the model's parameters?)"
             )
         found_inf = self._agree_found_inf(record, scale.device)
-        if self._skip_decision(optimizer, record, found_inf, checked_here):
+        if self._skip_decision(optimizer, record, scale, found_inf, checked_here):
             self.monitor.check(pending=1, scale=self.rule.get_scale())
             self.rule.after_skip()
             retval = None
@@ -267,18 +283,22 @@ class GradScaler:
         return retval
 
     def _fused_step(
-        self, optimizer: torch.optim.Optimizer, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _Record,
+        scale: torch.Tensor,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         """Hand scale and found_inf to an optimizer that unscales and skips in its own kernel (no sync)."""
-        scale = self._require_scale("step")
         if record.stage is OptState.READY:
-            self._check_grads(optimizer, record, unscale=False, measure_amax=True)
+            self._check_grads(optimizer, record, scale, unscale=False, measure_amax=True)
             # As torch: compose with a grad_scale the user may have set on the optimizer.
             grad_scale = scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)  # already unscaled by unscale_()
         found_inf = self._agree_found_inf(record, scale.device)
-        retval = kernels.run_fused_step(optimizer, grad_scale, found_inf, args, kwargs)
+        retval = run_fused_step(optimizer, grad_scale, found_inf, args, kwargs)
         record.stage = OptState.STEPPED
         return retval
 
@@ -288,9 +308,9 @@ class GradScaler:
         Every skip decision goes through here: found_inf (with amax, where the rule reads it) is all-reduced
         across ranks, one collective per optimizer, and replaces the record's, so ``update()`` needs none.
         """
-        found_inf = kernels.combine_max(record.found_inf.values(), device)
+        found_inf = combine_max(record.found_inf.values(), device)
         measured = self.rule.amax_use != "none" and record.amax
-        amax = kernels.combine_max(record.amax.values(), device) if measured else None
+        amax = combine_max(record.amax.values(), device) if measured else None
         found_inf, amax = self.rank_sync.max_across_ranks(found_inf, amax)
         record.found_inf = {device: found_inf}
         if amax is not None:
@@ -298,17 +318,24 @@ class GradScaler:
         return found_inf
 
     def _skip_decision(
-        self, optimizer: torch.optim.Optimizer, record: _Record, found_inf: torch.Tensor, checked_here: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _Record,
+        scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        checked_here: bool,
     ) -> bool:
         """Read found_inf on the host (the step's one sync), and the scale with it where the rule reads amax
-        but this step's own check (``checked_here``) gave none: below 1 (only there can all gradients flush
-        to zero) a clean step measures amax, agreed across ranks."""
+        but this step's own check (``checked_here``) gave none.
+
+        Below a scale of 1 (only there can all gradients flush to zero) a clean step measures amax, agreed
+        across ranks.
+        """
         if self.rule.amax_use == "none" or record.amax or not checked_here:
             return bool(found_inf.item() != 0)
-        scale = self._require_scale("step")
         found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
         if found == 0 and current < 1:
-            amax_here = kernels.measure_amax(kernels.params_of(optimizer), scale.device)
+            amax_here = measure_amax(params_of(optimizer), scale.device)
             record.amax = {scale.device: self.rank_sync.max_across_ranks(found_inf, amax_here)[1]}
         return found != 0
 
@@ -336,13 +363,13 @@ class GradScaler:
         for record in records:
             if record.stage is not OptState.STEPPED:
                 self._agree_found_inf(record, scale.device)  # unscale_() without step(): agree now
-        found_inf = kernels.combine_max((t for r in records for t in r.found_inf.values()), scale.device)
+        found_inf = combine_max((t for r in records for t in r.found_inf.values()), scale.device)
         if checked is not None:
             self.rule.set_scale(checked)
         else:
             all_measured = self.rule.amax_use != "none" and all(record.amax for record in records)
             amax = (t for r in records for t in r.amax.values()) if all_measured else None
-            self.rule.update(found_inf, None if amax is None else kernels.combine_max(amax, scale.device))
+            self.rule.update(found_inf, None if amax is None else combine_max(amax, scale.device))
         if records:
             self.monitor.record(found_inf)
         else:

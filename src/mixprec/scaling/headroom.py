@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec import formats
+from mixprec.scaling.devices import wide_float
 from mixprec.scaling.dynamic import DynamicScale
-from mixprec.scaling.kernels import wide_float
 from mixprec.scaling.rules import DEFAULTS, FLOAT32_MAX, check_positive, optional
 
 __all__ = ["HeadroomScale"]
