@@ -19,6 +19,7 @@ import torch
 
 from mixprec._files import write_atomic
 from mixprec.bench import checks
+from mixprec.bench.budget import DEFAULT_TIME, Budget, parse_time
 from mixprec.bench.jobs import Plan, make_plan, split_names
 from mixprec.bench.machine import choose_threads
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
@@ -36,7 +37,8 @@ few steps at a time (each run in a process of its own), then prints the median s
 the speedup over fp32 with a 90% interval, peak memory, held-out loss and metric, skipped steps and the
 final loss scale. The 'fp32 (A/A)' row is a second fp32 process: how far it lands from 1.00x widens
 every interval. A row marked NOISY had timings too spread out to trust (a busy machine); rerun then.
-Default: about 3-4 minutes on a quiet 2-core CPU; --full: the longer study (about 10 minutes). The
+Default: about 3-4 minutes on a quiet 2-core CPU, and cut to fit --time (5 min) where it would take longer;
+--full: the longer study (about 10 minutes). The
 results go into a new folder ./mixprec-bench-DATE-TIME (or --out DIR) unless --json, --log or --plot
 names single outputs; `mixprec report DIR` redraws them.
 
@@ -89,7 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SIZES,
         help="size preset: tiny (tests), quick, default (~3 min, 2 CPU cores), full (= --full), large (GPU)",
     )
-    add("--steps", type=int, help="training steps per run (overrides the preset)")
+    add("--steps", type=int, help="training steps per run (overrides the preset and --time)")
+    add(
+        "--time",
+        metavar="DURATION",
+        help=f"time budget for the whole bench, e.g. 300s, 5m or off (default {DEFAULT_TIME} for the default "
+        "size, off for the others): each workload runs the largest share of its rounds that fits, chosen "
+        "from the estimate and again before each workload from the pace so far; the table says what it chose",
+    )
     add(
         "--threads",
         default="auto",
@@ -229,6 +238,7 @@ def _finish(results: list[RunResult], args: argparse.Namespace, plan: Plan, tabl
 def run(args: argparse.Namespace) -> int:
     """Run the bench for parsed ``args``; returns the process exit code (1 if any run failed)."""
     started = time.perf_counter()
+    budget_s = _budget_s(args)
     _check_outputs(args)
     threads, why = choose_threads(args.threads, args.device)
     plan = make_plan(
@@ -248,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
     if not plan.device.startswith("cuda"):
         torch.set_num_threads(threads)  # the machine probe measures what the runs will use
     factor = machine_factor(plan.device)
+    budget = None
+    if budget_s is not None:
+        budget = Budget(budget_s - (time.perf_counter() - started), factor, plan.notes)
+        plan.jobs = budget.first(plan.jobs)
     _announce(plan, factor)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -258,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             isolated=not args.in_process,
             progress=progress,
             on_workload_done=lambda r: _save(r, args, len(plan.jobs)),
+            rechoose=None if budget is None else (lambda jobs: budget.rechoose(jobs, progress)),
         )
     finally:
         progress.close()
@@ -270,6 +285,23 @@ def run(args: argparse.Namespace) -> int:
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0
+
+
+def _budget_s(args: argparse.Namespace) -> float | None:
+    """Seconds of ``--time`` (its default for the default size); None: no budget (``--steps`` fixes them).
+
+    Raises:
+        ValueError: for a malformed ``--time`` (see :func:`mixprec.bench.budget.parse_time`).
+    """
+    given = getattr(args, "time", None)
+    seconds = parse_time(given if given is not None else DEFAULT_TIME)
+    if args.steps is not None:
+        if given is not None and seconds is not None:
+            raise ValueError(f"--time {given} and --steps {args.steps} both set the length: give one of them")
+        return None
+    if given is None and (args.size or "default") != "default":
+        return None
+    return seconds
 
 
 def _estimates(progress: Progress) -> str:

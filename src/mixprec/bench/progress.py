@@ -164,6 +164,16 @@ class Progress:
         elif self.clock() - self.last_line >= LINE_EVERY_S:
             self._line()
 
+    def replan(self, before: Sequence[Job], after: Sequence[Job]) -> None:
+        """Runs not started yet were re-chosen (:mod:`mixprec.bench.budget`): ``before[i]`` is now
+        ``after[i]``; the total follows, and the new total is the one later corrections compare with."""
+        for old, new in zip(before, after, strict=True):
+            self.jobs[self.jobs.index(old)] = new
+        self.total += estimate_s(after, self.factor) - estimate_s(before, self.factor)
+        if self._bar is not None:
+            self._bar.total = round(self.total, 1)
+        self.announced_total = self.projected_total_s()
+
     def projected_total_s(self) -> float:
         """Elapsed seconds plus :meth:`left_s`: the whole run's wall time at the pace so far."""
         return self.clock() - self.started + self.left_s()

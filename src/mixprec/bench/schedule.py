@@ -20,6 +20,8 @@ from mixprec.bench.runner import Job, RunFailed, RunResult
 from mixprec.bench.workers import make_worker
 
 Done = Callable[[list[RunResult]], None]
+#: Called with the runs not started yet before each workload after the first; returns them re-chosen.
+Rechoose = Callable[[list[Job]], list[Job]]
 
 
 def group_by_workload(jobs: Sequence[Job]) -> list[list[Job]]:
@@ -86,12 +88,24 @@ def run_workload(
 
 
 def run_plan(
-    jobs: Sequence[Job], isolated: bool, progress: Progress, on_workload_done: Done | None = None
+    jobs: Sequence[Job],
+    isolated: bool,
+    progress: Progress,
+    on_workload_done: Done | None = None,
+    rechoose: Rechoose | None = None,
 ) -> tuple[list[RunResult], list[str]]:
-    """Every workload in turn (see :func:`run_workload`); returns all results and failure messages."""
+    """Every workload in turn (see :func:`run_workload`); returns all results and failure messages.
+
+    ``rechoose`` (the time budget's) may change the steps of the runs not started yet, before each
+    workload after the first."""
     results: list[RunResult] = []
     failures: list[str] = []
-    for group in group_by_workload(jobs):
+    groups = group_by_workload(jobs)
+    for index in range(len(groups)):
+        if rechoose is not None and index > 0:
+            remaining = [job for group in groups[index:] for job in group]
+            groups[index:] = group_by_workload(rechoose(remaining))
+        group = groups[index]
         done, failed = run_workload(group, isolated, progress)
         results += done
         failures += failed

@@ -43,12 +43,13 @@ from mixprec.float8.convert import (
     sync_float8_amax_history,
 )
 from mixprec.float8.fsdp import precompute_float8_dynamic_scale_for_fsdp
-from mixprec.float8.linear import Float8Linear
+from mixprec.float8.linear import Float8Conv1D, Float8Linear
 from mixprec.float8.matmul import scaled_mm
 
 __all__ = [
     "CastConfig",
     "Float8Config",
+    "Float8Conv1D",
     "Float8GemmConfig",
     "Float8Linear",
     "Float8LinearConfig",

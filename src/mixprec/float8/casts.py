@@ -16,7 +16,7 @@ enums' ``.value``), so a config written for torchao builds a mixprec one unchang
 
 :class:`ScaledMMConfig` / :class:`LinearMMConfig` are the per-GEMM settings a
 :class:`~mixprec.float8.Float8Linear` exposes as ``linear_mm_config`` (torchao's attribute). In mixprec
-they are read from the module's config at each call rather than carried by a tensor subclass.
+they are built once per (frozen) config and read from it, rather than carried by a tensor subclass.
 """
 
 from __future__ import annotations

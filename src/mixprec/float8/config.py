@@ -7,6 +7,7 @@ constructor, and an error names the field and what it accepts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -19,6 +20,7 @@ from mixprec.float8.casts import (
     lowbit_format,
     recipe_casts,
 )
+from mixprec.lowbit.recipes import Recipe, get_recipe
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
@@ -187,9 +189,17 @@ class Float8Config:
             f"wgrad={fmt['cast_config_grad_output_for_grad_weight']},{fmt['cast_config_input_for_grad_weight']}"
         )
 
-    @property
+    @cached_property
+    def resolved_lowbit_recipe(self) -> Recipe | None:
+        """:attr:`lowbit_recipe` parsed into its :class:`~mixprec.lowbit.Recipe` (None for the tensorwise
+        casts), once per config: the config is frozen, so the forward never parses it again."""
+        text = self.lowbit_recipe
+        return None if text is None else get_recipe(text)
+
+    @cached_property
     def linear_mm_config(self) -> LinearMMConfig:
-        """The GEMMs' settings in torchao's ``LinearMMConfig`` form (output, grad_input, grad_weight)."""
+        """The GEMMs' settings in torchao's ``LinearMMConfig`` form (output, grad_input, grad_weight),
+        built once per config (frozen) rather than at every GEMM."""
         gemms = (self.gemm_config_output, self.gemm_config_grad_input, self.gemm_config_grad_weight)
         return LinearMMConfig(
             *(ScaledMMConfig(self.emulate, g.use_fast_accum, False, self.pad_inner_dim) for g in gemms)

@@ -22,9 +22,15 @@ from torch import nn
 
 from mixprec.float8.casts import Float8UsageError
 from mixprec.float8.config import Float8Config
-from mixprec.float8.linear import Float8Linear, _check_config, check_float8_state, describe_config
+from mixprec.float8.linear import (
+    Float8Conv1D,
+    Float8Layer,
+    Float8Linear,
+    _check_config,
+    check_float8_state,
+    describe_config,
+)
 from mixprec.lowbit.swap import (
-    CONV1D_KEPT,
     ModuleFilter,
     NonDynamicallyQuantizable,
     check_filter,
@@ -48,24 +54,29 @@ __all__ = [
 def convert_to_float8_training(
     model: nn.Module, *, config: Float8Config | None = None, module_filter_fn: ModuleFilter | None = None
 ) -> nn.Module:
-    """Swap every exact ``nn.Linear`` of ``model`` (itself included) for a :class:`Float8Linear`, in place.
+    """Swap every exact ``nn.Linear`` of ``model`` (itself included) for a :class:`Float8Linear`, and every
+    ``transformers`` ``Conv1D`` (GPT-2's linear layers) for a :class:`Float8Conv1D`, in place.
 
     The same name and filter contract as ``torchao.float8.convert_to_float8_training``, so code can
     switch between them. The new modules share the old ones' parameter objects, so an optimizer built
     before conversion keeps working; ``state_dict`` keys stay the same (delayed scaling adds
     ``<fqn>.amax_history``), and ``model.load_state_dict`` checks every amax history before any tensor
     loads. Modules that already are :class:`Float8Linear` with this ``config`` are left alone (converting
-    twice is a no-op); with another config, or converted by another API, they are refused.
+    twice is a no-op); with another config, or converted by another API, they are refused. A ``Conv1D``
+    keeps its (in, out) weight Parameter and runs the GEMMs over ``weight.t()`` (its numerics are those of a
+    Float8Linear of that weight); to keep Conv1D layers in high precision, return False for them from
+    ``module_filter_fn`` (``type(module).__name__ == "Conv1D"``).
 
     Args:
         model: the model to convert.
         config: the scaling recipe, a :class:`Float8Config` (default: dynamic).
-        module_filter_fn: ``(module, fqn) -> bool``, called for each ``nn.Linear`` with its qualified name
-            (``""`` for ``model`` itself); False keeps that module as it is (e.g. in bf16 under autocast).
-            Default: convert all.
+        module_filter_fn: ``(module, fqn) -> bool``, called for each ``nn.Linear`` and ``Conv1D`` with its
+            qualified name (``""`` for ``model`` itself); False keeps that module as it is (e.g. in bf16
+            under autocast). Default: convert all.
 
     Returns:
-        ``model`` (or a new :class:`Float8Linear` when ``model`` itself is an ``nn.Linear``).
+        ``model`` (or a new :class:`Float8Linear` / :class:`Float8Conv1D` when ``model`` itself is one to
+        convert).
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``, ``config`` not a :class:`Float8Config`,
@@ -79,8 +90,8 @@ def convert_to_float8_training(
 
     Warns:
         UserWarning: naming the layers that compute a linear map but were kept as they are (subclasses of
-            ``nn.Linear``, whose own parameters and forward would be lost; ``transformers``' ``Conv1D``),
-            or saying that nothing was converted.
+            ``nn.Linear``, whose own parameters and forward would be lost; ``Conv1D`` under
+            ``enable_fsdp_float8_all_gather``), or saying that nothing was converted.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -88,19 +99,20 @@ def convert_to_float8_training(
     check_filter(module_filter_fn)
     wanted, same, conflicts, kept = [], 0, [], {}
     for fqn, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, nn.Linear) or isinstance(module, NonDynamicallyQuantizable):
-            if is_conv1d(module) and filter_says(module_filter_fn, module, fqn):
-                kept[fqn] = CONV1D_KEPT
+        linear = isinstance(module, nn.Linear) and not isinstance(module, NonDynamicallyQuantizable)
+        if not (linear or is_conv1d(module) or is_converted(module)):
             continue
         if not filter_says(module_filter_fn, module, fqn):
             continue
-        if isinstance(module, Float8Linear):
+        if isinstance(module, Float8Layer):
             same += module.config == config
             if module.config != config:
                 conflicts.append((fqn, converted_as(module)))
         elif is_converted(module):
             conflicts.append((fqn, converted_as(module)))
-        elif type(module) is nn.Linear:
+        elif is_conv1d(module) and config.enable_fsdp_float8_all_gather:
+            kept[fqn] = "transformers Conv1D is not converted with enable_fsdp_float8_all_gather=True"
+        elif is_conv1d(module) or type(module) is nn.Linear:
             wanted.append((fqn, module))
         else:  # a subclass's own parameters, buffers and forward would be lost in a Float8Linear
             kept[fqn] = f"{type(module).__name__} is a subclass of nn.Linear (exact nn.Linear only convert)"
@@ -112,17 +124,22 @@ def convert_to_float8_training(
                 f"Does not support a root nn.Linear with children: cannot convert a root "
                 f"{type(model).__name__} with child modules {children} (they would be dropped)"
             )
-        return Float8Linear.from_linear(model, config)
+        return _float8_module(model, config)
     warn_if_unconverted("convert_to_float8_training", len(wanted) + same, model, kept)
     swaps = wanted
     if not any(hook is check_float8_state_hook for hook in _load_pre_hooks(model)):
         model.register_load_state_dict_pre_hook(check_float8_state_hook)
     replacements: dict[int, Float8Linear] = {}
     for fqn, module in swaps:  # a module shared by several parents is swapped once, everywhere
-        new = replacements.setdefault(id(module), Float8Linear.from_linear(module, config))
+        new = replacements.setdefault(id(module), _float8_module(module, config))
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
     return model
+
+
+def _float8_module(module: nn.Module, config: Float8Config) -> Float8Layer:
+    """The fp8 layer replacing ``module``: a ``Conv1D`` keeps its (in, out) weight Parameter."""
+    return Float8Conv1D(module, config) if is_conv1d(module) else Float8Linear.from_linear(module, config)
 
 
 def _load_pre_hooks(model: nn.Module) -> list[object]:
@@ -135,9 +152,10 @@ def check_float8_state_hook(module: nn.Module, state_dict: dict, prefix: str, *a
     check_float8_state(module, state_dict, prefix)
 
 
-def float8_linears(model: nn.Module) -> list[tuple[str, Float8Linear]]:
-    """``(fqn, module)`` for each :class:`Float8Linear` in ``model``, in ``named_modules`` order."""
-    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
+def float8_linears(model: nn.Module) -> list[tuple[str, Float8Layer]]:
+    """``(fqn, module)`` for each :class:`Float8Linear` and :class:`Float8Conv1D` in ``model``, in
+    ``named_modules`` order."""
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Float8Layer)]
 
 
 def skip_fqns(fqns: Iterable[str]) -> ModuleFilter:
@@ -169,8 +187,8 @@ def sync_float8_amax_history(model: nn.Module, group: dist.ProcessGroup | None =
         group: the process group (default: the world).
 
     Returns:
-        The number of amax values reduced (3 per delayed Float8Linear); 0, and no collective, when the
-        model has no delayed history or ``torch.distributed`` is not initialised.
+        The number of amax values reduced (3 per delayed Float8Linear or Float8Conv1D); 0, and no
+        collective, when the model has no delayed history or ``torch.distributed`` is not initialised.
     """
     histories = [m.amax_history for _, m in float8_linears(model) if m.amax_history is not None]
     if not histories or not (dist.is_available() and dist.is_initialized()):

@@ -1,4 +1,5 @@
-"""`Float8Linear`: an ``nn.Linear`` whose three matmuls run in fp8 (the module swapped in by conversion)."""
+"""`Float8Linear`: an ``nn.Linear`` whose three matmuls run in fp8 (the module swapped in by conversion);
+`Float8Conv1D`: the same for ``transformers``' ``Conv1D`` (GPT-2's linear layers, weight stored (in, out))."""
 
 from __future__ import annotations
 
@@ -12,17 +13,89 @@ from mixprec.float8.config import Float8Config
 from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
 from mixprec.lowbit.gemm import LowbitLinearFunction
-from mixprec.lowbit.recipes import get_recipe
 from mixprec.lowbit.swap import register_converted
 
-__all__ = ["ROLES", "AmaxHistoryError", "Float8Linear", "check_amax_history", "check_float8_state"]
+__all__ = [
+    "ROLES",
+    "AmaxHistoryError",
+    "Float8Conv1D",
+    "Float8Layer",
+    "Float8Linear",
+    "check_amax_history",
+    "check_float8_state",
+]
 
 #: The tensors of a linear layer that are cast to fp8, in the order of the rows of its amax buffers.
 ROLES = ("input", "weight", "grad_output")
 assert (INPUT, WEIGHT, GRAD_OUTPUT) == (0, 1, 2)
 
 
-class Float8Linear(nn.Linear):
+class Float8Layer(nn.Module):
+    """What every fp8 layer has (:class:`Float8Linear`, :class:`Float8Conv1D`): the config, the amax
+    buffers, their checkpoint rules and the fp8 linear map ``input @ weight.T`` of an (out, in) weight."""
+
+    config: Float8Config
+    amax_history: torch.Tensor | None
+    fp8_stats: torch.Tensor
+
+    def _add_buffers(self, device: torch.device) -> None:
+        if self.config.delayed:
+            history = torch.zeros(
+                len(ROLES), self.config.amax_history_len, dtype=torch.float32, device=device
+            )
+            self.register_buffer("amax_history", history)
+        else:
+            self.amax_history = None
+        self.register_buffer("fp8_stats", torch.zeros(2, len(ROLES), device=device), persistent=False)
+
+    def _fp8_linear(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``input @ weight.T + bias`` with the three GEMMs of ``self.config`` (weight (out, in))."""
+        if not torch.is_tensor(input) or not input.is_floating_point():
+            got = input.dtype if torch.is_tensor(input) else type(input).__name__
+            raise TypeError(f"{type(self).__name__} input must be a floating-point tensor, got {got}")
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            input = input.to(torch.get_autocast_dtype(device_type))
+        recipe = self.config.resolved_lowbit_recipe  # parsed once per config, not per GEMM
+        if recipe is not None:
+            out = LowbitLinearFunction.apply(input, weight, recipe, None)
+        else:
+            out = Float8LinearFunction.apply(
+                input, weight, self.amax_history, self.fp8_stats, self.config, self.training
+            )
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # Checkpoints move between nn.Linear, dynamic and delayed modules: a missing history starts empty,
+        # a history is ignored by a dynamic module. (state_dict is torch's per-module copy.)
+        key = prefix + "amax_history"
+        if self.amax_history is not None and key in state_dict:
+            check_amax_history(self, state_dict[key], key)  # before any of this module's tensors change
+        if self.amax_history is not None and key not in state_dict:
+            state_dict[key] = torch.zeros_like(self.amax_history)
+        elif self.amax_history is None:
+            state_dict.pop(key, None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    @property
+    def linear_mm_config(self) -> LinearMMConfig:
+        """torchao's per-GEMM settings (``output``, ``grad_input``, ``grad_weight``), read from ``config``."""
+        return self.config.linear_mm_config
+
+    def last_amax(self) -> dict[str, float]:
+        """The amax of input, weight and grad_output at their last cast (0.0 before any); host sync."""
+        return dict(zip(ROLES, self.fp8_stats[0].tolist(), strict=True))
+
+    def last_scale(self) -> dict[str, float]:
+        """The scale used at the last cast of input, weight and grad_output (0.0 before any); host sync."""
+        return dict(zip(ROLES, self.fp8_stats[1].tolist(), strict=True))
+
+
+class Float8Linear(Float8Layer, nn.Linear):
     """``nn.Linear`` with fp8 matmuls: e4m3 input and weight, e5m2 output gradient, per-tensor scales.
 
     Same parameters (``weight`` (out, in), ``bias`` (out,)) and the same call as ``nn.Linear``: input
@@ -63,16 +136,6 @@ class Float8Linear(nn.Linear):
         self._add_buffers(self.weight.device)
         self._wrap_weight_for_fsdp()
 
-    def _add_buffers(self, device: torch.device) -> None:
-        if self.config.delayed:
-            history = torch.zeros(
-                len(ROLES), self.config.amax_history_len, dtype=torch.float32, device=device
-            )
-            self.register_buffer("amax_history", history)
-        else:
-            self.amax_history = None
-        self.register_buffer("fp8_stats", torch.zeros(2, len(ROLES), device=device), persistent=False)
-
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
         """A Float8Linear sharing ``linear``'s parameter objects (an optimizer built before keeps working).
@@ -108,52 +171,61 @@ class Float8Linear(nn.Linear):
         return cls.from_linear(mod, config)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not torch.is_tensor(input) or not input.is_floating_point():
-            got = input.dtype if torch.is_tensor(input) else type(input).__name__
-            raise TypeError(f"Float8Linear input must be a floating-point tensor, got {got}")
-        if _quantized_for_inference(self.weight):
+        if torch.is_tensor(input) and input.is_floating_point() and _quantized_for_inference(self.weight):
             return nn.functional.linear(input, self.weight, self.bias)
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
-            input = input.to(torch.get_autocast_dtype(device_type))
-        if self.config.lowbit_recipe is not None:
-            out = LowbitLinearFunction.apply(input, self.weight, get_recipe(self.config.lowbit_recipe), None)
-        else:
-            out = Float8LinearFunction.apply(
-                input, self.weight, self.amax_history, self.fp8_stats, self.config, self.training
-            )
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # Checkpoints move between nn.Linear, dynamic and delayed modules: a missing history starts empty,
-        # a history is ignored by a dynamic module. (state_dict is torch's per-module copy.)
-        key = prefix + "amax_history"
-        if self.amax_history is not None and key in state_dict:
-            check_amax_history(self, state_dict[key], key)  # before any of this module's tensors change
-        if self.amax_history is not None and key not in state_dict:
-            state_dict[key] = torch.zeros_like(self.amax_history)
-        elif self.amax_history is None:
-            state_dict.pop(key, None)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
-
-    @property
-    def linear_mm_config(self) -> LinearMMConfig:
-        """torchao's per-GEMM settings (``output``, ``grad_input``, ``grad_weight``), read from ``config``."""
-        return self.config.linear_mm_config
+        return self._fp8_linear(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         casts = self.config.cast_configs_str()
         return f"{super().extra_repr()}, cast_configs={casts}, fp8={self.config.short_str()}"
 
-    def last_amax(self) -> dict[str, float]:
-        """The amax of input, weight and grad_output at their last cast (0.0 before any); host sync."""
-        return dict(zip(ROLES, self.fp8_stats[0].tolist(), strict=True))
 
-    def last_scale(self) -> dict[str, float]:
-        """The scale used at the last cast of input, weight and grad_output (0.0 before any); host sync."""
-        return dict(zip(ROLES, self.fp8_stats[1].tolist(), strict=True))
+class Float8Conv1D(Float8Layer):
+    """``transformers``' ``Conv1D`` (``y = x @ weight + bias``, ``weight`` (in, out): GPT-2's linear layers)
+    with :class:`Float8Linear`'s fp8 GEMMs, run over ``weight.t()``.
+
+    It holds the ``Conv1D``'s own ``weight`` and ``bias`` Parameter objects, so ``state_dict`` keys, an
+    optimizer's param groups and tied weights are unchanged, and its numerics are those of a
+    :class:`Float8Linear` of weight ``weight.t()`` with the same config, bit for bit. ``nf`` / ``nx`` are
+    Conv1D's (``out_features`` / ``in_features`` too). Buffers as :class:`Float8Linear`'s.
+
+    Raises:
+        TypeError: for a ``conv1d`` without a 2-D ``weight`` (nx, nf) or a bad ``config``.
+        ValueError: for ``enable_fsdp_float8_all_gather=True``: the fp8 all-gather wraps (out, in) weights.
+    """
+
+    def __init__(self, conv1d: nn.Module, config: Float8Config | None = None) -> None:
+        config = _check_config(config)
+        weight = getattr(conv1d, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise TypeError(
+                f"conv1d must be a transformers Conv1D (a 2-D weight Parameter), got {conv1d!r:.80}"
+            )
+        if config.enable_fsdp_float8_all_gather:
+            raise ValueError(
+                "Float8Conv1D does not take enable_fsdp_float8_all_gather=True: the fp8 all-gather wraps "
+                "nn.Linear's (out, in) weights; keep Conv1D out with module_filter_fn or unset the flag"
+            )
+        super().__init__()
+        self.config = config
+        self.nx, self.nf = weight.shape
+        self.weight, self.bias = conv1d.weight, conv1d.bias
+        self._add_buffers(weight.device)
+        self.train(conv1d.training)
+
+    @property
+    def in_features(self) -> int:
+        return self.nx
+
+    @property
+    def out_features(self) -> int:
+        return self.nf
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._fp8_linear(input, self.weight.t(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, fp8={self.config.short_str()}"
 
 
 def _quantized_for_inference(weight: torch.Tensor) -> bool:
@@ -167,7 +239,7 @@ class AmaxHistoryError(ValueError, RuntimeError):
     ``nn.Module.load_state_dict`` raises for a tensor that does not fit."""
 
 
-def check_amax_history(module: Float8Linear, value: object, key: str) -> None:
+def check_amax_history(module: Float8Layer, value: object, key: str) -> None:
     """Refuse a loaded ``amax_history`` that does not fit ``module`` or would poison its scales.
 
     Raises:
@@ -191,10 +263,10 @@ def check_amax_history(module: Float8Linear, value: object, key: str) -> None:
 
 
 def check_float8_state(model: nn.Module, state_dict: dict[str, object], prefix: str = "") -> None:
-    """Check every delayed-scaling ``amax_history`` of ``state_dict`` meant for ``model``'s Float8Linear
-    modules, so that a load which would fail changes nothing (see :func:`check_amax_history`)."""
+    """Check every delayed-scaling ``amax_history`` of ``state_dict`` meant for ``model``'s fp8 layers, so
+    that a load which would fail changes nothing (see :func:`check_amax_history`)."""
     for fqn, module in model.named_modules(prefix=prefix.rstrip(".")):
-        if isinstance(module, Float8Linear) and module.amax_history is not None:
+        if isinstance(module, Float8Layer) and module.amax_history is not None:
             key = f"{fqn}.amax_history" if fqn else "amax_history"
             if key in state_dict:
                 check_amax_history(module, state_dict[key], key)
@@ -225,3 +297,4 @@ def describe_config(config: Float8Config) -> str:
 
 
 register_converted(Float8Linear, lambda m: f"Float8Linear, {describe_config(m.config)}")
+register_converted(Float8Conv1D, lambda m: f"Float8Conv1D, {describe_config(m.config)}")

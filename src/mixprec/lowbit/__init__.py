@@ -37,7 +37,7 @@ from mixprec.lowbit.convert import (
 from mixprec.lowbit.cost import auto_filter
 from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRule, get_format
 from mixprec.lowbit.gemm import hadamard_16, lowbit_mm
-from mixprec.lowbit.linear import LowbitLinear
+from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear
 from mixprec.lowbit.quantize import Quantized, quantize, round_to_element
 from mixprec.lowbit.recipes import HP, OPERANDS, RECIPES, Recipe, get_recipe
 
@@ -46,6 +46,7 @@ __all__ = [
     "HP",
     "OPERANDS",
     "RECIPES",
+    "LowbitConv1D",
     "LowbitFormat",
     "LowbitLinear",
     "ModuleFilter",

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.lowbit.linear import LowbitLinear, _check, check_generator_device
+from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear, _check, check_generator_device
 from mixprec.lowbit.recipes import Recipe
 from mixprec.lowbit.swap import (
-    CONV1D_KEPT,
     ModuleFilter,
     NonDynamicallyQuantizable,
     check_filter,
@@ -37,14 +36,18 @@ def convert_to_lowbit_training(
     linear_types: tuple[type[nn.Module], ...] = (nn.Linear,),
     generator: torch.Generator | None = None,
 ) -> nn.Module:
-    """Swap each exact ``nn.Linear`` of ``model`` (itself included) for a :class:`LowbitLinear`, in place.
+    """Swap each exact ``nn.Linear`` of ``model`` (itself included) for a :class:`LowbitLinear`, and each
+    ``transformers`` ``Conv1D`` (GPT-2's linear layers) for a :class:`LowbitConv1D`, in place.
 
     torchao's ``convert_to_float8_training`` contract: ``module_filter_fn(module, fqn) -> bool`` is called
     for each candidate with its qualified name (``""`` for ``model`` itself) and False keeps it as it is.
     Only modules whose type is exactly one of ``linear_types`` are candidates (a subclass of ``nn.Linear``
     may change what forward does, so it is converted only when named there). The new modules share the old
     ones' parameters, so an optimizer built before keeps working and ``state_dict`` keys are unchanged: a
-    converted checkpoint loads into the plain model and back.
+    converted checkpoint loads into the plain model and back. A ``Conv1D`` keeps its (in, out) weight
+    Parameter and runs the GEMMs over ``weight.t()`` (its numerics are those of a LowbitLinear of that
+    weight); to keep Conv1D layers in high precision, return False for them from ``module_filter_fn``
+    (``type(module).__name__ == "Conv1D"``).
 
     Args:
         model: the model to convert.
@@ -55,7 +58,7 @@ def convert_to_lowbit_training(
             on their weights' device.
 
     Returns:
-        ``model``, or a new :class:`LowbitLinear` when ``model`` itself is converted.
+        ``model``, or a new :class:`LowbitLinear` / :class:`LowbitConv1D` when ``model`` itself is converted.
 
     Raises:
         TypeError: for a non-module ``model``, a non-callable filter, a bad recipe or generator, or a
@@ -70,8 +73,7 @@ def convert_to_lowbit_training(
 
     Warns:
         UserWarning: naming the layers that compute a linear map but were kept as they are (subclasses
-            of ``nn.Linear`` not in ``linear_types``, ``transformers``' ``Conv1D``), or saying that nothing
-            was converted.
+            of ``nn.Linear`` not in ``linear_types``), or saying that nothing was converted.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -83,20 +85,19 @@ def convert_to_lowbit_training(
         raise TypeError(f"linear_types must be a tuple of nn.Linear subclasses, got {linear_types!r}")
     wanted, same, conflicts, kept = [], 0, [], {}
     for fqn, m in model.named_modules(remove_duplicate=False):
-        if not isinstance(m, nn.Linear) or isinstance(m, NonDynamicallyQuantizable):
-            if is_conv1d(m) and filter_says(module_filter_fn, m, fqn):
-                kept[fqn] = CONV1D_KEPT
+        linear = isinstance(m, nn.Linear) and not isinstance(m, NonDynamicallyQuantizable)
+        if not (linear or is_conv1d(m) or is_converted(m)):
             continue
         if not filter_says(module_filter_fn, m, fqn):
             continue
-        if isinstance(m, LowbitLinear):
+        if isinstance(m, (LowbitLinear, LowbitConv1D)):
             same += m.recipe == recipe
             if m.recipe != recipe:
-                conflicts.append((fqn, f"LowbitLinear, recipe {m.recipe}"))
-        elif type(m) in linear_types:
-            wanted.append((fqn, m))
+                conflicts.append((fqn, converted_as(m)))
         elif is_converted(m):
             conflicts.append((fqn, converted_as(m)))
+        elif type(m) in linear_types or is_conv1d(m):
+            wanted.append((fqn, m))
         else:
             kept[fqn] = f"{type(m).__name__} is a subclass of nn.Linear (name it in linear_types to convert)"
     refuse_reconversion(conflicts, "convert_to_lowbit_training", f"recipe {recipe}")
@@ -106,19 +107,27 @@ def convert_to_lowbit_training(
         children = [name for name, _ in model.named_children()]
         if children:
             raise ValueError(f"cannot convert a root {type(model).__name__} with child modules {children}")
-        return LowbitLinear.from_linear(model, recipe, generator)
+        return _lowbit_module(model, recipe, generator)
     warn_if_unconverted("convert_to_lowbit_training", len(wanted) + same, model, kept)
-    replacements: dict[int, LowbitLinear] = {}
+    replacements: dict[int, nn.Module] = {}
     for fqn, module in wanted:  # a module shared by several parents is swapped once, everywhere
-        new = replacements.setdefault(id(module), LowbitLinear.from_linear(module, recipe, generator))
+        new = replacements.setdefault(id(module), _lowbit_module(module, recipe, generator))
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
     return model
 
 
-def lowbit_linears(model: nn.Module) -> list[tuple[str, LowbitLinear]]:
-    """``(fqn, module)`` for each :class:`LowbitLinear` in ``model``, in ``named_modules`` order."""
-    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, LowbitLinear)]
+def _lowbit_module(module: nn.Module, recipe: Recipe, generator: torch.Generator | None) -> nn.Module:
+    """The low-bit layer replacing ``module``: a ``Conv1D`` keeps its (in, out) weight Parameter."""
+    if is_conv1d(module):
+        return LowbitConv1D(module, recipe, generator)
+    return LowbitLinear.from_linear(module, recipe, generator)
+
+
+def lowbit_linears(model: nn.Module) -> list[tuple[str, LowbitLinear | LowbitConv1D]]:
+    """``(fqn, module)`` for each :class:`LowbitLinear` and :class:`LowbitConv1D` in ``model``, in
+    ``named_modules`` order."""
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (LowbitLinear, LowbitConv1D))]
 
 
 def sr_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

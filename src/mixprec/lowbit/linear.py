@@ -1,4 +1,5 @@
-"""`LowbitLinear`: an ``nn.Linear`` whose three GEMMs run in the formats of a :class:`Recipe`."""
+"""`LowbitLinear`: an ``nn.Linear`` whose three GEMMs run in the formats of a :class:`Recipe`;
+`LowbitConv1D`: the same for ``transformers``' ``Conv1D`` (GPT-2's linear layers, weight stored (in, out))."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.recipes import Recipe, get_recipe
 from mixprec.lowbit.swap import register_converted
 
-__all__ = ["LowbitLinear", "check_generator_device"]
+__all__ = ["LowbitConv1D", "LowbitLinear", "check_generator_device"]
 
 
 class LowbitLinear(nn.Linear):
@@ -73,18 +74,82 @@ class LowbitLinear(nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.generator is not None:  # a layer moved after construction (.cuda()) keeps its generator
-            check_generator_device(self.generator, input.device, "the input")
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
-            input = input.to(torch.get_autocast_dtype(device_type))
-        out = LowbitLinearFunction.apply(input, self.weight, self.recipe, self.generator)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out
+        return _lowbit_linear(input, self.weight, self.bias, self.recipe, self.generator)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+class LowbitConv1D(nn.Module):
+    """``transformers``' ``Conv1D`` (``y = x @ weight + bias``, ``weight`` (in, out): GPT-2's linear layers)
+    with :class:`LowbitLinear`'s GEMMs, run over ``weight.t()``.
+
+    It holds the ``Conv1D``'s own ``weight`` and ``bias`` Parameter objects, so ``state_dict`` keys, an
+    optimizer's param groups and tied weights are unchanged, and its numerics are those of a
+    :class:`LowbitLinear` of weight ``weight.t()`` with the same recipe and generator, bit for bit.
+    ``nf`` / ``nx`` are Conv1D's (``out_features`` / ``in_features`` too).
+
+    Args:
+        conv1d: the ``transformers.pytorch_utils.Conv1D`` to convert.
+        recipe, generator: as :class:`LowbitLinear`'s.
+
+    Raises:
+        TypeError: for a ``conv1d`` without a 2-D ``weight`` Parameter (nx, nf); ValueError / TypeError
+            for a bad recipe or generator (as :meth:`LowbitLinear.from_linear`).
+    """
+
+    def __init__(
+        self,
+        conv1d: nn.Module,
+        recipe: Recipe | str = "fp8_rowwise",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        weight = getattr(conv1d, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise TypeError(
+                f"conv1d must be a transformers Conv1D (a 2-D weight Parameter), got {conv1d!r:.80}"
+            )
+        recipe, generator = _check(recipe, generator)
+        if generator is not None:
+            check_generator_device(generator, weight.device, "the layer's weight")
+        super().__init__()
+        self.recipe, self.generator = recipe, generator
+        self.nx, self.nf = weight.shape
+        self.weight, self.bias = conv1d.weight, conv1d.bias
+        self.train(conv1d.training)
+
+    @property
+    def in_features(self) -> int:
+        return self.nx
+
+    @property
+    def out_features(self) -> int:
+        return self.nf
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _lowbit_linear(input, self.weight.t(), self.bias, self.recipe, self.generator)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe}"
+
+
+def _lowbit_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """``input @ weight.T + bias`` (weight (out, in)) with ``recipe``'s three GEMMs."""
+    if generator is not None:  # a layer moved after construction (.cuda()) keeps its generator
+        check_generator_device(generator, input.device, "the input")
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        input = input.to(torch.get_autocast_dtype(device_type))
+    out = LowbitLinearFunction.apply(input, weight, recipe, generator)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out
 
 
 def check_generator_device(generator: torch.Generator, device: torch.device, what: str) -> None:
@@ -116,3 +181,4 @@ def _check(recipe: object, generator: object) -> tuple[Recipe, torch.Generator |
 
 
 register_converted(LowbitLinear, lambda m: f"LowbitLinear, recipe {m.recipe}")
+register_converted(LowbitConv1D, lambda m: f"LowbitConv1D, recipe {m.recipe}")

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 __all__ = [
-    "CONV1D_KEPT",
     "ModuleFilter",
     "NonDynamicallyQuantizable",
     "check_filter",
@@ -37,12 +36,6 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 # nn.MultiheadAttention's out_proj: attention reads its weight directly and never calls its forward, so
 # there is nothing to convert and nothing to warn about.
 NonDynamicallyQuantizable = nn.modules.linear.NonDynamicallyQuantizableLinear
-
-#: Why a ``transformers`` ``Conv1D`` stays as it is.
-CONV1D_KEPT = (
-    "transformers Conv1D (a linear map with its weight stored (in, out)) is not converted; "
-    "its GEMMs stay in the surrounding precision"
-)
 
 # Converted module types -> a one-line description of a module's setting; each swap registers its own,
 # so a swap recognises the others' layers without importing them (float8 imports lowbit, not back).
@@ -143,7 +136,7 @@ def warn_if_unconverted(api: str, converted: int, model: nn.Module, linear_maps:
         converted: how many modules it converted (or found already converted as asked).
         model: the model, for the message when there is nothing linear in it.
         linear_maps: ``fqn -> why it was kept`` for each module that computes a linear map but was not
-            converted (a subclass of ``nn.Linear``, ``transformers``' ``Conv1D``, ...).
+            converted (a subclass of ``nn.Linear``, a ``Conv1D`` the swap cannot take, ...).
     """
     if linear_maps:
         warnings.warn(

@@ -1,0 +1,177 @@
+"""``mixprec bench --time`` (issue 33 item 7): the rounds chosen to fit a budget, re-chosen from the pace
+before each workload, and said in the table. No timing is asserted: estimates and the clock are injected."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+
+import pytest
+
+from mixprec import cli
+from mixprec.bench import budget as budget_mod
+from mixprec.bench import command, schedule
+from mixprec.bench.budget import MIN_ROUNDS, Budget, fit, parse_time
+from mixprec.bench.plan import make_plan
+from mixprec.bench.progress import Progress, estimate_s, job_cost_s
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _default_jobs() -> list:
+    return make_plan(size="default", device="cpu", threads=1).jobs
+
+
+def _rounds(job) -> int:
+    return math.ceil(job.total_steps / job.preset.round_steps)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("300", 300.0), ("300s", 300.0), ("5m", 300.0), ("4.5m", 270.0), (" 2min ", 120.0)]
+)
+def test_time_values(text: str, seconds: float) -> None:
+    assert parse_time(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "5h", "-5m", "0", "0s", "five", "5 m s", "inf", "nan"])
+def test_bad_time_values_are_refused_naming_the_value(text: str) -> None:
+    with pytest.raises(ValueError, match=rf"--time must be a positive duration .* got {text!r}"):
+        parse_time(text)
+    assert parse_time("off") is None
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.4, 2.0, 3.0, 6.0])
+def test_fit_keeps_the_largest_common_share_of_rounds_that_fits(factor: float) -> None:
+    jobs = _default_jobs()
+    full = estimate_s(jobs, factor)
+    chosen, fraction = fit(jobs, 300.0, factor)
+    if full <= 300.0:
+        assert fraction == 1.0 and all(a is b for a, b in zip(chosen, jobs, strict=True))
+        return
+    assert 0 <= fraction < 1
+    if {_rounds(job) for job in chosen} != {MIN_ROUNDS}:  # at the minimum it may overrun (and says so)
+        assert estimate_s(chosen, factor) <= 300.0
+    for old, new in zip(jobs, chosen, strict=True):
+        kept = _rounds(new)
+        assert kept == max(MIN_ROUNDS, math.floor(fraction * old.total_steps / old.preset.round_steps))
+        assert new.total_steps == kept * new.preset.round_steps <= old.total_steps
+        assert (new.workload, new.mode, new.replica) == (old.workload, old.mode, old.replica)
+    # the share is the largest: the budget less the starts and evaluations, over the training at full length
+    training = sum(job_cost_s(job) for job in jobs)
+    fixed = estimate_s(jobs, 1.0) - training
+    assert fraction == pytest.approx(max(300.0 - fixed * factor, 0) / (training * factor))
+
+
+def test_a_budget_too_small_cuts_to_the_minimum_and_says_it_overruns() -> None:
+    notes: list[str] = []
+    chosen = Budget(5.0, 1.0, notes, clock=FakeClock()).first(_default_jobs())
+    assert {_rounds(job) for job in chosen} == {MIN_ROUNDS}
+    (note,) = notes
+    assert note.startswith("time budget 5 s: lm 4 of 16 rounds (16 steps), cnn 4 of 15 rounds (80 steps)")
+    assert f"at {MIN_ROUNDS} rounds each it still overruns" in note
+
+
+def test_the_first_choice_is_said_with_its_reason() -> None:
+    jobs = _default_jobs()
+    notes: list[str] = []
+    fitted = Budget(1e6, 1.0, notes, clock=FakeClock()).first(jobs)
+    assert fitted == jobs and notes[0].startswith("time budget ") and "the preset's rounds fit" in notes[0]
+    notes.clear()
+    factor = 2.0 * 300.0 / estimate_s(jobs, 1.0)  # a machine where the preset's rounds take 10 min
+    fitted = Budget(300.0, factor, notes, clock=FakeClock()).first(jobs)
+    assert estimate_s(fitted, factor) <= 300.0
+    assert "the preset's rounds were estimated at 10 min 0 s on this machine" in notes[0]
+    lm = next(job for job in fitted if job.workload == "lm")
+    assert 4 <= _rounds(lm) < 16 and f"lm {_rounds(lm)} of 16 rounds ({lm.total_steps} steps)" in notes[0]
+
+
+def test_a_slower_pace_re_chooses_the_workloads_not_started() -> None:
+    clock = FakeClock()
+    jobs = _default_jobs()
+    notes: list[str] = []
+    budget = Budget(300.0, 1.0, notes, clock=clock)
+    jobs = budget.first(jobs)
+    progress = Progress(jobs, 1.0, bar=False, stream=io.StringIO(), clock=clock)
+    lm = [job for job in jobs if job.workload == "lm"]
+    rest = [job for job in jobs if job.workload != "lm"]
+    work = estimate_s(lm, 1.0)
+    clock.now = 2.0 * work  # the lm workload ran at half the estimated pace
+    progress.advance(work, measured=True)
+    before_total = progress.total
+    again = budget.rechoose(rest, progress)
+    assert estimate_s(again, 2.0) <= 300.0 - clock.now or {_rounds(j) for j in again} == {MIN_ROUNDS}
+    assert sum(j.total_steps for j in again) < sum(j.total_steps for j in rest)
+    assert (
+        "re-chosen for cnn onwards after" in notes[-1]
+        and "ran at 2.00x the first estimate's pace" in notes[-1]
+    )
+    assert notes[-1].startswith("time budget left ")
+    assert progress.total < before_total and progress.jobs[len(lm) :] == again
+    # the same pace again changes nothing and says nothing more
+    count = len(notes)
+    assert budget.rechoose(again, progress) == again and len(notes) == count
+
+
+def test_a_faster_pace_gives_back_rounds_up_to_the_preset() -> None:
+    clock = FakeClock()
+    notes: list[str] = []
+    budget = Budget(300.0, 3.0, notes, clock=clock)
+    jobs = budget.first(_default_jobs())
+    progress = Progress(jobs, 3.0, bar=False, stream=io.StringIO(), clock=clock)
+    lm = [job for job in jobs if job.workload == "lm"]
+    rest = [job for job in jobs if job.workload != "lm"]
+    work = estimate_s(lm, 3.0)
+    clock.now = work / 3.0  # the machine was busy when probed: the rounds ran 3x faster than estimated
+    progress.advance(work / 3.0, measured=True)
+    again = budget.rechoose(rest, progress)
+    originals = [budget.original[(j.workload, j.mode, j.replica)] for j in rest]
+    assert all(new.total_steps >= old.total_steps for new, old in zip(again, rest, strict=True))
+    assert all(new.total_steps <= o.total_steps for new, o in zip(again, originals, strict=True))
+
+
+def test_run_plan_runs_the_re_chosen_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = [
+        *make_plan(["tabular-regression"], ["fp32"], size="tiny", device="cpu", threads=1).jobs,
+        *make_plan(["cnn"], ["fp32"], size="tiny", device="cpu", threads=1).jobs,
+    ]
+    seen = []
+
+    def rechoose(remaining: list) -> list:
+        seen.append([j.workload for j in remaining])
+        return [budget_mod.dataclasses.replace(j, steps=2) for j in remaining]
+
+    progress = Progress(jobs, 1.0, bar=False, stream=io.StringIO())
+    results, failures = schedule.run_plan(jobs, isolated=False, progress=progress, rechoose=rechoose)
+    assert not failures and seen == [["cnn"]]
+    assert [(r.workload, r.steps) for r in results] == [("tabular-regression", 3), ("cnn", 2)]
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(**{"time": None, "steps": None, "size": None, **kw})
+
+
+def test_which_runs_get_a_budget() -> None:
+    assert command._budget_s(_args()) == 300.0  # the default size: 5 min
+    assert command._budget_s(_args(size="full")) is None  # the longer study runs in full
+    assert command._budget_s(_args(size="full", time="8m")) == 480.0
+    assert command._budget_s(_args(time="off")) is None
+    assert command._budget_s(_args(steps=10)) is None
+    with pytest.raises(ValueError, match="--time 2m and --steps 10 both set the length"):
+        command._budget_s(_args(steps=10, time="2m"))
+
+
+def test_the_bench_names_a_bad_time_and_its_table_says_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["bench", "--size", "tiny", "--device", "cpu", "--threads", "1", "--in-process"]
+    assert cli.main([*base, "--time", "5x"]) == 2
+    assert "--time must be a positive duration" in capsys.readouterr().err
+    tab = ["--workload", "tabular-regression", "--modes", "fp32,bf16-true", "--json", "/dev/null"]
+    assert cli.main([*base, *tab, "--time", "1s"]) == 0
+    out = capsys.readouterr().out
+    assert "time budget 1 s: tabular-regression all 3 rounds" in out

@@ -1,0 +1,64 @@
+"""The float8 forward resolves its config once (issue 33 item 6): no recipe string is parsed and no
+``LinearMMConfig`` is built at each GEMM, over several forwards and backwards, while a fresh config
+resolves exactly once (so the counters below can count)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec.float8.config as config_module
+from mixprec.float8 import Float8Config, convert_to_float8_training
+from mixprec.lowbit.recipes import Recipe
+
+
+@pytest.fixture
+def counts(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    seen = {"parse": 0, "linear_mm_config": 0}
+    parse, build = Recipe.parse.__func__, config_module.LinearMMConfig
+
+    def counting_parse(cls: type, text: str) -> Recipe:
+        seen["parse"] += 1
+        return parse(cls, text)
+
+    def counting_build(*args: object) -> object:
+        seen["linear_mm_config"] += 1
+        return build(*args)
+
+    monkeypatch.setattr(Recipe, "parse", classmethod(counting_parse))
+    monkeypatch.setattr(config_module, "LinearMMConfig", counting_build)
+    return seen
+
+
+def _steps(model: nn.Module, n: int = 4) -> None:
+    for i in range(n):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        model(x).square().sum().backward()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_several_forwards_parse_nothing(counts: dict[str, int], recipe: str) -> None:
+    config = Float8Config.from_recipe_name(recipe)
+    model = convert_to_float8_training(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)), config=config
+    )
+    _steps(model, 1)  # the first step may resolve the config (once)
+    first = dict(counts)
+    assert first["parse"] <= 1 and first["linear_mm_config"] <= 1
+    _steps(model)
+    assert counts == first, f"{recipe}: the forward re-resolved its config: {first} -> {counts}"
+
+
+def test_a_config_change_resolves_the_new_config_once(counts: dict[str, int]) -> None:
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(32, 16)), config=Float8Config())
+    _steps(model, 1)
+    model[0].config = Float8Config.from_recipe_name("rowwise")
+    before = counts["parse"]
+    _steps(model)
+    assert counts["parse"] == before + 1  # the new config's recipe string, parsed once for all the steps
+    model[0].config = Float8Config(emulate=True)
+    before = counts["linear_mm_config"]
+    _steps(model)
+    assert counts["linear_mm_config"] == before + 1
+    assert model[0].linear_mm_config.output.emulate
