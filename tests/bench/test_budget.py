@@ -13,7 +13,7 @@ from mixprec import cli
 from mixprec.bench import budget as budget_mod
 from mixprec.bench import command, schedule
 from mixprec.bench.budget import MIN_ROUNDS, Budget, fit, parse_time
-from mixprec.bench.plan import make_plan
+from mixprec.bench.jobs import make_plan
 from mixprec.bench.progress import Progress, estimate_s, job_cost_s
 
 
