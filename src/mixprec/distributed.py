@@ -195,7 +195,8 @@ class LowbitCommState:
 def _agreed_scale(grad: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the e4m3 scale from the MAX over the ranks of ``max|grad|``, whether that amax is finite)."""
     amax = grad.abs().max().to(torch.float32) if grad.numel() else grad.new_zeros((), dtype=torch.float32)
-    _, amax = RankSync(True, group).max_across_ranks(torch.zeros((), device=grad.device), amax)
+    _, agreed = RankSync(True, group).max_across_ranks(torch.zeros((), device=grad.device), amax)
+    amax = amax if agreed is None else agreed  # None only when amax was not passed
     finite = torch.isfinite(amax)
     return scaling.fp32_scale(torch.where(finite, amax, 1.0), E4M3, False), finite
 
@@ -203,6 +204,7 @@ def _agreed_scale(grad: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[
 def _encode(grad: torch.Tensor, fmt: str, scale: torch.Tensor | None) -> torch.Tensor:
     if fmt == "bf16":
         return grad.to(torch.bfloat16)
+    assert scale is not None  # fp8 always has an agreed scale
     return torch.clamp(grad * scale, -E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
 
 
@@ -211,6 +213,7 @@ def _decode_sum(payloads: torch.Tensor, fmt: str, scale: torch.Tensor | None, fi
     total = payloads.to(torch.float32).sum(dim=0)
     if fmt == "bf16":
         return total
+    assert scale is not None and finite is not None  # fp8 always has an agreed scale
     return torch.where(finite, total / scale, torch.nan)  # a non-finite gradient anywhere: nan everywhere
 
 

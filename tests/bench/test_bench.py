@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.bench import data, modes, plan, report, runner
+from mixprec.bench import data, jobs, modes, report, runner
 from mixprec.bench.modes import MODES, ModeSpec, TrainMode
 from mixprec.bench.runner import Job, run_job
 from mixprec.bench.workloads import WORKLOADS
@@ -107,23 +107,23 @@ def test_a_mode_whose_probe_step_fails_is_unavailable_with_the_reason() -> None:
 
 def test_unknown_names_list_the_accepted_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown workload 'seed-loop' \(renamed 'tabular-regression'\)"):
-        plan.make_plan(workloads=["seed-loop"], device="cpu")
+        jobs.make_plan(workloads=["seed-loop"], device="cpu")
     with pytest.raises(
         ValueError, match=r"unknown workload 'lmm' \(did you mean 'lm'\?\); accepted: lm, cnn"
     ):
-        plan.make_plan(workloads=["lmm"], device="cpu")
+        jobs.make_plan(workloads=["lmm"], device="cpu")
     with pytest.raises(ValueError, match=r"unknown mode 'fp33'.*accepted: fp32, torch-amp-bf16"):
-        plan.make_plan(modes=["fp33"], device="cpu")
+        jobs.make_plan(modes=["fp33"], device="cpu")
     with pytest.raises(ValueError, match="steps must be at least 2"):
-        plan.make_plan(steps=1, device="cpu")
+        jobs.make_plan(steps=1, device="cpu")
 
 
 def test_plan_resolves_aliases_and_leaves_out_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert plan.resolve_modes(["torch-amp", "O2"], "cpu") == ["torch-amp-bf16", "O2-bf16"]
-    assert plan.resolve_modes(["torch-amp", "O2"], "cuda") == ["torch-amp-fp16", "O2-fp16"]
+    assert jobs.resolve_modes(["torch-amp", "O2"], "cpu") == ["torch-amp-bf16", "O2-bf16"]
+    assert jobs.resolve_modes(["torch-amp", "O2"], "cuda") == ["torch-amp-fp16", "O2-fp16"]
     broken = ModeSpec("broken", torch.bfloat16, "test", runner=_BrokenMode)
     monkeypatch.setitem(MODES, "broken", broken)
-    result = plan.make_plan(
+    result = jobs.make_plan(
         workloads=["lm", "tabular-regression"],
         modes=["fp32", "torch-amp-fp16", "broken"],
         size="quick",
@@ -185,10 +185,10 @@ def test_cnn_reads_digits_by_default_and_idx_images_on_request(tmp_path: Path) -
 
 def test_plan_checks_data_and_images_up_front(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="--data .* is not a file"):
-        plan.make_plan(data=str(tmp_path / "missing.txt"), device="cpu", size="tiny")
+        jobs.make_plan(data=str(tmp_path / "missing.txt"), device="cpu", size="tiny")
     with pytest.raises(FileNotFoundError, match="--images .* lacks"):
-        plan.make_plan(images=str(tmp_path), device="cpu", size="tiny")
+        jobs.make_plan(images=str(tmp_path), device="cpu", size="tiny")
     text = tmp_path / "corpus.txt"
     text.write_text("x" * 20_000)
-    made = plan.make_plan(workloads=["cnn"], data=str(text), device="cpu", size="tiny")
+    made = jobs.make_plan(workloads=["cnn"], data=str(text), device="cpu", size="tiny")
     assert any("--data is read by the lm workload only" in note for note in made.notes)

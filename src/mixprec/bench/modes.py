@@ -11,6 +11,7 @@ dependency) says why through ``unavailable()`` and is left out of the run with t
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ class TrainMode:
     def __init__(self, spec: ModeSpec, device_type: str) -> None:
         self.spec = spec
         self.device_type = device_type
-        self.model: nn.Module | None = None
+        self.model: nn.Module  # set by prepare(), before any step
         self.optimizer: Any = None
         self.skipped_steps = 0
 
@@ -72,7 +73,7 @@ class AutocastMode(TrainMode):
         if spec.scaled:
             scaler_cls = getattr(mixprec, scaler_name) if scaler_name != "torch" else torch.amp.GradScaler
             self.scaler = scaler_cls(device_type)
-        self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
+        self._last_scale = float(self.scaler.get_scale()) if self.scaler is not None else math.inf
 
     def context(self) -> contextlib.AbstractContextManager:
         return self._autocast(self.device_type, dtype=self.spec.dtype)

@@ -213,7 +213,7 @@ def write_log(results: Sequence[Any], path: str | Path, runs_planned: int | None
     ``{"end_of_log": {"records": N, "runs": R, "runs_planned": P}}`` tells ``mixprec report`` whether
     the bench had finished (``R == P``).
     """
-    lines = []
+    lines: list[Mapping[str, Any]] = []
     for r in results:
         for entry in r.history:
             record = {"workload": r.workload, "mode": r.mode, **entry}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import traceback
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from mixprec.bench.progress import EVAL_S, START_S, Progress
 from mixprec.bench.runner import Job, RunFailed, RunResult
@@ -32,7 +33,10 @@ def group_by_workload(jobs: Sequence[Job]) -> list[list[Job]]:
     return list(groups.values())
 
 
-def rotation(items: Sequence[object], round_index: int) -> list[object]:
+T = TypeVar("T")
+
+
+def rotation(items: Sequence[T], round_index: int) -> list[T]:
     """``items`` starting at position ``round_index % len(items)``: each round another goes first."""
     shift = round_index % len(items) if items else 0
     return [*items[shift:], *items[:shift]]

@@ -238,7 +238,7 @@ def _thresholds(renamed: dict[str, float], max_flushed: float, max_saturated: fl
         if old not in _RENAMED:
             raise TypeError(f"fp8_report() got an unexpected keyword argument {old!r}")
         new = _RENAMED[old]
-        if given[new] != fp8_report.__kwdefaults__[new]:  # the new name was passed too
+        if given[new] != (fp8_report.__kwdefaults__ or {})[new]:  # the new name was passed too
             raise TypeError(f"fp8_report() got both {new} and its old name {old}: pass {new} only")
         warnings.warn(
             f"fp8_report({old}=...) is now {new}=... (the name lowbit_report uses); the old name goes in the "

@@ -86,7 +86,19 @@ class LowbitOperandStats:
             (saturated.float().sum(per_block) / block_nonzero).max(),
             ((amax > outlier_ratio * rest_rms) & (block_nonzero > 1)).float().mean(),
         ]
-        return cls(q.fmt.name, *torch.stack(values).tolist(), mb * kb)
+        error, flushed_share, worst_flushed, saturated_share, worst_saturated, outliers = torch.stack(
+            values
+        ).tolist()
+        return cls(
+            q.fmt.name,
+            error,
+            flushed_share,
+            worst_flushed,
+            saturated_share,
+            worst_saturated,
+            outliers,
+            mb * kb,
+        )
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ class DynamicScale(ScaleRule):
         return "when_free" if self.underflow_restart else "none"
 
     @property
-    def amax_due(self) -> bool:
+    def amax_due(self) -> bool:  # type: ignore[override]  # ScaleRule's plain attribute, computed here
         """Whether this iteration is one whose fused steps measure amax (every ``underflow_check_interval``-th
         update, counted on the host)."""
         return self.underflow_restart and self._underflow_check_tracker == 0

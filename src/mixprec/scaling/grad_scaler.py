@@ -294,7 +294,7 @@ class GradScaler:
         if record.stage is OptState.READY:
             self._check_grads(optimizer, record, scale, unscale=False, measure_amax=True)
             # As torch: compose with a grad_scale the user may have set on the optimizer.
-            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
+            grad_scale: torch.Tensor | None = scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)  # already unscaled by unscale_()
         found_inf = self._agree_found_inf(record, scale.device)
@@ -336,7 +336,8 @@ class GradScaler:
         found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
         if found == 0 and current < 1:
             amax_here = measure_amax(params_of(optimizer), scale.device)
-            record.amax = {scale.device: self.rank_sync.max_across_ranks(found_inf, amax_here)[1]}
+            agreed = self.rank_sync.max_across_ranks(found_inf, amax_here)[1]
+            record.amax = {scale.device: amax_here if agreed is None else agreed}  # None only without amax
         return found != 0
 
     # -- update ----------------------------------------------------------------------------------------

@@ -54,20 +54,20 @@ def collect_grads(params: Iterable[torch.Tensor], allow_fp16: bool) -> GradGroup
         TypeError: for a sparse complex gradient.
     """
     params = list(params)
-    grads = [param.grad for param in params]
-    grads = [grad for grad in grads if grad is not None]
+    grads = [param.grad for param in params if param.grad is not None]
     if not grads:
         return {}
     if any(grad.is_sparse or type(grad) is not torch.Tensor for grad in grads):
         return _collect_each(params, allow_fp16)
-    grouped = torch._C._group_tensors_by_device_and_dtype([grads], False)
+    nullable: list[torch.Tensor | None] = list(grads)  # the op's signature allows None entries
+    grouped = torch._C._group_tensors_by_device_and_dtype([nullable], False)
     if any(dtype.is_complex for _, dtype in grouped):
         return _collect_each(params, allow_fp16)
     if not allow_fp16 and any(dtype == torch.float16 for _, dtype in grouped):
         raise ValueError(FP16_MESSAGE)
     groups: GradGroups = defaultdict(dict)
     for (device, dtype), (lists, _) in grouped.items():
-        groups[device][dtype] = lists[0]
+        groups[device][dtype] = [grad for grad in lists[0] if grad is not None]  # none are None
     return groups
 
 

@@ -116,8 +116,8 @@ def _public_ops(
     for device, per_dtype in groups.items():
         device_inv = inv_scale.to(device, non_blocking=True)
         run = KERNELS.get(device.type, foreach_kernel)
-        maxima = [run(grads, device_inv if unscale else None) for grads in per_dtype.values()]
-        maxima = [m.float() for m in maxima if m is not None]
+        results = [run(grads, device_inv if unscale else None) for grads in per_dtype.values()]
+        maxima = [m.float() for m in results if m is not None]
         scaled = _max(maxima) if maxima else torch.zeros((), device=device)
         found_inf[device] = (~torch.isfinite(scaled)).float()
         amax[device] = scaled * device_inv
