@@ -2,12 +2,12 @@
 
 Shapes: the linear layers of the bench's ``lm`` workload at size ``tiny`` (batch 8, as
 ``benchmarks/plan_precision.py`` plans it) and of its teacher task's outlier MLP (batches of 64), found by
-one forward pass with hooks, plus any ``--shape M,N,K``. Per shape, ``mixprec.inspect.plan_cost``'s
+one forward pass with hooks, plus any ``--shape M,N,K``. Per shape, ``mixprec.plan.cost``'s
 ``MeasuredCost`` (what ``plan_precision(cost="measured")`` uses) times the three training GEMMs of an
 ``nn.Linear(K, N)`` swapped to each format (forward on an ``(M, K)`` input, input and weight gradients
 of an ``(M, N)`` output gradient): ``--warmup`` untimed calls, then ``--repeats`` rounds interleaving the
 formats; reported are the median seconds, their IQR, and the median over bf16's median, next to the
-roofline cost over bf16 of ``b200`` and ``h100`` (``mixprec.inspect.plan_cost.gemm_cost``).
+roofline cost over bf16 of ``b200`` and ``h100`` (``mixprec.plan.cost.gemm_cost``).
 
 On a CPU every low-bit format is emulated in PyTorch (quantize, dequantize, a float GEMM), so it is
 slower than bf16 there: the figures show what measured cost does on a machine without the hardware (the
@@ -40,8 +40,8 @@ from torch import nn
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
 from mixprec.inspect.demo import OutlierMLP
-from mixprec.inspect.plan_cost import TARGETS, MeasuredCost, gemm_cost, measured_name
 from mixprec.lowbit import RECIPES
+from mixprec.plan.cost import TARGETS, MeasuredCost, gemm_cost, measured_name
 
 ROOFLINES = ("b200", "h100")
 

@@ -23,13 +23,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
+from typing import Any
 
 import torch
 from plan_precision import FMT, TASKS, _train, loss_fn  # benchmarks/ is on sys.path when run as a script
 
-from mixprec.inspect import _plan_local, plan_precision
+from mixprec.plan import plan_precision
+from mixprec.plan.local import LocalMeasurer
 
 ESTIMATES = ("loss_first_order", "loss_second_order")
 
@@ -137,6 +140,18 @@ def summary(results: list[dict]) -> dict:
     return out
 
 
+def _plan_on_second_order() -> None:
+    """Make the local estimates steer the plan by their second-order loss term, which the planner records
+    but does not use (its rows-are-independent Fisher overstates attention's layers)."""
+    first_order = LocalMeasurer._divergences
+
+    def second_order(self: LocalMeasurer, fqn: str, fmt: str) -> Any:
+        d = first_order(self, fqn, fmt)
+        return d if d.loss_second_order is None else dataclasses.replace(d, loss=d.loss_second_order)
+
+    LocalMeasurer._divergences = second_order  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", default=["teacher"], choices=list(TASKS))
@@ -152,7 +167,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    _plan_local.SECOND_ORDER = args.second_order
+    if args.second_order:
+        _plan_on_second_order()
     results = []
     for task in args.tasks:
         for seed in args.seeds:

@@ -14,7 +14,7 @@ Three tasks:
   stdlib sources).
 
 Per task and seed: train ``--warmup`` steps under bf16 autocast, plan on ``--plan-batches`` training
-batches (``mixprec.inspect.plan_precision``, formats nvfp4 / mxfp8 / bf16, ``--budget``, cost
+batches (``mixprec.plan.plan_precision``, formats nvfp4 / mxfp8 / bf16, ``--budget``, cost
 ``b200-peak``, optionally ``--grad-budget``, the whole plan also checked on ``--check-batches`` other
 training batches), then from
 that same state train ``--steps`` more steps under each assignment, bf16 autocast around all of them:
@@ -65,8 +65,8 @@ from torch import nn
 
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
-from mixprec.inspect import PrecisionPlan, plan_precision
 from mixprec.inspect.demo import OutlierMLP
+from mixprec.plan import PrecisionPlan, plan_precision
 
 FMT = ("nvfp4", "mxfp8", "bf16")
 

@@ -4,7 +4,7 @@ NVIDIA's NVFP4 pretraining report ("Pretraining Large Language Models with NVFP4
 the loss gap of 4-bit training by running the last phase of the schedule (the learning-rate decay) in
 bf16. This measures that on the bench's lm workload (``mixprec.bench`` workload ``lm``, character GPT on
 Python stdlib sources, AdamW with linear warm-up and cosine decay to 10%), at the ``tiny`` width (d=64, 2
-layers, context 32), batch 8, with :class:`mixprec.integrations.replan.ReplanSchedule` driving the
+layers, context 32), batch 8, with :class:`mixprec.plan.ReplanSchedule` driving the
 switch from a plain loop, as Fabric users would:
 
 * ``bf16``: every linear layer plain, bf16 autocast;
@@ -39,8 +39,8 @@ from torch import nn
 
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
-from mixprec.integrations.replan import ReplanSchedule
 from mixprec.lowbit import LowbitLinear
+from mixprec.plan import ReplanSchedule
 
 ARMS = ("bf16", "nvfp4", "nvfp4>bf16")
 

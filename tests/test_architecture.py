@@ -88,3 +88,18 @@ def test_no_import_cycle_between_modules():
         if name not in done:
             visit(name, [])
     assert cycles == []
+
+
+def test_the_planner_sits_on_lowbit_and_inspect_and_nothing_below_imports_it():
+    """plan uses lowbit, autocast and inspect's measurements; inspect (diagnostics) never imports plan."""
+    edges = part_edges()
+    assert {b for a, b in edges if a == "plan"} <= {
+        "lowbit",
+        "autocast",
+        "inspect",
+        "formats",
+        "policy",
+        "_files",
+    }
+    assert ("inspect", "plan") not in edges
+    assert {a for a, b in edges if b == "plan"} <= {"cli", "bench", "integrations"}

@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "bench": ("mixprec.bench.command", "HELP", "add_arguments", "run"),
     "report": ("mixprec.inspect.cli", "REPORT_HELP", "add_report_arguments", "run_report"),
     "inspect": ("mixprec.inspect.cli", "INSPECT_HELP", "add_inspect_arguments", "run_inspect"),
-    "plan": ("mixprec.inspect.plan_command", "HELP", "add_arguments", "run"),
+    "plan": ("mixprec.plan.command", "HELP", "add_arguments", "run"),
 }
 
 

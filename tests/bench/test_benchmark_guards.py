@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.inspect.plan_cost as plan_cost_lib
+import mixprec.plan.cost as plan_cost_lib
 from mixprec.lowbit import RECIPES, Recipe
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"

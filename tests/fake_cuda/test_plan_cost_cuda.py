@@ -1,6 +1,6 @@
 """The planner's measured cost on fake CUDA: which GEMMs it times, in which dtypes, at what host cost.
 
-:class:`mixprec.inspect.plan_cost.MeasuredCost` times a layer's forward and ``torch.autograd.grad`` per
+:class:`mixprec.plan.cost.MeasuredCost` times a layer's forward and ``torch.autograd.grad`` per
 format. Under fake CUDA the times mean nothing and autograd's engine cannot run, so the timer is
 scripted (it runs the step and records what the :class:`~fake_cuda.harness.Recorder` saw during it) and
 ``torch.autograd.grad`` calls the layer's autograd function's backward directly
@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from fake_cuda.harness import Event, direct_autograd
-from mixprec.inspect import plan_cost
-from mixprec.inspect.plan_cost import MeasuredCost, resolve_cost
 from mixprec.lowbit import RECIPES
 from mixprec.lowbit.gemm import LowbitLinearFunction
+from mixprec.plan import cost as plan_cost
+from mixprec.plan.cost import MeasuredCost, resolve_cost
 
 pytestmark = pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (fake tier)")
 

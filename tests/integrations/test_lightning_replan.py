@@ -13,9 +13,9 @@ from torch import nn
 
 L = pytest.importorskip("lightning")
 
-from mixprec.inspect import PrecisionPlan, plan_precision  # noqa: E402
 from mixprec.integrations.lightning import MixprecPrecision, MixprecReplan  # noqa: E402
 from mixprec.lowbit import LowbitLinear, get_recipe  # noqa: E402
+from mixprec.plan import PrecisionPlan, plan_precision  # noqa: E402
 from tests.integrations import _tiny_lightning as tiny  # noqa: E402
 
 LINEARS = ("body.0", "body.3", "head")
@@ -186,7 +186,7 @@ def test_bad_arguments_are_refused_before_any_trainer_exists() -> None:
 
 def test_fabric_loop_calls_the_schedule_itself() -> None:
     from mixprec.integrations.fabric import MixprecPrecision as FabricPrecision
-    from mixprec.integrations.replan import ReplanSchedule
+    from mixprec.plan import ReplanSchedule
     from tests.integrations import _tiny_fabric
 
     fabric = _tiny_fabric.fabric(plugins=[FabricPrecision("bf16-mixed")])

@@ -1,6 +1,6 @@
 """ReplanSchedule, the framework-free core of the trainers' re-planning callbacks, in a plain loop.
 
-The plans come from :func:`mixprec.inspect.plan_precision` on a small MLP; variants are that real plan with
+The plans come from :func:`mixprec.plan.plan_precision` on a small MLP; variants are that real plan with
 other formats (``dataclasses.replace``), so that each test controls what changes when.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.inspect import PrecisionPlan, plan_precision
-from mixprec.integrations.replan import METRIC, ReplanSchedule
 from mixprec.lowbit import LowbitLinear, get_recipe
+from mixprec.plan import PrecisionPlan, plan_precision
+from mixprec.plan.schedule import METRIC, ReplanSchedule
 
 
 def make_model() -> nn.Sequential:

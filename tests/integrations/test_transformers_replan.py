@@ -15,9 +15,9 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from mixprec.inspect import PrecisionPlan, plan_precision  # noqa: E402
 from mixprec.integrations.transformers import MixprecReplanCallback, MixprecTrainer  # noqa: E402
 from mixprec.lowbit import LowbitLinear, get_recipe  # noqa: E402
+from mixprec.plan import PrecisionPlan, plan_precision  # noqa: E402
 from tests.integrations import _tiny_hf as tiny  # noqa: E402
 
 STEPS = 6

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.inspect import plan_precision
 from mixprec.lowbit import auto_filter, convert_to_lowbit_training, lowbit_linears
 from mixprec.lowbit.cost import TARGETS, gemm_cost, relative_cost
+from mixprec.plan import plan_precision
 
 #: torchao's thresholds come from measured H100 speedups; the roofline meets them at these settings.
 AS_TORCHAO = {"target": "h100", "tokens_per_step": 16384, "min_gain": 0.28}

@@ -15,9 +15,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils import skip_init
 
-from mixprec.inspect._plan_measure import swapped_in
 from mixprec.lowbit import LowbitLinear, convert_to_lowbit_training
 from mixprec.lowbit.linear import check_generator_device
+from mixprec.plan.measure import swapped_in
 
 
 def _cuda_linear(fan_in: int, fan_out: int) -> nn.Linear:

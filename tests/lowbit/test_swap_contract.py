@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from mixprec.float8 import Float8Config, Float8Linear, convert_to_float8_training
-from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.lowbit import LowbitLinear, convert_to_lowbit_training
+from mixprec.plan.result import PrecisionPlan
 
 
 def _mlp() -> nn.Sequential:

@@ -7,25 +7,23 @@
 * :func:`fp8_report`: per ``nn.Linear``, what fp8 (e4m3 forward, e5m2 gradients) would lose: amax,
   scale, underflow and saturation, and the layers to keep in bf16 as a ready ``module_filter_fn``;
   :func:`lowbit_report` does the same for any :mod:`mixprec.lowbit` recipe, per GEMM operand and block;
-* :func:`plan_precision`: a format per linear layer (low-bit recipe, bf16 or fp32) chosen by measured
-  loss and gradient divergence under a budget, as a :class:`PrecisionPlan` value; :class:`Replan`
-  re-plans every N steps or switches format at a phase change, from a plain loop;
 * :class:`ScalerLog`, :func:`nonfinite_params`, :func:`grad_amax`: an opt-in per-step scaler log and the
   parameters behind a skipped step;
 * :func:`plot_gradient_histogram`, :func:`plot_scale_history`, :func:`plot_underflow`, :func:`write_report`:
   pictures and the ``mixprec report`` summary.
 
-Nothing here is hooked or active unless one of these runs; no other part of mixprec imports it.
+Nothing here is hooked or active unless one of these runs. The precision planner moved to
+:mod:`mixprec.plan`; its old names here (``plan_precision``, ``PrecisionPlan``, ``Replan`` and the modules
+``plan``, ``plan_cost``, ``plan_value``, ``plan_schedule``, ``plan_command``) still work for one release,
+with a ``DeprecationWarning``.
 """
 
+from mixprec._moved import install
 from mixprec.inspect.fp8 import Fp8Report, fp8_report, plot_fp8_report
 from mixprec.inspect.grads import grad_amax, nonfinite_params
 from mixprec.inspect.lowbit import LowbitReport, lowbit_report
 from mixprec.inspect.nonfinite import find_nonfinite
 from mixprec.inspect.nonfinite_report import NonfiniteReport
-from mixprec.inspect.plan import plan_precision
-from mixprec.inspect.plan_schedule import Replan
-from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.inspect.plots import plot_gradient_histogram, plot_scale_history, plot_underflow
 from mixprec.inspect.report import load_log, write_report
 from mixprec.inspect.scaler_log import ScalerLog
@@ -41,8 +39,6 @@ __all__ = [
     "Log2Histogram",
     "LowbitReport",
     "NonfiniteReport",
-    "PrecisionPlan",
-    "Replan",
     "ScalerLog",
     "UnderflowReport",
     "find_nonfinite",
@@ -51,7 +47,6 @@ __all__ = [
     "load_log",
     "lowbit_report",
     "nonfinite_params",
-    "plan_precision",
     "plot_fp8_report",
     "plot_gradient_histogram",
     "plot_scale_history",
@@ -60,3 +55,16 @@ __all__ = [
     "underflow_report",
     "write_report",
 ]
+
+#: The planner's old places here, for one release (see :mod:`mixprec._moved`).
+__getattr__ = install(
+    __name__,
+    {
+        "plan": "mixprec.plan.planner",
+        "plan_cost": "mixprec.plan.cost",
+        "plan_value": "mixprec.plan.result",
+        "plan_schedule": "mixprec.plan.schedule",
+        "plan_command": "mixprec.plan.command",
+    },
+    dict.fromkeys(("plan_precision", "PrecisionPlan", "Replan"), "mixprec.plan"),
+)

@@ -206,7 +206,7 @@ def lowbit_report(
     ):
         raise ValueError(f"outlier_ratio must be a number > 1, got {outlier_ratio!r}")
     seen = capture_linears(model, inputs, loss_fn)
-    layers = {name: _layer(t, recipe, outlier_ratio) for name, t in seen.items()}
+    layers = {name: operand_stats(t, recipe, outlier_ratio) for name, t in seen.items()}
     return LowbitReport(str(recipe), layers, float(max_error), float(max_flushed), float(max_saturated))
 
 
@@ -268,7 +268,11 @@ def _capture(name: str, seen: dict, handles: Any) -> Callable[..., None]:
     return hook
 
 
-def _layer(t: dict[str, torch.Tensor], recipe: Recipe, outlier_ratio: float) -> dict[str, LowbitOperandStats]:
+def operand_stats(
+    t: dict[str, torch.Tensor], recipe: Recipe, outlier_ratio: float
+) -> dict[str, LowbitOperandStats]:
+    """Per GEMM operand that ``recipe`` quantizes, its statistics, from one layer's captured ``{"x", "w",
+    "go"}`` (float32, 2-D; without ``"go"`` only the forward operands): what the planner rules formats on."""
     go = t.get("go", torch.zeros(t["x"].shape[0], t["w"].shape[0]))
     ops = gemm_operands(t["x"], t["w"], go, recipe)
     wanted = [op for op in OPERANDS if ops[op][1] != HP and ("go" in t or op.startswith("fprop"))]

@@ -6,14 +6,19 @@
 * :mod:`mixprec.integrations.fabric`: ``MixprecPrecision``, the same for ``lightning.fabric.Fabric``;
 * :mod:`mixprec.integrations.transformers`: ``MixprecTrainer``, the HF ``Trainer`` under a mixprec policy and
   scaler, and ``MixprecReplanCallback``, the re-planning callback for any ``Trainer``;
-* :mod:`mixprec.integrations.replan`: ``ReplanSchedule``, what both re-planning callbacks drive, for
-  Fabric and plain loops;
 * :mod:`mixprec.integrations.accelerate`: ``MixprecAccelerator``, an ``accelerate.Accelerator`` whose
   autocast, loss scaling and unscaling are mixprec's.
 
 Each is an optional extra (``pip install 'mixprec[lightning]'``, ``[transformers]``, ``[accelerate]``) and
 imports its framework only when it is itself imported: ``import mixprec`` and ``import
-mixprec.integrations`` import none of them.
+mixprec.integrations`` import none of them. ``ReplanSchedule``, what both re-planning callbacks drive
+(Fabric and plain loops call it themselves), is :class:`mixprec.plan.ReplanSchedule`; its old module
+``mixprec.integrations.replan`` still works for one release, with a ``DeprecationWarning``.
 """
 
+from mixprec._moved import install
+
 __all__: list[str] = []
+
+#: ``ReplanSchedule``'s old place, for one release (see :mod:`mixprec._moved`).
+__getattr__ = install(__name__, {"replan": "mixprec.plan.schedule"}, {})

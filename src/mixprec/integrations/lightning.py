@@ -47,7 +47,6 @@ from mixprec.integrations._common import (
     region_dtype,
     scaler_metrics,
 )
-from mixprec.integrations.replan import ReplanSchedule
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -320,7 +319,7 @@ class MixprecDiagnostics(pl.Callback):
 
 
 class MixprecReplan(pl.Callback):
-    """Re-plan the LightningModule's layer formats as a :class:`~mixprec.integrations.replan.ReplanSchedule`
+    """Re-plan the LightningModule's layer formats as a :class:`~mixprec.plan.ReplanSchedule`
     (``every``, ``phases``, ``lr_decay``, ``lr_fraction``, ``generator``: its arguments) says, before each
     optimizer step's first forward (``on_train_batch_start``, once per global step; ``lr_decay`` reads the
     first optimizer's first group). Layers keep their ``nn.Parameter`` objects, so the optimizer's state
@@ -335,6 +334,8 @@ class MixprecReplan(pl.Callback):
     def __init__(
         self, make_plan: Callable[[nn.Module], Any], *, log_metrics: bool = True, **schedule: Any
     ) -> None:
+        from mixprec.plan import ReplanSchedule  # only a re-planning run pays for importing the planner
+
         self.schedule = ReplanSchedule(make_plan, **schedule)
         self.log_metrics = bool(log_metrics)
 

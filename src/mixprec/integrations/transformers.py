@@ -48,7 +48,6 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from mixprec import autocast
 from mixprec.integrations._common import Diagnoser, checkpoint_in_region, scaler_metrics, settings
-from mixprec.integrations.replan import ReplanSchedule
 from mixprec.policy import Policy
 from mixprec.scaling import GradScaler
 
@@ -236,7 +235,7 @@ class MixprecTrainer(transformers.Trainer):
 
 class MixprecReplanCallback(transformers.TrainerCallback):
     """Re-plan the model's layer formats during ``Trainer`` training, as a
-    :class:`~mixprec.integrations.replan.ReplanSchedule` (``every``, ``phases``, ``lr_decay``,
+    :class:`~mixprec.plan.ReplanSchedule` (``every``, ``phases``, ``lr_decay``,
     ``lr_fraction``, ``generator``: its arguments) says; works with ``transformers.Trainer`` and
     :class:`MixprecTrainer`.
 
@@ -257,6 +256,8 @@ class MixprecReplanCallback(transformers.TrainerCallback):
     """
 
     def __init__(self, make_plan: Any, **schedule: Any) -> None:
+        from mixprec.plan import ReplanSchedule  # only a re-planning run pays for importing the planner
+
         self.schedule = ReplanSchedule(make_plan, **schedule)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

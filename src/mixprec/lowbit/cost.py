@@ -32,7 +32,7 @@ models in ``torchao/testing/training/roofline_utils.py`` (``get_tensor_memory_tr
 
 :func:`auto_filter` is torchao's ``_auto_filter_for_recipe`` / torchtitan's ``auto_filter_small_kn``
 (a ``module_filter_fn(module, fqn) -> bool``) decided by this cost model at the run's ``tokens_per_step``
-instead of fixed size thresholds; :func:`mixprec.inspect.plan_precision` prices its formats with the same
+instead of fixed size thresholds; :func:`mixprec.plan.plan_precision` prices its formats with the same
 :func:`relative_cost`, so the two agree on which layers are too small to gain.
 """
 
@@ -170,7 +170,7 @@ def auto_filter(
     ``in_features`` and ``out_features`` are multiples of 16 (the tensor-core kernels' requirement,
     :func:`mixprec.lowbit.kernels.select_kernel`), and whose three training GEMMs at ``tokens_per_step``
     rows cost, in ``target``'s roofline, less than ``1 - min_gain`` times bf16's: what
-    :func:`mixprec.inspect.plan_precision` (same target, same ``tokens_per_step``) counts as a gain.
+    :func:`mixprec.plan.plan_precision` (same target, same ``tokens_per_step``) counts as a gain.
 
     Args:
         recipe: a :data:`mixprec.lowbit.RECIPES` name (or a recipe string :func:`get_recipe` reads).

@@ -3,15 +3,16 @@ estimated from the reference pass alone, with no further pass through the model.
 
 The reference pass keeps, for every planning batch, each linear's input ``x``, output ``y`` and output
 gradient ``g_y = dL/dy``. Per (layer, format) only that layer runs, in the format (the module
-:func:`~mixprec.inspect._plan_measure.swapped_in` builds), forward on the kept ``x`` and backward with the
+:func:`~mixprec.plan.measure.swapped_in` builds), forward on the kept ``x`` and backward with the
 kept ``g_y``; with ``dy = y_q - y`` over batch ``b``:
 
 * loss divergence ``sum_b |dL_b| / sum_b |L_ref_b|`` (the exact mode's definition), with ``dL_b`` the
   first-order Taylor change ``<g_y, dy>`` (Molchanov et al., "Importance Estimation for Neural Network
-  Pruning", CVPR 2019) plus, with ``SECOND_ORDER``, ``0.5 dy^T H dy`` with ``H`` the empirical Fisher of
-  the rows of ``y`` (``H ~ R sum_r g_r g_r^T`` for a loss that is the mean over the ``R`` rows,
-  ``g_r`` row ``r`` of ``g_y``): ``0.5 R sum_r <g_r, dy_r>^2`` (off by default, see ``SECOND_ORDER``).
-  Both estimates are kept in the divergence record (``loss_first_order``, ``loss_second_order``);
+  Pruning", CVPR 2019). The second-order term ``0.5 dy^T H dy``, with ``H`` the empirical Fisher of the
+  rows of ``y`` (``0.5 R sum_r <g_r, dy_r>^2`` for a loss that is the mean over the ``R`` rows), is
+  recorded beside it (``loss_first_order``, ``loss_second_order``) but does not steer the plan: its
+  rows-are-independent Fisher overstates layers whose rows mix (attention), see the README's fidelity
+  figures;
 * weight-gradient divergence: the layer's own weight gradient's change (summed over batches) over the
   norm of all linears' reference weight gradients. Left out: how the changed output moves the other
   layers' weight gradients (exact mode measures every linear's change);
@@ -21,8 +22,7 @@ A layer called more than once per batch is estimated at its first call (as the e
 The estimates only steer the knapsack: the whole plan is still measured exactly and tightened. Because
 the weight-gradient estimate leaves the other layers out it undercounts, so when a whole plan measures
 over ``grad_budget`` the planner calls :meth:`LocalMeasurer.switch_to_exact` and goes on with exact
-per-layer measurements (on the teacher task of ``benchmarks/plan_precision.py``, tightening against
-the estimates instead left one seed's plan 3 % below bf16).
+per-layer measurements (tightening against the estimates instead can leave a plan below bf16's accuracy).
 """
 
 from __future__ import annotations
@@ -30,19 +30,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
-from mixprec.inspect._plan_measure import Measurer, swapped_in
-
-#: Whether the loss estimate adds the empirical-Fisher second-order term to the first-order one. Off:
-#: on ``benchmarks/plan_measure_fidelity.py``'s tasks it ranked the (layer, format) pairs a little
-#: better (Spearman +0.00-0.03) but its rows-are-independent Fisher overstated attention's qkv in nvfp4
-#: 7x (tokens mix there), and the plans it steered cost up to 1.22x the first-order ones (README).
-SECOND_ORDER = False
+from mixprec.plan.measure import NONFINITE, Divergence, Kept, Measurer, swapped_in
 
 
 class LocalMeasurer(Measurer):
-    """A :class:`~mixprec.inspect._plan_measure.Measurer` whose divergences are one-layer estimates on
-    the reference pass's kept operands (``ref.kept``, from ``run_pass(..., keep=True)``)."""
+    """A :class:`~mixprec.plan.measure.Measurer` whose divergences are one-layer estimates on the
+    reference pass's kept operands (``ref.kept``, from ``PassRunner.run(..., keep=True)``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -58,52 +53,51 @@ class LocalMeasurer(Measurer):
             return False
         self.exact = True
         for fqn, info in self.layers.items():
-            for fmt, d in list(info["divergence"].items()):
-                if d["loss"] is not None and fmt != "fp32":  # ruled out without a pass: stays so
-                    del info["divergence"][fmt]
+            for fmt, d in list(info.divergence.items()):
+                if d.loss is not None and fmt != "fp32":  # ruled out without a pass: stays so
+                    del info.divergence[fmt]
                     self.measure(fqn, fmt)
         return True
 
-    def _divergences(self, fqn: str, fmt: str) -> dict[str, Any]:
+    def _divergences(self, fqn: str, fmt: str) -> Divergence:
         if self.exact:
             return super()._divergences(fqn, fmt)
         tiny = torch.finfo(torch.float32).tiny
-        module = swapped_in(self.slots.originals[fqn], fmt, self.generator)
+        linear = self.runner.slots.originals[fqn]
+        module = swapped_in(linear, fmt, self.runner.generator)
         first = second = 0.0
         weight_delta = None
         gx_num = gx_den = 0.0
-        for (x, y, gy, x_grad), (gw_ref, gx_ref) in zip(self._kept(fqn), self._reference(fqn), strict=True):
-            y_q, gw, gx = _layer_pass(module, self.slots.originals[fqn].weight, x, gy, x_grad)
+        for kept, (gw_ref, gx_ref) in zip(self._kept(fqn), self._reference(fqn), strict=True):
+            y_q, gw, gx = _layer_pass(module, linear.weight, kept)
             if not torch.isfinite(y_q).all():
-                return {"loss": float("inf"), "weight_grad": float("inf"), "input_grad": float("inf")}
-            t1, t2 = taylor(gy, y_q - y)
+                return NONFINITE
+            t1, t2 = taylor(kept.grad_y, y_q - kept.y)
             first += abs(t1)
             second += abs(t1 + t2)
             change = (gw - gw_ref).float()
             weight_delta = change if weight_delta is None else weight_delta + change
-            if gx is not None:
+            if gx is not None and gx_ref is not None:
                 gx_num += float((gx - gx_ref).float().square().sum())
                 gx_den += float(gx_ref.float().square().sum())
         den = max(self._loss_total, tiny)
         num = 0.0 if weight_delta is None else float(weight_delta.square().sum())
-        out: dict[str, Any] = {
-            "loss": (second if SECOND_ORDER else first) / den,
-            "weight_grad": (num / max(self._grad_total, tiny)) ** 0.5,
-            "input_grad": (gx_num / max(gx_den, tiny)) ** 0.5 if gx_den > 0 else None,
-        }
-        out.update(loss_first_order=first / den, loss_second_order=second / den)
-        return out
+        return Divergence(
+            loss=first / den,  # first order only: the second-order term is recorded, not used (module doc)
+            weight_grad=(num / max(self._grad_total, tiny)) ** 0.5,
+            input_grad=(gx_num / max(gx_den, tiny)) ** 0.5 if gx_den > 0 else None,
+            loss_first_order=first / den,
+            loss_second_order=second / den,
+        )
 
-    def _kept(self, fqn: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    def _kept(self, fqn: str) -> list[Kept]:
         return [batch[fqn] for batch in self.ref.kept if fqn in batch]
 
     def _reference(self, fqn: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per batch, the layer's own weight and input gradients at its own precision (computed once)."""
         if fqn not in self._references:
-            linear = self.slots.originals[fqn]
-            self._references[fqn] = [
-                _layer_pass(linear, linear.weight, x, gy, x_grad)[1:] for x, _, gy, x_grad in self._kept(fqn)
-            ]
+            linear = self.runner.slots.originals[fqn]
+            self._references[fqn] = [_layer_pass(linear, linear.weight, kept)[1:] for kept in self._kept(fqn)]
         return self._references[fqn]
 
 
@@ -116,12 +110,15 @@ def taylor(gy: torch.Tensor, dy: torch.Tensor) -> tuple[float, float]:
     return float(per_row.sum()), float(0.5 * per_row.numel() * per_row.square().sum())
 
 
-def _layer_pass(module, weight, x, gy, x_grad):
-    """``module`` forward on ``x`` and backward with ``gy``: (output, weight gradient, input gradient)."""
-    x = x.detach().requires_grad_(x_grad)
+def _layer_pass(
+    module: nn.Module, weight: torch.Tensor, kept: Kept
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``module`` forward on the kept input and backward with the kept output gradient: (output, weight
+    gradient, input gradient or None when the input needs none)."""
+    x = kept.x.detach().requires_grad_(kept.x_requires_grad)
     with torch.enable_grad():
         y = module(x)
-        targets = [weight, x] if x_grad else [weight]
-        grads = torch.autograd.grad(y, targets, gy, allow_unused=True)
+        targets = [weight, x] if kept.x_requires_grad else [weight]
+        grads = torch.autograd.grad(y, targets, kept.grad_y, allow_unused=True)
     gw = torch.zeros_like(weight) if grads[0] is None else grads[0]
-    return y.detach(), gw, grads[1] if x_grad else None
+    return y.detach(), gw, grads[1] if kept.x_requires_grad else None

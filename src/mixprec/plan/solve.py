@@ -8,26 +8,28 @@
   loss divergence) whose cost fits ``max_cost`` and whose FLOPs left in high precision fit
   ``max_high_flops`` (the dual problem, the same knapsack with cost and divergence exchanged). The
   weight gradient decides here because a layer's loss change on a few batches is a signed scalar that
-  rounding can cancel: on ``benchmarks/plan_precision.py``'s lm model a first-block ``qkv`` in nvfp4
-  changed the loss by 1.00e-3 and in mxfp8 by 1.06e-3, while its weight-gradient change was 0.176 against
-  0.064. The solver: every assignment is enumerated (vectorized, pruned as it goes) while
+  rounding can cancel, so two formats of very different error can change it alike (the README shows
+  one). The solver: every assignment is enumerated (vectorized, pruned as it goes) while
   there are at most ``2**20``; beyond that, dynamic programming over the two bounds with uses rounded up,
   which keeps every answer within the bounds but can miss one that lies within a rounding step of them.
 
-``layers`` is the planner's ``{fqn: {"cost": {fmt: float}, "flops": int, "divergence": {fmt: {"loss",
-"weight_grad", "fprop_flushed", ...}}}}``; a format whose loss is None (ruled out unmeasured) or not finite,
-or that flushes more than ``max_flushed`` (``fprop_flushed``), is never chosen. :func:`reason` and
-:func:`reason_at_cost` say in words why a layer got its format.
+``layers`` is the planner's ``{fqn: LayerMeasure}``; a format whose loss is None (ruled out unmeasured)
+or not finite, or that flushes more than ``max_flushed`` (``fprop_flushed``), is never chosen.
+:func:`reason` and :func:`reason_at_cost` say in words why a layer got its format.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from mixprec.inspect._plan_measure import HIGH_PRECISION
+from mixprec.plan.measure import HIGH_PRECISION, Divergence, LayerMeasure, PlanLimits
+
+#: One format's terms for the dual solver: cost, FLOPs left in high precision, squared weight-gradient
+#: divergence, loss divergence.
+Row = tuple[float, float, float, float]
 
 _STEPS = 1000
 _STEPS_2D = 100
@@ -36,7 +38,7 @@ _DUAL_STEPS = (400, 100)
 
 
 def knapsack(
-    layers: dict[str, dict[str, Any]],
+    layers: Mapping[str, LayerMeasure],
     budget: float,
     grad_limit: float = math.inf,
     max_flushed: float = 1.0,
@@ -56,13 +58,12 @@ def knapsack(
     backs: list[dict[tuple[int, int], tuple[str, tuple[int, int]]]] = []
     for info in layers.values():
         items = []
-        for fmt, d in _admissible(info, max_flushed):
-            wgrad = d.get("weight_grad", 0.0)
+        for fmt, loss, wgrad in _admissible(info, max_flushed):
             if wgrad > grad_limit:
                 continue  # over the gradient limit alone
-            du = use(d["loss"], budget, steps[0])
+            du = use(loss, budget, steps[0])
             dv = use(wgrad**2, grad_limit**2, steps[1]) if two else 0
-            items.append((fmt, du, dv, info["cost"][fmt], wgrad))
+            items.append((fmt, du, dv, info.cost[fmt], wgrad))
         new: dict[tuple[int, int], tuple[float, float]] = {}
         back: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}
         for (u, v), (c0, w0) in best.items():
@@ -87,7 +88,7 @@ def use(value: float, limit: float, steps: int) -> int:
 
 
 def most_accurate(
-    layers: dict[str, dict[str, Any]],
+    layers: Mapping[str, LayerMeasure],
     max_cost: float,
     max_high_flops: float = math.inf,
     max_flushed: float = 1.0,
@@ -98,18 +99,13 @@ def most_accurate(
     summed cost <= ``max_cost`` and summed FLOPs of its layers in ``"bf16"``/``"fp32"`` <=
     ``max_high_flops`` (both in the units of ``layers``); ``[]`` if none fits."""
     names = list(layers)
-    options = [[(fmt, d) for fmt, d in _admissible(layers[f], max_flushed)] for f in names]
+    options = [list(_admissible(layers[f], max_flushed)) for f in names]
     if any(not o for o in options):
         return []
     rows = [
         [
-            (
-                layers[f]["cost"][fmt],
-                layers[f]["flops"] * (fmt in HIGH_PRECISION),
-                d.get("weight_grad", 0.0) ** 2,
-                d["loss"],
-            )
-            for fmt, d in opts
+            (layers[f].cost[fmt], float(layers[f].flops * (fmt in HIGH_PRECISION)), wgrad**2, loss)
+            for fmt, loss, wgrad in opts
         ]
         for f, opts in zip(names, options, strict=True)
     ]
@@ -121,14 +117,15 @@ def most_accurate(
     return [{f: options[i][j][0] for i, (f, j) in enumerate(zip(names, pick, strict=True))} for pick in picks]
 
 
-def _admissible(info: dict[str, Any], max_flushed: float):
-    for fmt, d in info["divergence"].items():
-        loss = d["loss"]
-        if loss is not None and math.isfinite(loss) and d.get("fprop_flushed", 0.0) <= max_flushed:
-            yield fmt, d
+def _admissible(info: LayerMeasure, max_flushed: float) -> Iterator[tuple[str, float, float]]:
+    """``(format, loss, weight_grad)`` of every measured format that may be chosen for this layer."""
+    for fmt, d in info.divergence.items():
+        loss = d.loss
+        if loss is not None and math.isfinite(loss) and d.fprop_flushed <= max_flushed:
+            yield fmt, loss, 0.0 if d.weight_grad is None else d.weight_grad
 
 
-def _enumerate(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
+def _enumerate(rows: list[list[Row]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
     """Every assignment, pruned as soon as a partial sum passes a bound (all terms are >= 0)."""
     dtype = torch.float64
     picks = torch.zeros(1, 0, dtype=torch.int64)
@@ -147,7 +144,7 @@ def _enumerate(rows: list[list[tuple]], limits: tuple[float, float], top: int) -
     return [tuple(picks[i].tolist()) for i in order]
 
 
-def _dual_dp(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
+def _dual_dp(rows: list[list[Row]], limits: tuple[float, float], top: int) -> list[tuple[int, ...]]:
     """Least (squared weight grad, loss) per used (cost, high-flops) step pair, uses rounded up."""
     steps = _DUAL_STEPS
     two = math.isfinite(limits[1])
@@ -169,24 +166,32 @@ def _dual_dp(rows: list[list[tuple]], limits: tuple[float, float], top: int) -> 
     return list(dict.fromkeys(found))[:top]
 
 
-def _trace(names: list, backs: list[dict], key: tuple[int, int]) -> dict:
+def _trace(names: Sequence, backs: list[dict], key: tuple[int, int]) -> dict:
+    """Walk the back pointers from the end state ``key``: name -> the choice made for it."""
     out = {}
     for name, back in zip(reversed(names), reversed(backs), strict=True):
         out[name], key = back[key]
     return dict(reversed(list(out.items())))
 
 
-def reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) -> str:
-    """Why ``fqn`` got its format in a plan within a loss budget (``limits``: budget, grad_budget,
-    max_flushed): every other measured format's cost relative to bf16 at the priced shape, and for each
-    cheaper one the limit it broke."""
-    budget, grad_budget, max_flushed = limits
+def reason(
+    fqn: str,
+    chosen: Mapping[str, str],
+    layers: Mapping[str, LayerMeasure],
+    limits: PlanLimits,
+    rounds: list[dict[str, float]],
+) -> str:
+    """Why ``fqn`` got its format in a plan within a loss budget: every other measured format's cost
+    relative to bf16 at the priced shape, and for each cheaper one the limit it broke."""
+    budget, grad_budget = limits.budget, limits.grad_budget
+    assert budget is not None  # a plan within a loss budget has one
     fmt = chosen[fqn]
     info = layers[fqn]
     if rounds and rounds[-1].get("solver_budget") == 0.0:
         return "no mix of the given formats fit the budget when measured; kept in the model's precision"
-    cheaper = [f for f, c in info["cost"].items() if c < info["cost"][fmt] and f in info["divergence"]]
-    own = info["divergence"][fmt]["loss"]
+    cheaper = [f for f, c in info.cost.items() if c < info.cost[fmt] and f in info.divergence]
+    own = info.divergence[fmt].loss
+    assert own is not None  # a chosen format was measured
     if not cheaper:
         own_cost = "" if fmt == "bf16" else f"{_relative(info, fmt)}, "
         return (
@@ -194,10 +199,11 @@ def reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) ->
             + _dearer(info, fmt)
             + f"; loss divergence {own:.2e} ({own / budget:.0%} of the budget)"
         )
-    cheaper.sort(key=lambda g: info["cost"][g])
-    d = info["divergence"][cheaper[0]]
-    details = [f"{key} {d[key]:.1%}" for key in ("flushed", "saturated", "outlier_blocks") if d[key] >= 0.01]
-    scores = [_why_not(g, info["divergence"][g], grad_budget, max_flushed, info) for g in cheaper]
+    cheaper.sort(key=lambda g: info.cost[g])
+    d = info.divergence[cheaper[0]]
+    shares = {"flushed": d.flushed, "saturated": d.saturated, "outlier_blocks": d.outlier_blocks}
+    details = [f"{key} {share:.1%}" for key, share in shares.items() if share >= 0.01]
+    scores = [_why_not(g, info.divergence[g], grad_budget, limits.max_flushed, info) for g in cheaper]
     tightened = " after tightening" if len(rounds) > 1 else ""
     return (
         f"{_relative(info, fmt)} at {_at(info)}; "
@@ -209,53 +215,55 @@ def reason(fqn: str, chosen: dict, layers: dict, limits: tuple, rounds: list) ->
     )
 
 
-def reason_at_cost(fqn: str, chosen: dict, layers: dict, max_cost: float, max_flushed: float) -> str:
-    """Why ``fqn`` got its format in the most accurate plan within ``max_cost``."""
+def reason_at_cost(
+    fqn: str, chosen: Mapping[str, str], layers: Mapping[str, LayerMeasure], limits: PlanLimits
+) -> str:
+    """Why ``fqn`` got its format in the most accurate plan within ``limits.max_cost``."""
     fmt = chosen[fqn]
     info = layers[fqn]
-    own = info["divergence"][fmt]["loss"]
-    others = sorted((g for g in info["divergence"] if g != fmt), key=lambda g: info["cost"][g])
+    own = info.divergence[fmt].loss
+    others = sorted((g for g in info.divergence if g != fmt), key=lambda g: info.cost[g])
     cheaper = [
-        _why_not(g, info["divergence"][g], None, max_flushed, info)
+        _why_not(g, info.divergence[g], None, limits.max_flushed, info)
         for g in others
-        if info["cost"][g] < info["cost"][fmt]
+        if info.cost[g] < info.cost[fmt]
     ]
     text = (
         f"{_relative(info, fmt)} at {_at(info)}, loss divergence {own:.2e}; "
-        f"the most accurate measured mix within {max_cost:g}x bf16's cost"
+        f"the most accurate measured mix within {limits.max_cost:g}x bf16's cost"
     )
     return text + ("" if not cheaper else "; cheaper: " + ", ".join(cheaper))
 
 
-def _relative(info: dict[str, Any], fmt: str) -> str:
+def _relative(info: LayerMeasure, fmt: str) -> str:
     """``"nvfp4 0.31x bf16"``: a format's cost over bf16's for this layer in the plan's cost model."""
-    return f"{fmt} {info['cost'][fmt] / info['cost']['bf16']:.2f}x bf16"
+    return f"{fmt} {info.cost[fmt] / info.cost['bf16']:.2f}x bf16"
 
 
-def _at(info: dict[str, Any]) -> str:
+def _at(info: LayerMeasure) -> str:
     """The shape the layer was priced at: ``"M=4096"`` (rows of its GEMMs)."""
-    return f"M={info.get('priced_rows', info['shape'][0])}"
+    return f"M={info.priced_rows}"
 
 
-def _dearer(info: dict[str, Any], fmt: str) -> str:
+def _dearer(info: LayerMeasure, fmt: str) -> str:
     """The formats that cost more than ``fmt`` here, each relative to bf16: why they lost without a
     measurement (fp32, which the cost always holds, only when it was a candidate and measured)."""
     dearer = [
         g
-        for g, c in info["cost"].items()
-        if c > info["cost"][fmt] and g != "bf16" and (g != "fp32" or g in info["divergence"])
+        for g, c in info.cost.items()
+        if c > info.cost[fmt] and g != "bf16" and (g != "fp32" or g in info.divergence)
     ]
-    dearer.sort(key=info["cost"].get)
+    dearer.sort(key=lambda g: info.cost[g])
     return "" if not dearer else " (no gain: " + ", ".join(_relative(info, g) for g in dearer) + ")"
 
 
 def _why_not(
-    fmt: str, d: dict[str, Any], grad_budget: float | None, max_flushed: float, info: dict[str, Any]
+    fmt: str, d: Divergence, grad_budget: float | None, max_flushed: float, info: LayerMeasure
 ) -> str:
     priced = _relative(info, fmt)
-    if d["fprop_flushed"] > max_flushed:
-        flushed = d["fprop_flushed"]
+    if d.fprop_flushed > max_flushed:
+        flushed = d.fprop_flushed
         return f"{priced} flushes {flushed:.0%} of its forward input or weight (over {max_flushed:.0%})"
-    if grad_budget is not None and d["weight_grad"] > grad_budget:
-        return f"{priced} would change the weight gradients {d['weight_grad']:.2e} (over {grad_budget:.2e})"
-    return f"{priced} would change the loss {d['loss']:.2e}"
+    if grad_budget is not None and d.weight_grad is not None and d.weight_grad > grad_budget:
+        return f"{priced} would change the weight gradients {d.weight_grad:.2e} (over {grad_budget:.2e})"
+    return f"{priced} would change the loss {d.loss:.2e}"

@@ -22,10 +22,8 @@ forward loss divergence and backward weight divergence, then an integer program 
    divergence rounded up, so the sum never undercounts. A format that flushes more than ``max_flushed``
    of the nonzero values of the layer's forward input or weight to zero (``fprop_flushed``) is not a
    candidate for that layer: the signal it drops is one the model may not use yet, so a loss measured
-   at one point of training cannot see what it costs later. On the inputs of lognormal channel scale of
-   ``benchmarks/plan_precision.py``'s teacher task nvfp4 flushed 22-32 % of a first layer's inputs
-   (4-11 % in every other layer of its tasks); that layer alone in nvfp4 changed the loss by 0.1-0.3 %,
-   and training with it so raised the held-out loss by 11-24 %.
+   at one point of training cannot see what it costs later (the README shows a layer whose small
+   measured loss change hid a large held-out loss after training).
    With ``grad_budget``, the root-sum-square of the chosen formats' weight-gradient divergences must fit
    it too (a second knapsack constraint, the layers' gradient errors taken as independent).
 4. **Measure the plan as a whole** (all its layers swapped at once, one forward/backward over the
@@ -54,29 +52,32 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.inspect._modules import check_model
-from mixprec.inspect._plan_local import LocalMeasurer
-from mixprec.inspect._plan_measure import (
-    EXACT,
-    HIGH_PRECISION,
-    Measurer,
-    PassResult,
-    Slots,
-    divergences,
-    run_pass,
-)
-from mixprec.inspect._plan_solve import knapsack, most_accurate, reason, reason_at_cost
 from mixprec.inspect._restore import preserved
-from mixprec.inspect.plan_cost import CostFn, resolve_cost
-from mixprec.inspect.plan_value import PrecisionPlan
 from mixprec.lowbit import RECIPES, get_recipe
 from mixprec.lowbit.cost import check_tokens_per_step
+from mixprec.plan.cost import CostFn, resolve_cost
+from mixprec.plan.local import LocalMeasurer
+from mixprec.plan.measure import (
+    EXACT,
+    HIGH_PRECISION,
+    LayerMeasure,
+    LossFn,
+    Measurer,
+    PassResult,
+    PassRunner,
+    PlanLimits,
+    Slots,
+    divergences,
+)
+from mixprec.plan.result import PrecisionPlan
+from mixprec.plan.solve import knapsack, most_accurate, reason, reason_at_cost
 
 __all__ = ["plan_precision"]
 
@@ -84,7 +85,7 @@ __all__ = ["plan_precision"]
 def plan_precision(
     model: nn.Module,
     batches: Iterable[Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    loss_fn: LossFn,
     *,
     formats: Sequence[str] = ("nvfp4", "mxfp8", "bf16"),
     budget: float | None = 0.01,
@@ -131,7 +132,7 @@ def plan_precision(
             layer in bf16 (0.5 = half of bf16's time in the cost model): the plan is then the *most
             accurate* within it: of the (up to 3) assignments of least summed squared weight-gradient
             divergence whose cost fits, the one whose whole-plan weight-gradient change measures least
-            (then loss change; see :mod:`mixprec.inspect._plan_solve` for why the gradient decides).
+            (then loss change; see :mod:`mixprec.plan.solve` for why the gradient decides).
             Needs ``budget=None``; no ``grad_budget``.
         min_low_share: with ``max_cost``, the least share in [0, 1] of the planned layers' GEMM FLOPs that
             must run below bf16 (to compare with a hand rule at its share; None: no bound).
@@ -140,10 +141,10 @@ def plan_precision(
         max_rounds: solves at most (>= 1) before falling back to the model's precision.
         seed: seeds dropout (the same masks in every pass) and stochastic rounding.
         measure: ``"exact"`` (one forward/backward per layer and format) or ``"local"`` (every layer and
-            format estimated from the reference pass alone, :mod:`mixprec.inspect._plan_local`).
+            format estimated from the reference pass alone, :mod:`mixprec.plan.local`).
 
     Returns:
-        A :class:`~mixprec.inspect.PrecisionPlan`.
+        A :class:`~mixprec.plan.PrecisionPlan`.
 
     Raises:
         TypeError: for a non-module ``model``, a non-callable ``loss_fn`` or ``cost``.
@@ -184,43 +185,43 @@ def plan_precision(
         raise ValueError("model itself is an nn.Linear: wrap it (nn.Sequential(model)) so it can be swapped")
     # stochastic rounding draws on each layer's device (a CPU generator cannot feed CUDA tensors): one
     # generator per device the layers are on, each seeded with the seed
-    devices = {model.get_submodule(fqn).weight.device for fqn in fqns}
-    generator = {device: torch.Generator(device=device).manual_seed(seed) for device in devices}
     with preserved(model):
         slots = Slots(model, fqns)
+        devices = {linear.weight.device for linear in slots.originals.values()}
+        generator = {device: torch.Generator(device=device).manual_seed(seed) for device in devices}
+        runner = PassRunner(slots, loss_fn, seed, generator)
         try:
             slots.set(dict.fromkeys(fqns, "fp32"), generator)
             tick = time.process_time()
-            ref = run_pass(slots, batches, loss_fn, seed, capture=True, keep=measure == "local")
+            ref = runner.run(batches, capture=True, keep=measure == "local")
             step = (time.process_time() - tick) / len(batches)
             sets = [(batches, ref)]
             if checks:
-                sets.append((checks, run_pass(slots, checks, loss_fn, seed)))
+                sets.append((checks, runner.run(checks)))
             losses = [loss for _, r in sets for loss in r.losses]
             if not all(math.isfinite(loss) for loss in losses):
                 raise ValueError(f"loss_fn returned a non-finite loss at high precision: {losses}")
+            limits = PlanLimits(
+                budget=budget,
+                grad_budget=grad_budget,
+                max_cost=None if max_cost is None else float(max_cost),
+                min_low_share=min_low_share,
+                max_flushed=float(max_flushed),
+                exhaustive=exhaustive,
+            )
             measurer = (LocalMeasurer if measure == "local" else Measurer)(
-                slots,
+                runner,
                 ref,
-                batches,
-                loss_fn,
-                seed,
-                generator,
-                cost_fn,
-                formats,
-                (max_flushed, exhaustive),
+                batches=batches,
+                cost_fn=cost_fn,
+                formats=formats,
+                limits=limits,
                 rows=tokens_per_step,
             )
-            limits = (budget, grad_budget, float(max_flushed))
             if max_cost is None:
-                chosen, measured, rounds = _solve_and_tighten(
-                    slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds
-                )
+                chosen, measured, rounds = _solve_and_tighten(runner, sets, measurer, max_rounds)
             else:
-                bounds = (float(max_cost), min_low_share, float(max_flushed))
-                chosen, measured, rounds = _solve_at_cost(
-                    slots, sets, measurer, bounds, loss_fn, seed, generator
-                )
+                chosen, measured, rounds = _solve_at_cost(runner, sets, measurer)
         finally:
             slots.restore()
     layers = measurer.layers
@@ -237,11 +238,11 @@ def plan_precision(
     if max_cost is None:
         reasons = {f: reason(f, chosen, layers, limits, rounds) for f in ran}
     else:
-        reasons = {f: reason_at_cost(f, chosen, layers, max_cost, max_flushed) for f in ran}
+        reasons = {f: reason_at_cost(f, chosen, layers, limits) for f in ran}
     seconds = time.process_time() - start
     return PrecisionPlan(
         chosen,
-        layers,
+        {fqn: info.as_dict() for fqn, info in layers.items()},
         reasons,
         budget,
         measured,
@@ -259,9 +260,9 @@ def plan_precision(
     )
 
 
-def _warn_calibration_rows(layers: dict[str, dict[str, Any]]) -> None:
+def _warn_calibration_rows(layers: dict[str, LayerMeasure]) -> None:
     """Say that the plan was priced at the calibration batch's rows, and how to price the run."""
-    rows = sorted({info["shape"][0] for info in layers.values()})
+    rows = sorted({info.shape[0] for info in layers.values()})
     shown = str(rows[0]) if len(rows) == 1 else f"{rows[0]}-{rows[-1]}"
     warnings.warn(
         f"plan_precision: tokens_per_step not given, so every GEMM is priced at the calibration batch's "
@@ -272,7 +273,9 @@ def _warn_calibration_rows(layers: dict[str, dict[str, Any]]) -> None:
     )
 
 
-def _check_dual(budget, grad_budget, max_cost, min_low_share) -> None:
+def _check_dual(
+    budget: float | None, grad_budget: float | None, max_cost: float | None, min_low_share: float | None
+) -> None:
     """Exactly one of ``budget`` (the cheapest plan within a loss bound) and ``max_cost`` (the most
     accurate plan within a cost bound); ``min_low_share`` only with ``max_cost``."""
     if max_cost is None:
@@ -297,7 +300,16 @@ def _check_dual(budget, grad_budget, max_cost, min_low_share) -> None:
         raise ValueError(f"min_low_share must be a share in [0, 1] or None, got {min_low_share!r}")
 
 
-def _check(formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds):
+def _check(
+    formats: Sequence[str],
+    budget: float | None,
+    grad_budget: float | None,
+    batches: Iterable[Any],
+    check_batches: Iterable[Any] | None,
+    loss_fn: LossFn,
+    max_rounds: int,
+) -> tuple[list[str], float | None, float | None, list[Any], list[Any] | None]:
+    """The arguments checked, and the batches as lists (a generator is read once)."""
     if budget is not None:
         _check_bound("budget", budget)
     if grad_budget is not None:
@@ -339,30 +351,39 @@ def _check_share(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a share in (0, 1], got {value!r}")
 
 
-def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, max_rounds):
+#: The batch sets a whole plan is measured on: the planning batches and (optional) check batches, each
+#: with its reference pass.
+BatchSets = list[tuple[list[Any], PassResult]]
+#: A solve's outcome: the formats, the whole plan's measured divergences, one record per solve.
+Solved = tuple[dict[str, str], dict[str, float], list[dict[str, float]]]
+
+
+def _solve_and_tighten(runner: PassRunner, sets: BatchSets, measurer: Measurer, max_rounds: int) -> Solved:
     """Solve, measure the whole plan, tighten; the first solve sees only each layer's cheapest admissible
     formats (enough when they fit: no assignment is cheaper), the rest are measured when it does not."""
-    budget, grad_budget, max_flushed = limits
+    limits = measurer.limits
+    budget, grad_budget = limits.budget, limits.grad_budget
+    assert budget is not None  # checked by plan_precision: this mode has a loss budget
     layers = measurer.layers
     rounds: list[dict[str, float]] = []
     solver_budget, grad_limit = budget, math.inf if grad_budget is None else grad_budget
-    if measurer.exhaustive:
+    if limits.exhaustive:
         measurer.complete()
     else:
         measurer.cheapest(grad_limit)
     while len(rounds) < max_rounds:
-        chosen = knapsack(layers, solver_budget, grad_limit, max_flushed)
+        chosen = knapsack(layers, solver_budget, grad_limit, limits.max_flushed)
         if not chosen and measurer.complete():
             continue  # the cheapest formats did not fit: solve again with every format measured
         if not chosen:
             break
-        measured = _measure_plan(slots, sets, chosen, loss_fn, seed, generator)
+        measured = _measure_plan(runner, sets, chosen)
         rounds.append({"solver_budget": solver_budget, "measured": measured["loss"]})
         loss_ok = measured["loss"] <= budget
         grad_ok = grad_budget is None or measured["weight_grad"] <= grad_budget
         if loss_ok and grad_ok:
             return chosen, measured, rounds
-        if not grad_ok and measurer.switch_to_exact():
+        if grad_budget is not None and not grad_ok and measurer.switch_to_exact():
             # estimates undercount the gradient change: measure the layers and solve afresh
             rounds[-1]["switched_to_exact"] = 1.0
             solver_budget, grad_limit = budget, grad_budget
@@ -370,55 +391,59 @@ def _solve_and_tighten(slots, sets, measurer, limits, loss_fn, seed, generator, 
         measurer.complete()
         if not loss_ok:
             solver_budget *= 0.8 * budget / measured["loss"]
-        if not grad_ok:
+        if grad_budget is not None and not grad_ok:
             grad_limit *= 0.8 * grad_budget / measured["weight_grad"]
     fallback = dict.fromkeys(layers, "fp32")
     for info in layers.values():
-        info["divergence"].setdefault("fp32", dict(EXACT))
+        info.divergence.setdefault("fp32", EXACT)
     rounds.append({"solver_budget": 0.0, "measured": 0.0})
     return fallback, {"loss": 0.0, "weight_grad": 0.0}, rounds
 
 
-def _solve_at_cost(slots, sets, measurer, bounds, loss_fn, seed, generator):
+def _solve_at_cost(runner: PassRunner, sets: BatchSets, measurer: Measurer) -> Solved:
     """Every layer in every format measured, the (up to 3) assignments of least summed squared
     weight-gradient divergence within the bounds, each measured as a whole; the one of least measured
     weight-gradient change (then loss change) is the plan."""
-    max_cost, min_low_share, max_flushed = bounds
+    limits = measurer.limits
+    max_cost, min_low_share = limits.max_cost, limits.min_low_share
+    assert max_cost is not None  # checked by plan_precision: this mode has a cost bound
     layers = measurer.layers
-    bf16 = sum(info["cost"]["bf16"] for info in layers.values())
-    cheapest = sum(min(info["cost"][f] for f in measurer.formats) for info in layers.values()) / bf16
+    bf16 = sum(info.cost["bf16"] for info in layers.values())
+    cheapest = sum(min(info.cost[f] for f in measurer.formats) for info in layers.values()) / bf16
     if cheapest > max_cost * (1 + 1e-9):
         raise ValueError(
             f"max_cost={max_cost!r} is below the cheapest mix of these formats ({cheapest:.4f}x bf16)"
         )
     measurer.complete()
-    flops = sum(info["flops"] for info in layers.values())
+    flops = sum(info.flops for info in layers.values())
     high = math.inf if min_low_share is None else (1 - min_low_share) * flops
-    picks = most_accurate(layers, max_cost * bf16, high, max_flushed)
+    picks = most_accurate(layers, max_cost * bf16, high, limits.max_flushed)
     if not picks:
         raise ValueError(
             f"no mix of the formats {measurer.formats} within max_cost={max_cost!r}"
             + ("" if min_low_share is None else f" and min_low_share={min_low_share!r}")
-            + f" has every layer's format flushing at most max_flushed={max_flushed!r} of its forward input"
+            + f" has every layer's format flushing at most max_flushed={limits.max_flushed!r} of its"
+            " forward input"
         )
     found = []
     for chosen in picks:
-        measured = _measure_plan(slots, sets, chosen, loss_fn, seed, generator)
+        measured = _measure_plan(runner, sets, chosen)
         found.append((measured["loss"], measured["weight_grad"], chosen, measured))
     rounds = [{"max_cost": max_cost, "measured": loss, "weight_grad": w} for loss, w, *_ in found]
     _, _, chosen, measured = min(found, key=lambda item: (item[1], item[0]))
     return chosen, measured, rounds
 
 
-def _measure_plan(slots, sets, chosen, loss_fn, seed, generator) -> dict[str, float]:
+def _measure_plan(runner: PassRunner, sets: BatchSets, chosen: dict[str, str]) -> dict[str, float]:
     """The whole plan's divergences: the larger over the planning batches and the check batches."""
-    slots.set(chosen, generator)
-    try:
-        runs: list[PassResult] = [run_pass(slots, batches, loss_fn, seed) for batches, _ in sets]
-    finally:
-        slots.set(dict.fromkeys(chosen, "fp32"), generator)
+    runs = runner.run_with(chosen, [batches for batches, _ in sets])
     found = [divergences(ref, run, None) for (_, ref), run in zip(sets, runs, strict=True)]
-    out = {key: max(d[key] for d in found) for key in ("loss", "weight_grad")}
+    out = {
+        "loss": max(d.loss for d in found if d.loss is not None),
+        "weight_grad": max(d.weight_grad for d in found if d.weight_grad is not None),
+    }
     if len(found) > 1:
-        out["check_loss"], out["check_weight_grad"] = found[1]["loss"], found[1]["weight_grad"]
+        check = found[1]
+        assert check.loss is not None and check.weight_grad is not None  # a measured pass has both
+        out["check_loss"], out["check_weight_grad"] = check.loss, check.weight_grad
     return out

@@ -12,8 +12,8 @@ from test_plan_budget import _relative_loss_change, _teacher
 from test_plan_precision import _same_state, _task, loss_fn
 from torch import nn
 
-from mixprec.inspect import PrecisionPlan, plan_precision
 from mixprec.lowbit import LowbitLinear
+from mixprec.plan import PrecisionPlan, plan_precision
 
 
 def _two_layers():

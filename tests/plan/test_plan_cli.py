@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from mixprec.cli import main
-from mixprec.inspect import PrecisionPlan
+from mixprec.plan import PrecisionPlan
 
 FACTORY = """
 import torch

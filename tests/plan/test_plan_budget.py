@@ -10,8 +10,8 @@ import torch
 from test_plan_precision import _Bf16, loss_fn  # the planner tests' bf16 layer and loss
 from torch import nn
 
-from mixprec.inspect import plan_precision
 from mixprec.inspect.demo import OutlierMLP
+from mixprec.plan import plan_precision
 
 
 def _teacher(seed: int = 0, channel_sigma: float = 0.0, outlier: bool = True):

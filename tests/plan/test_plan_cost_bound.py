@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 from test_plan_budget import _relative_loss_change, _teacher
-from test_plan_precision import loss_fn
+from test_plan_precision import loss_fn, measures
 
-import mixprec.inspect._plan_solve as solve
-from mixprec.inspect import PrecisionPlan, plan_precision
+import mixprec.plan.solve as solve
+from mixprec.plan import PrecisionPlan, plan_precision
 
 
 def _random_layers(g: torch.Generator, count: int, fmts=("nvfp4", "mxfp8", "bf16")) -> dict:
@@ -59,7 +59,7 @@ def test_most_accurate_is_the_brute_force_optimum_within_both_bounds(path, monke
         flops = sum(info["flops"] for info in layers.values())
         max_high = (math.inf, 0.5 * flops, 0.2 * flops)[trial % 3]
         brute = _brute(layers, max_cost, max_high, 0.8)
-        picks = solve.most_accurate(layers, max_cost, max_high, 0.8, top=3)
+        picks = solve.most_accurate(measures(layers), max_cost, max_high, 0.8, top=3)
         if not brute:
             assert picks == []
             continue

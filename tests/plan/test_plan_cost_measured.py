@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.inspect import PrecisionPlan, plan_precision
-from mixprec.inspect.plan_cost import MeasuredCost, resolve_cost
+from mixprec.plan import PrecisionPlan, plan_precision
+from mixprec.plan.cost import MeasuredCost, resolve_cost
 
 FORMATS = ["nvfp4", "mxfp8", "bf16", "fp32"]
 

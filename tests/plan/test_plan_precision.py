@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import lowbit
-from mixprec.inspect import PrecisionPlan, Replan, plan_precision
-from mixprec.inspect._plan_solve import knapsack as _knapsack
 from mixprec.inspect.demo import OutlierMLP
-from mixprec.inspect.plan_cost import TARGETS, gemm_cost
 from mixprec.lowbit import LowbitLinear
+from mixprec.plan import Divergence, LayerMeasure, PrecisionPlan, Replan, plan_precision
+from mixprec.plan.cost import TARGETS, gemm_cost
+from mixprec.plan.solve import knapsack as _knapsack
 
 BUDGET = 0.5
 
@@ -211,6 +211,24 @@ def test_a_model_without_linears_or_that_is_one_is_refused():
         plan_precision("model", [batch], loss_fn)
 
 
+def measures(layers: dict) -> dict[str, LayerMeasure]:
+    """The solver's records of plain test layers (``cost``, ``flops``, ``divergence``: loss, weight_grad,
+    fprop_flushed), which the brute-force checks read as dicts."""
+    return {
+        fqn: LayerMeasure(
+            (1, 1, 1),
+            1,
+            info.get("flops", 0),
+            info["cost"],
+            {
+                fmt: Divergence(d["loss"], d["weight_grad"], None, fprop_flushed=d["fprop_flushed"])
+                for fmt, d in info["divergence"].items()
+            },
+        )
+        for fqn, info in layers.items()
+    }
+
+
 def test_knapsack_is_the_brute_force_optimum():
     g = torch.Generator().manual_seed(1)
     fmts = ("a", "b", "c")
@@ -241,7 +259,7 @@ def test_knapsack_is_the_brute_force_optimum():
             )
             if fits and (best is None or key < best[0]):
                 best = (key, pick)
-        chosen = _knapsack(layers, budget, grad_limit, max_flushed)
+        chosen = _knapsack(measures(layers), budget, grad_limit, max_flushed)
         if not chosen:
             assert best is None
             continue

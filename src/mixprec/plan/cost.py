@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from mixprec.inspect._plan_measure import swapped_in
 from mixprec.lowbit.cost import TARGETS, CostFn, Target, format_class, gemm_cost, resolve_target
+from mixprec.plan.measure import swapped_in
 
 __all__ = ["TARGETS", "CostFn", "MeasuredCost", "Target", "format_class", "gemm_cost", "resolve_cost"]
 
@@ -31,7 +31,7 @@ class MeasuredCost:
     """``cost(format, m, n, k)``: the median measured seconds of a layer's three training GEMMs.
 
     For a shape it has not seen, it builds an ``nn.Linear(k, n)`` on ``device`` in ``dtype``, the module
-    the planner swaps in for each format (:func:`mixprec.inspect._plan_measure.swapped_in`), a random
+    the planner swaps in for each format (:func:`mixprec.plan.measure.swapped_in`), a random
     ``(m, k)`` input and a random ``(m, n)`` output gradient, and times forward plus
     ``torch.autograd.grad`` of the input and weight (fprop, dgrad, wgrad): ``warmup`` untimed calls per
     format, then ``repeats`` rounds, each timing every format once in turn (so drift on the machine
@@ -82,12 +82,12 @@ class MeasuredCost:
     def _measure(self, formats: list[str], shape: tuple[int, int, int]) -> None:
         m, n, k = shape
         gen = torch.Generator(device=self.device).manual_seed(0)
-        kw = {"device": self.device, "dtype": self.dtype}
+        device, dtype = self.device, self.dtype
         with torch.device("meta"):  # no draw from torch's global RNG, and no to_empty() swap
             linear = nn.Linear(k, n, bias=False)
-        linear.weight = nn.Parameter(torch.randn(n, k, generator=gen, **kw) / k**0.5)
-        x = torch.randn(m, k, generator=gen, **kw).requires_grad_(True)
-        grad_out = torch.randn(m, n, generator=gen, **kw)
+        linear.weight = nn.Parameter(torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5)
+        x = torch.randn(m, k, generator=gen, device=device, dtype=dtype).requires_grad_(True)
+        grad_out = torch.randn(m, n, generator=gen, device=device, dtype=dtype)
         runs = {fmt: _step(swapped_in(linear, fmt, gen), x, grad_out) for fmt in formats}
         for fmt in formats:
             for _ in range(self.warmup):
@@ -100,7 +100,7 @@ class MeasuredCost:
             self.samples[(str(self.device), fmt, m, n, k)] = values
 
 
-def _step(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], object]:
+def _step(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], object]:
     def run() -> object:
         with torch.enable_grad():
             out = module(x)

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from mixprec._files import write_atomic
-from mixprec.inspect._plan_measure import HIGH_PRECISION
 from mixprec.lowbit import LowbitLinear, get_recipe
 from mixprec.lowbit.swap import converted_as, is_converted, refuse_reconversion
+from mixprec.plan.measure import HIGH_PRECISION
 
 __all__ = ["PrecisionPlan"]
 
@@ -27,7 +27,7 @@ _READS = (2, 3, 4)
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """A per-layer format assignment (see :func:`mixprec.inspect.plan_precision`).
+    """A per-layer format assignment (see :func:`mixprec.plan.plan_precision`).
 
     Attributes:
         formats: qualified name -> format (a :mod:`mixprec.lowbit` recipe name, ``"bf16"`` or ``"fp32"``).
@@ -178,8 +178,10 @@ class PrecisionPlan:
     def _priced(self) -> str:
         """The line saying which rows M the cost model priced the GEMMs at (M x N x K above is measured)."""
         if self.tokens_per_step is not None:
-            rows = self.tokens_per_step
-            return f"priced at M={rows} rows per GEMM (tokens_per_step); errors measured at M x N x K above"
+            return (
+                f"priced at M={self.tokens_per_step} rows per GEMM (tokens_per_step); errors measured at "
+                "M x N x K above"
+            )
         rows = sorted({info["shape"][0] for info in self.layers.values()})
         shown = ", ".join(map(str, rows)) if len(rows) < 4 else f"{rows[0]}-{rows[-1]}"
         return f"priced at the calibration batch's M={shown} rows (no tokens_per_step: not the run's shape)"

@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.inspect.plan import plan_precision
+    from mixprec.plan.planner import plan_precision
 
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.inspect import PrecisionPlan, plan_precision
-from mixprec.inspect.plan_cost import TARGETS, gemm_cost
+from mixprec.plan import PrecisionPlan, plan_precision
+from mixprec.plan.cost import TARGETS, gemm_cost
 
 
 def _mlp(width: int = 256, depth: int = 6) -> nn.Sequential:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.inspect import PrecisionPlan, plan_precision
+from mixprec.plan import PrecisionPlan, plan_precision
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,39 @@
+"""`mixprec.plan`: which linear layer runs in which format, decided by measurement within a budget.
+
+Files in the order the data flows:
+
+* :mod:`~mixprec.plan.measure`: one forward/backward with some layers swapped; each (layer, format)
+  measured on demand, at most once (:class:`LayerMeasure`, :class:`Divergence`);
+* :mod:`~mixprec.plan.local`: ``measure="local"``, every (layer, format) estimated from the reference pass;
+* :mod:`~mixprec.plan.cost`: a format's GEMM cost for a layer, a GPU's roofline or timed here;
+* :mod:`~mixprec.plan.solve`: the cheapest plan within a loss budget, the most accurate within a cost;
+* :mod:`~mixprec.plan.result`: :class:`PrecisionPlan`, the value with its JSON, table, plot and ``apply``;
+* :mod:`~mixprec.plan.planner`: :func:`plan_precision`, the method end to end;
+* :mod:`~mixprec.plan.schedule`: :class:`Replan` and :class:`ReplanSchedule`, re-planning during training;
+* :mod:`~mixprec.plan.command`: ``mixprec plan``.
+
+It uses :mod:`mixprec.lowbit` (the formats), :mod:`mixprec.inspect` (the per-operand quantization
+statistics) and nothing above them.
+"""
+
+from mixprec.plan.cost import TARGETS, CostFn, MeasuredCost, Target, gemm_cost, resolve_cost
+from mixprec.plan.measure import Divergence, LayerMeasure, PlanLimits
+from mixprec.plan.planner import plan_precision
+from mixprec.plan.result import PrecisionPlan
+from mixprec.plan.schedule import Replan, ReplanSchedule
+
+__all__ = [
+    "TARGETS",
+    "CostFn",
+    "Divergence",
+    "LayerMeasure",
+    "MeasuredCost",
+    "PlanLimits",
+    "PrecisionPlan",
+    "Replan",
+    "ReplanSchedule",
+    "Target",
+    "gemm_cost",
+    "plan_precision",
+    "resolve_cost",
+]
