@@ -14,6 +14,7 @@ from mixprec.bench.memory import DESCRIPTIONS
 from mixprec.bench.stats import AA_LABEL, NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
 from mixprec.bench.workloads import WORKLOADS
 
+#: The keys of every result record :func:`make_records` builds, in order.
 RECORD_KEYS = (
     "workload",
     "mode",

@@ -215,6 +215,7 @@ _LM_LARGE = {"context": 256, "width": 512, "layers": 6, "heads": 8, "lr": 6e-4}
 _TAB = {"batch": 32, "hidden": 256, "max_lr": 3e-3}
 _TAB_EPOCH = 12  # steps per epoch: ceil(354 training rows / batch 32)
 
+#: The built-in workloads, by name.
 WORKLOADS: dict[str, WorkloadSpec] = {
     "lm": WorkloadSpec(
         name="lm",

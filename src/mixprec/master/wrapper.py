@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 __all__ = ["LOW_PRECISION_DTYPES", "OptimizerWrapper", "ScalerView", "first_device", "resolve_scaler"]
 
+#: The low-precision floating dtypes (fp16, bf16) the optimizer wrappers treat as half parameters.
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
