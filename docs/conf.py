@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -33,9 +34,8 @@ myst_heading_anchors = 3
 # Broken references fail the build; only names from other packages are let through (below).
 nitpicky = True
 autodoc_member_order = "bysource"
-autodoc_typehints = "description"
-autodoc_default_options = {"members": False, "show-inheritance": False}
-autodoc_preserve_defaults = True
+autodoc_typehints = "signature"  # "description" reads a class's hints unevaluated
+autodoc_default_options: dict[str, object] = {}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
@@ -45,21 +45,10 @@ napoleon_use_rtype = False
 _EXTERNAL = (
     r"(torch|torchao|numpy|np|lightning|pytorch_lightning|transformers|accelerate|optimi|matplotlib"
     r"|sklearn|tqdm|collections|typing|typing_extensions|abc|contextlib|enum|dataclasses|pathlib|os|io"
-    r"|json|types|builtins|threading|concurrent|argparse|logging|weakref|functools)"
+    r"|json|types|builtins|threading|concurrent|argparse|logging|weakref|functools|dist|nn)"
 )
 nitpick_ignore_regex = [
     (r"py:.*", _EXTERNAL + r"(\..*)?"),
-    # builtins and typing names that annotations render bare
-    (
-        r"py:.*",
-        r"(None|int|float|str|bool|bytes|dict|list|tuple|set|frozenset|object|type|complex|slice|range"
-        r"|Any|Callable|Iterable|Iterator|Sequence|Mapping|MutableMapping|Generator|Literal|Optional|Union"
-        r"|Self|TypeAlias|ClassVar|Final|Protocol|NamedTuple|TypeVar|ParamSpec|Concatenate"
-        r"|Exception|ValueError|TypeError|RuntimeError|KeyError|IndexError|NotImplementedError|OSError"
-        r"|FileNotFoundError|AttributeError|UserWarning|Warning|RuntimeWarning|DeprecationWarning"
-        r"|ArithmeticError|LookupError|StopIteration|ImportError|ModuleNotFoundError|AssertionError"
-        r"|ellipsis|NoneType|PathLike|Path|Tensor|dtype|device|nn\.Module|Module|Parameter|Optimizer)",
-    ),
 ]
 
 
@@ -91,5 +80,33 @@ def _data_doc(app, what, name, obj, options, lines) -> None:
         lines[:] = []  # never show dict's or tuple's docstring as the constant's
 
 
+_RAW: dict[str, list[str]] = {}
+
+
+def _keep_raw(app, what, name, obj, options, lines) -> None:
+    if what in ("attribute", "property", "data"):
+        _RAW[name] = list(lines)
+
+
+def _restore_raw(app, what, name, obj, options, lines) -> None:
+    """An attribute's "The exponent bias: ..." is prose; napoleon would read the text before the colon as
+    its type, so attributes, properties and data keep the docstring as written (they hold no sections)."""
+    if name in _RAW:
+        lines[:] = _RAW.pop(name)
+
+
+def _class_defaults(app, what, name, obj, options, signature, return_annotation):
+    """Defaults printed as ``<class 'a.B'>`` or a dataclass's ``<factory>`` are not Python, and the
+    signature parser would then split the annotations at every comma; write them as Python."""
+    if signature:
+        signature = re.sub(r"<class '([\w.]+)'>", r"\1", signature)
+        signature = signature.replace("<factory>", "field(default_factory=...)")
+    return signature, return_annotation
+
+
 def setup(app) -> None:
+    app.connect("autodoc-process-signature", _class_defaults)
+    # napoleon runs at priority 500: the constant's text is found before it and kept from it
     app.connect("autodoc-process-docstring", _data_doc, priority=400)
+    app.connect("autodoc-process-docstring", _keep_raw, priority=450)
+    app.connect("autodoc-process-docstring", _restore_raw, priority=550)

@@ -175,7 +175,7 @@ def _scaled(value: object, scale: object) -> float:
 FP32 = Format("fp32", 8, 23, torch_dtype_name="float32")
 #: IEEE binary16.
 FP16 = Format("fp16", 5, 10, torch_dtype_name="float16")
-#: bfloat16: fp32's exponent, 7 mantissa bits.
+#: bfloat16 (fp32's exponent, 7 mantissa bits).
 BF16 = Format("bf16", 8, 7, torch_dtype_name="bfloat16")
 #: OCP float8 e4m3 (max 448; no inf, nan is S.1111.111).
 FP8_E4M3FN = Format("fp8_e4m3fn", 4, 3, has_inf=False, max_override=448.0, torch_dtype_name="float8_e4m3fn")

@@ -160,7 +160,7 @@ class MasterWeightsMode(TrainMode):
 class ModeSpec:
     """A registered mode: its compute dtype, the class that runs it and the mixprec parts it needs.
 
-    ``parts`` names (autocast, scaler) sources for :class:`AutocastMode`: ``"torch"`` or a mixprec name.
+    ``parts`` names (autocast, scaler) sources for ``AutocastMode``: ``"torch"`` or a mixprec name.
     ``options`` are keyword arguments for ``mixprec.initialize(model, optimizer, **options)``.
     """
 

@@ -32,7 +32,7 @@ class Preset:
     """One size of one workload: step counts and the workload-specific knobs in ``params``.
 
     ``round_steps``: steps each mode trains before the next mode takes a turn (see
-    :mod:`mixprec.bench.schedule`). ``cost_ms``: the mean step time over the default CPU modes on the
+    ``mixprec.bench.schedule``). ``cost_ms``: the mean step time over the default CPU modes on the
     reference (this project's 2-core x86_64 with AVX512-BF16, one thread per run), for the time estimate.
     ``cpu_fp16`` says whether fp16 modes run on a CPU at this size (CPUs have no fast fp16 matmul).
     """

@@ -46,8 +46,8 @@ class Replan:
         history: ``(step, formats)`` for each change applied.
 
     Raises:
-        TypeError: for a non-callable ``make_plan``; ValueError: for a bad ``every``, a negative phase
-        step or an unknown phase format.
+        TypeError: for a non-callable ``make_plan``.
+        ValueError: for a bad ``every``, a negative phase step or an unknown phase format.
     """
 
     def __init__(

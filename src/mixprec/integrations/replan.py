@@ -56,8 +56,8 @@ class ReplanSchedule:
         decay_step: the step the learning-rate decay phase began at (None before).
 
     Raises:
-        TypeError / ValueError: for a non-callable ``make_plan``, a bad ``every``, phase step or format
-        (as ``Replan``), an unknown ``lr_decay`` format, or ``lr_fraction`` outside (0, 1].
+        TypeError, ValueError: for a non-callable ``make_plan``, a bad ``every``, phase step or format
+            (as ``Replan``), an unknown ``lr_decay`` format, or ``lr_fraction`` outside (0, 1].
     """
 
     def __init__(

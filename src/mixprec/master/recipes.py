@@ -86,7 +86,7 @@ OPT_LEVELS: dict[str, OptLevel] = {
                    loss_scale=1.0, cast_inputs=True, outputs_fp32=False),
 }  # fmt: skip
 
-#: Lightning-style presets: name -> (opt level, dtype or None for the device default, overrides).
+#: The Lightning-style presets, name -> (opt level, dtype or None for the device default, overrides).
 PRESETS: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
     "32-true": ("O0", None, {}),
     "16-mixed": ("O1", torch.float16, {}),

@@ -97,7 +97,7 @@ class OptimizerWrapper(Optimizer):
         return self.optimizer.defaults
 
     def gradient_params(self) -> list[torch.Tensor]:
-        """The tensors whose ``.grad`` :meth:`step` consumes: what a loss scaler must unscale first."""
+        """The tensors whose ``.grad`` ``step()`` consumes: what a loss scaler must unscale first."""
         return [p for group in self.param_groups for p in group["params"]]
 
     def _zero_grads(self, model_params: list[torch.Tensor], set_to_none: bool) -> None:
