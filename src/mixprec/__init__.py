@@ -4,8 +4,8 @@ Public names: :class:`autocast` (an engine of its own that applies an editable :
 :func:`custom_fwd` / :func:`custom_bwd`, :func:`checkpoint`, :class:`GradScaler` and its scale rules,
 :class:`MixedPrecisionOptimizer` (fp32 master weights), :func:`initialize` (apex-style opt levels and
 Lightning-style presets), :class:`CompensatedOptimizer` (pure-bf16 training with Kahan summation or
-stochastic rounding), the numeric :mod:`formats`, and low-bit training
-(:mod:`float8` per tensor, :mod:`lowbit` block-scaled: fp8 rowwise/blockwise, MXFP8, MXFP4, NVFP4).
+stochastic rounding), the numeric :mod:`~mixprec.formats`, and low-bit training (:mod:`~mixprec.float8`
+per tensor, :mod:`~mixprec.lowbit` block-scaled: fp8 rowwise/blockwise, MXFP8, MXFP4, NVFP4).
 Diagnostics live in :mod:`mixprec.inspect`.
 """
 

@@ -13,7 +13,7 @@ Code written for NVIDIA apex runs with one import changed::
     optimizer = FP16_Optimizer(optimizer, dynamic_loss_scale=True)
     optimizer.backward(loss); optimizer.clip_master_grads(1.0); optimizer.step()
 
-Nothing here is a second implementation: :func:`amp.initialize <Amp.initialize>` is
+Nothing here is a second implementation: :meth:`amp.initialize <mixprec.apex.Amp.initialize>` is
 :func:`mixprec.initialize` (apex's defaults: fp16, dynamic scale from 2**16 up to 2**24) and
 :class:`FP16_Optimizer` is a :class:`~mixprec.MixedPrecisionOptimizer` with a
 :class:`~mixprec.GradScaler`, so a loop written either way trains bit for bit alike. Signatures follow
@@ -102,7 +102,7 @@ class Amp:
             NotImplementedError: several models or optimizers, ``num_losses > 1``, an inference-only call
                 (no optimizer), ``patch_torch_functions`` against the level, ``cast_model_outputs`` other
                 than float32; each message names the replacement.
-            ValueError / TypeError: what :func:`mixprec.initialize` refuses (unknown level, bad values).
+            ValueError, TypeError: what :func:`mixprec.initialize` refuses (unknown level, bad values).
         """
         if not enabled:
             return models if optimizers is None else (models, optimizers)

@@ -36,7 +36,7 @@ __all__ = [
     "replicas_identical",
 ]
 
-# Format name -> name of the DDP comm hook in torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
+#: Format name -> name of the DDP comm hook in torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
 COMPRESSION_HOOKS: dict[str, str] = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
 
 

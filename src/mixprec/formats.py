@@ -172,16 +172,22 @@ def _scaled(value: object, scale: object) -> float:
     return abs(_number("value", value)) * _number("scale", scale, positive=True)
 
 
+#: IEEE binary32.
 FP32 = Format("fp32", 8, 23, torch_dtype_name="float32")
+#: IEEE binary16.
 FP16 = Format("fp16", 5, 10, torch_dtype_name="float16")
+#: bfloat16 (fp32's exponent, 7 mantissa bits).
 BF16 = Format("bf16", 8, 7, torch_dtype_name="bfloat16")
+#: OCP float8 e4m3 (max 448; no inf, nan is S.1111.111).
 FP8_E4M3FN = Format("fp8_e4m3fn", 4, 3, has_inf=False, max_override=448.0, torch_dtype_name="float8_e4m3fn")
+#: OCP float8 e5m2 (max 57344; IEEE-style inf and nan).
 FP8_E5M2 = Format("fp8_e5m2", 5, 2, torch_dtype_name="float8_e5m2")
 #: AMD MI300's float8 (max 240, bias 8; nan is 0x80, no inf, no -0).
 FP8_E4M3FNUZ = Format("fp8_e4m3fnuz", 4, 3, has_inf=False, torch_dtype_name="float8_e4m3fnuz", fnuz=True)
 #: AMD MI300's float8 (max 57344, bias 16; nan is 0x80, no inf, no -0).
 FP8_E5M2FNUZ = Format("fp8_e5m2fnuz", 5, 2, has_inf=False, torch_dtype_name="float8_e5m2fnuz", fnuz=True)
 
+#: Every format above, by name.
 FORMATS: dict[str, Format] = {
     f.name: f for f in (FP32, FP16, BF16, FP8_E4M3FN, FP8_E5M2, FP8_E4M3FNUZ, FP8_E5M2FNUZ)
 }

@@ -1,5 +1,5 @@
 """The autocast engine: :class:`autocast` (a torch.autocast region driven by a Policy), its queries,
-``custom_fwd``/``custom_bwd`` and :func:`checkpoint`.
+``custom_fwd``/``custom_bwd`` and :func:`mixprec.checkpoint`.
 
 Files: ``region.py`` (the public region), ``engine.py`` (per-thread state, the deviation mode),
 ``pins.py`` (module pins, and ``pins.HOOKS``, the owner of the engine's only process-wide state),

@@ -52,7 +52,7 @@ def custom_fwd(
         cast_inputs: dtype to cast incoming floating tensors to, or None.
 
     Raises:
-        ValueError / TypeError: for an unsupported ``device_type`` or a ``cast_inputs`` that is no dtype.
+        ValueError, TypeError: for an unsupported ``device_type`` or a ``cast_inputs`` that is no dtype.
     """
     if device_type is not None:
         device_type = _family(device_type)

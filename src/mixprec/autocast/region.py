@@ -79,7 +79,7 @@ class autocast(torch.amp.autocast_mode.autocast):
             and float16 on CUDA. Any dtype is accepted when ``enabled=False`` (as torch).
         enabled: False makes the region a no-op (and disables autocast inside an enabled region).
         cache_enabled: cache casts of fp32 leaf parameters in the region (default True, as torch).
-        policy: a :class:`Policy`, a preset name ("bf16-mixed", "conservative", ...) or a
+        policy: a :class:`~mixprec.Policy`, a preset name ("bf16-mixed", "conservative", ...) or a
             ``"params=...,compute=..."`` string. Default: ``Policy.for_device(device_type, dtype)``.
 
     Raises:

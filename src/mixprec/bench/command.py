@@ -1,7 +1,7 @@
 """``mixprec bench``: the command-line front of the bench (check everything, estimate, run, report).
 
 Order of work: every input and output is checked first (one clear error, before any training); the time
-estimate is printed; the workloads run with their modes interleaved (:mod:`mixprec.bench.schedule`);
+estimate is printed; the workloads run with their modes interleaved (``mixprec.bench.schedule``);
 after each workload the JSON (and the step log) are replaced, complete, with everything so far (see
 :mod:`mixprec._files`), so an interrupt or a failure later keeps what was measured; then the table;
 the plots and the results folder's ``summary.md`` come last.

@@ -161,7 +161,7 @@ class MasterWeightsMode(TrainMode):
 class ModeSpec:
     """A registered mode: its compute dtype, the class that runs it and the mixprec parts it needs.
 
-    ``parts`` names (autocast, scaler) sources for :class:`AutocastMode`: ``"torch"`` or a mixprec name.
+    ``parts`` names (autocast, scaler) sources for ``AutocastMode``: ``"torch"`` or a mixprec name.
     ``options`` are keyword arguments for ``mixprec.initialize(model, optimizer, **options)``.
     """
 
@@ -212,6 +212,7 @@ def _master(name: str, compute: torch.dtype, summary: str, **options: Any) -> Mo
     return ModeSpec(name, compute, summary, MasterWeightsMode, requires=("initialize",), options=options)
 
 
+#: Every precision mode the bench can run, by name (filled by ``register``).
 MODES: dict[str, ModeSpec] = {}
 
 
@@ -235,7 +236,7 @@ def register(*specs: ModeSpec) -> None:
         MODES[spec.name] = spec
 
 
-# Names that resolve per device to the recipe a user would reach for there.
+#: Names that resolve per device to the recipe a user would reach for there.
 ALIASES: dict[str, dict[str, str]] = {
     "torch-amp": {"cpu": "torch-amp-bf16", "cuda": "torch-amp-fp16"},
     "O2": {"cpu": "O2-bf16", "cuda": "O2-fp16"},
@@ -292,6 +293,7 @@ register(
 # A new family is a TrainMode subclass if the step differs, a ModeSpec per recipe, and DEFAULT_MODES where
 # it runs by default.
 
+#: The modes ``mixprec bench`` runs by default on each device type.
 DEFAULT_MODES: dict[str, tuple[str, ...]] = {
     "cpu": ("fp32", "torch-amp-bf16", "mixprec-bf16", "O2-bf16", "bf16-true", "bf16-true-kahan"),
     "cuda": (

@@ -94,7 +94,7 @@ class Progress:
     Args:
         jobs: the plan's runs (their order numbers the "run i of N").
         factor: the machine factor (None: unknown; work is then counted in reference seconds).
-        bar: draw a tqdm bar if ``stream`` can show one (see :func:`can_draw_bar`), else plain lines.
+        bar: draw a tqdm bar if ``stream`` can show one (see ``can_draw_bar``), else plain lines.
         stream: where plain lines and the bar go (default stderr).
         clock: seconds, monotonic (default ``time.perf_counter``; tests pass a fake one).
     """
@@ -175,7 +175,7 @@ class Progress:
         self.announced_total = self.projected_total_s()
 
     def projected_total_s(self) -> float:
-        """Elapsed seconds plus :meth:`left_s`: the whole run's wall time at the pace so far."""
+        """Elapsed seconds plus ``left_s``: the whole run's wall time at the pace so far."""
         return self.clock() - self.started + self.left_s()
 
     def _check_estimate(self) -> None:

@@ -16,6 +16,7 @@ from mixprec.bench.plots import speedup_text
 from mixprec.bench.stats import AA_LABEL, NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
 from mixprec.bench.workloads import WORKLOADS
 
+#: The keys of every result record :func:`make_records` builds, in order.
 RECORD_KEYS = (
     "workload",
     "mode",
@@ -66,7 +67,7 @@ def _finite(value: float | None) -> float | None:
 
 
 def make_records(results: Sequence[Any], runs_planned: int | None = None) -> list[dict[str, Any]]:
-    """One record per run with exactly ``RECORD_KEYS`` (times in ms; see :mod:`mixprec.bench.stats`).
+    """One record per run with exactly ``RECORD_KEYS`` (times in ms; see ``mixprec.bench.stats``).
 
     ``runs_planned`` (default: ``len(results)``) is how many runs the bench set out to do, so that a
     reader of an interrupted run's file can say that it is incomplete.
@@ -209,7 +210,7 @@ def write_json(results: Sequence[Any], path: str | Path, runs_planned: int | Non
 def write_log(results: Sequence[Any], path: str | Path, runs_planned: int | None = None) -> Path:
     """JSON Lines, one object per training step with keys ``LOG_KEYS``, then the end-of-log trailer.
 
-    The whole file is replaced atomically (see :mod:`mixprec._files`); its trailer
+    The whole file is replaced atomically (see ``mixprec._files``); its trailer
     ``{"end_of_log": {"records": N, "runs": R, "runs_planned": P}}`` tells ``mixprec report`` whether
     the bench had finished (``R == P``).
     """

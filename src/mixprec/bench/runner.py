@@ -7,7 +7,7 @@ zero_grad, forward, loss, backward, loss scaling, optimizer and scheduler step. 
 for the log happens after the clock stops.
 
 A :class:`Trainer` is built once (data, probe step, model, optimizer), then :meth:`Trainer.steps` runs a
-round of steps when the scheduler (:mod:`mixprec.bench.schedule`) asks, and :meth:`Trainer.finish`
+round of steps when the scheduler (``mixprec.bench.schedule``) asks, and :meth:`Trainer.finish`
 measures peak memory and evaluates. Where the trainer lives (this process or a worker process of its
 own, which keeps CPU peak memory honest) is :mod:`mixprec.bench.workers`' business.
 """
@@ -81,7 +81,7 @@ class RunResult:
 
     ``history`` has one entry per step: ``step``, ``round``, ``loss``, ``scale`` (None: the mode does not
     scale), ``skipped`` and ``step_time_ms``. Summary statistics are computed from it by
-    :mod:`mixprec.bench.stats`; ``step_time_ms`` here is the median after ``warmup`` steps.
+    ``mixprec.bench.stats``; ``step_time_ms`` here is the median after ``warmup`` steps.
     """
 
     workload: str

@@ -4,7 +4,7 @@ For one workload, every mode's run is started at once (each in a worker process 
 :mod:`mixprec.bench.workers`), then the scheduler hands out rounds: round ``r`` gives each mode
 ``round_steps`` steps, one mode after another, the order rotated by one each round so that no mode is
 always first or last; then round ``r + 1``. A load that comes and goes during the bench thus lands on
-all modes of the workload, in time slices of a few steps, and :mod:`mixprec.bench.stats` pairs each
+all modes of the workload, in time slices of a few steps, and ``mixprec.bench.stats`` pairs each
 mode's rounds with fp32's. Workloads run one after another; the results of each are handed to
 ``on_workload_done`` as soon as it ends, so that they are saved before the next one starts.
 """
@@ -98,7 +98,7 @@ def run_plan(
     on_workload_done: Done | None = None,
     rechoose: Rechoose | None = None,
 ) -> tuple[list[RunResult], list[str]]:
-    """Every workload in turn (see :func:`run_workload`); returns all results and failure messages.
+    """Every workload in turn (see ``run_workload``); returns all results and failure messages.
 
     ``rechoose`` (the time budget's) may change the steps of the runs not started yet, before each
     workload after the first."""

@@ -141,8 +141,8 @@ def widen(t: Timing, factor: float) -> Timing:
 
 
 def timings(results: Sequence[Any]) -> list[Timing]:
-    """:func:`timing` for each result, paired with the fp32 run of its workload when there is one, its
-    interval widened by the :func:`process_factor` of the workload's A/A run (``AA_LABEL``) if any."""
+    """``timing`` for each result, paired with the fp32 run of its workload when there is one, its
+    interval widened by the ``process_factor`` of the workload's A/A run (``AA_LABEL``) if any."""
     fp32 = {r.workload: r for r in results if r.mode == "fp32"}
     raw = [timing(r, fp32.get(r.workload)) for r in results]
     aa = {r.workload: t for r, t in zip(results, raw, strict=True) if r.mode == AA_LABEL}

@@ -32,7 +32,7 @@ class Preset:
     """One size of one workload: step counts and the workload-specific knobs in ``params``.
 
     ``round_steps``: steps each mode trains before the next mode takes a turn (see
-    :mod:`mixprec.bench.schedule`). ``cost_ms``: the mean step time over the default CPU modes on the
+    ``mixprec.bench.schedule``). ``cost_ms``: the mean step time over the default CPU modes on the
     reference (this project's 2-core x86_64 with AVX512-BF16, one thread per run), for the time estimate.
     ``cpu_fp16`` says whether fp16 modes run on a CPU at this size (CPUs have no fast fp16 matmul).
     """
@@ -215,6 +215,7 @@ _LM_LARGE = {"context": 256, "width": 512, "layers": 6, "heads": 8, "lr": 6e-4}
 _TAB = {"batch": 32, "hidden": 256, "max_lr": 3e-3}
 _TAB_EPOCH = 12  # steps per epoch: ceil(354 training rows / batch 32)
 
+#: The built-in workloads, by name.
 WORKLOADS: dict[str, WorkloadSpec] = {
     "lm": WorkloadSpec(
         name="lm",

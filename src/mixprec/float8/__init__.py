@@ -9,7 +9,7 @@
 * :func:`sync_float8_amax_history` agrees the delayed amaxes across data-parallel ranks in one all-reduce;
 * ``Float8Config(enable_fsdp_float8_all_gather=True)``: FSDP2 all-gathers the weights in fp8, and
   :func:`precompute_float8_dynamic_scale_for_fsdp` computes all their scales in one all-reduce
-  (:mod:`mixprec.float8.fsdp`);
+  (``mixprec.float8.fsdp``);
 * the matmuls run in ``torch._scaled_mm`` (CPU with torch >= 2.13: an exact emulation, slower than bf16;
   Hopper-class GPUs: real fp8 tensor cores).
 
@@ -22,7 +22,7 @@ Example::
         loss = loss_fn(model(x), y)
     loss.backward()
 
-The per-layer fp8 diagnostics are in :mod:`mixprec.inspect.fp8`.
+The per-layer fp8 diagnostics are :func:`mixprec.inspect.fp8_report`.
 """
 
 from mixprec.float8.casts import (

@@ -32,11 +32,11 @@ __all__ = [
     "Float8LinearConfig",
 ]
 
-#: Accepted values of :attr:`Float8Config.scaling`.
+#: Accepted values of :class:`Float8Config`'s ``scaling``.
 SCALINGS = ("dynamic", "delayed")
-#: Accepted values of :attr:`Float8Config.amax_compute_algo`.
+#: Accepted values of :class:`Float8Config`'s ``amax_compute_algo``.
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-#: torchao's ``Float8LinearRecipeName`` values, accepted by :attr:`Float8Config.recipe`.
+#: torchao's ``Float8LinearRecipeName`` values, accepted by :class:`Float8Config`'s ``recipe``.
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 #: Largest ``margin``: at 2**14 a tensor's amax still lands on a normal e4m3 value (448 / 2**14 > 2**-6);
 #: beyond it every value is subnormal or zero in fp8 (at 200 the scale itself is 0 and outputs nan).
@@ -59,10 +59,10 @@ class Float8Config:
             history of earlier steps (``amax_history_len`` entries kept in buffers, so in ``state_dict``);
             the tensor's own amax is pushed to the history after it is used.
         amax_history_len: length of each amax history (delayed scaling only); an int in
-            [1, :data:`MAX_AMAX_HISTORY_LEN`].
+            [1, :data:`~mixprec.float8.config.MAX_AMAX_HISTORY_LEN`].
         margin: the scale is divided by ``2**margin`` (headroom against growth between steps, as in
-            Transformer Engine); an int in [0, :data:`MAX_MARGIN`]. 0 keeps the dynamic recipe equal to
-            torchao's.
+            Transformer Engine); an int in [0, :data:`~mixprec.float8.config.MAX_MARGIN`]. 0 keeps the
+            dynamic recipe equal to torchao's.
         amax_compute_algo: how the history gives the amax a delayed scale is computed from: ``"max"``
             (the largest entry, Transformer Engine's default) or ``"most_recent"`` (the last step's).
         emulate: True computes the matmuls as float32 matmuls of the dequantized fp8 values (torchao's
@@ -78,7 +78,7 @@ class Float8Config:
             recipes set it, and ``from_recipe_name`` does too).
         enable_fsdp_float8_all_gather: FSDP2 (``fully_shard``) all-gathers the weights in e4m3 with the
             whole weight's scale, half the bytes of a bf16 all-gather (torchao's flag;
-            :mod:`mixprec.float8.fsdp`); tensorwise dynamic scaling only.
+            ``mixprec.float8.fsdp``); tensorwise dynamic scaling only.
 
     torchao's per-operand fields (``torchao.float8.Float8LinearConfig``'s names and defaults; torchao's own
     :class:`CastConfig` / :class:`Float8GemmConfig` objects are accepted too):
@@ -87,11 +87,13 @@ class Float8Config:
         cast_config_input, cast_config_weight, cast_config_grad_output: how each tensor is cast for its
             first GEMM (output, output, grad_input); None takes ``recipe``'s (``"tensorwise"``: dynamic
             tensorwise, e4m3 / e4m3 / e5m2). ``ScalingType.DISABLED`` leaves the operand in high precision.
-        cast_config_input_for_grad_weight, cast_config_weight_for_grad_input,
-        cast_config_grad_output_for_grad_weight: the second use of each (grad_weight, grad_input,
-            grad_weight GEMMs); None takes ``recipe``'s, else the first use's, as torchao. After
-            construction all six are resolved :class:`CastConfig` values with a ``target_dtype``, so
-            ``dataclasses.replace(config, recipe=...)`` keeps them: use :meth:`from_recipe_name`.
+        cast_config_input_for_grad_weight: the input's second use (the grad_weight GEMM); None takes
+            ``recipe``'s, else the first use's, as torchao. After construction all six are resolved
+            :class:`CastConfig` values with a ``target_dtype``, so ``dataclasses.replace(config,
+            recipe=...)`` keeps them: use :meth:`from_recipe_name`.
+        cast_config_weight_for_grad_input: the weight's second use (the grad_input GEMM), likewise.
+        cast_config_grad_output_for_grad_weight: the output gradient's second use (the grad_weight GEMM),
+            likewise.
         gemm_config_output, gemm_config_grad_input, gemm_config_grad_weight: each GEMM's
             :class:`Float8GemmConfig`; ``use_fast_accum`` (default True for output, as torchao) is passed to
             ``torch._scaled_mm`` and has no effect on the emulated GEMMs (the CPU emulation included).
@@ -165,7 +167,7 @@ class Float8Config:
 
         Raises:
             Float8UsageError: (a ValueError and an AssertionError, as torchao raises) for a name outside
-                :data:`RECIPE_NAMES`.
+                :data:`~mixprec.float8.config.RECIPE_NAMES`.
         """
         name = getattr(recipe_name, "value", recipe_name)
         if not isinstance(name, str) or name not in RECIPE_NAMES:

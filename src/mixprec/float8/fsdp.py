@@ -224,7 +224,7 @@ class Float8GatheredWeight(torch.Tensor):
 
 @torch.no_grad()
 def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> int:
-    """Compute the fp8 scale of every FSDP2-sharded :class:`Float8AllGatherWeight` of ``module`` with one
+    """Compute the fp8 scale of every FSDP2-sharded ``Float8AllGatherWeight`` of ``module`` with one
     all-reduce (MAX) of all their amaxes (per device mesh), for the next all-gathers (torchao's function).
 
     Call it after each ``optimizer.step()`` on every rank. A scale is used while its weight is unchanged;

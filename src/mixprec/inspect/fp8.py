@@ -85,7 +85,8 @@ class Fp8Report:
     """Per-layer fp8 losses and the layers suggested to stay in bf16.
 
     Attributes:
-        layers: qualified module name -> :class:`Fp8LayerStats`, in ``named_modules`` order.
+        layers: qualified module name -> :class:`~mixprec.inspect.fp8.Fp8LayerStats`, in
+            ``named_modules`` order.
         max_flushed, max_saturated, max_error: the thresholds a layer is judged against (the names
             :class:`~mixprec.inspect.LowbitReport` uses).
     """

@@ -76,7 +76,7 @@ def nonfinite_params(source: Source, *, model: nn.Module | None = None) -> list[
 
     Args:
         source: a model, an optimizer, or an iterable of parameters or ``(name, parameter)`` pairs.
-        model: names an optimizer's parameters (see :func:`named_grads`).
+        model: names an optimizer's parameters (see ``named_grads``).
 
     Returns:
         The names, in parameter order; empty when every gradient is finite or there are none.

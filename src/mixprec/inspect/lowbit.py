@@ -107,8 +107,8 @@ class LowbitReport:
 
     Attributes:
         recipe: the recipe string measured.
-        layers: qualified name -> operand name -> :class:`LowbitOperandStats` (hp operands and the gradient
-            operands of a layer no gradient reached are absent).
+        layers: qualified name -> operand name -> :class:`~mixprec.inspect.lowbit.LowbitOperandStats`
+            (hp operands and the gradient operands of a layer no gradient reached are absent).
         max_error, max_flushed, max_saturated: the thresholds a layer is judged against.
     """
 
@@ -193,8 +193,9 @@ def lowbit_report(
             block's scale (> 1).
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``; ValueError: for a threshold out of range, an unknown
-        recipe, a model without ``nn.Linear``, or a loss that is not a one-element tensor requiring grad.
+        TypeError: if ``model`` is not an ``nn.Module``.
+        ValueError: for a threshold out of range, an unknown recipe, a model without ``nn.Linear``, or a
+            loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
     recipe = get_recipe(recipe)

@@ -42,8 +42,8 @@ def load_bench_json(path: str | Path) -> list[dict[str, Any]] | None:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        TruncatedFile: the JSON list is cut off (a ValueError).
-        ValueError: a JSON list whose items are not bench records (naming the keys they lack).
+        ValueError: the JSON list is cut off (``TruncatedFile``, a ValueError), or a JSON list whose items
+            are not bench records (naming the keys they lack).
     """
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     if not text.lstrip().startswith("["):
@@ -74,8 +74,8 @@ def load_log(path: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        TruncatedFile: the log is cut off (see :func:`mixprec._files.read_jsonl`; a ValueError).
-        ValueError: naming the line that is not a JSON object with an integer ``step``, or for an empty log.
+        ValueError: the log is cut off (``TruncatedFile``, a ValueError, from ``mixprec._files.read_jsonl``);
+            naming the line that is not a JSON object with an integer ``step``, or for an empty log.
     """
     try:
         records, _ = read_jsonl(path)
@@ -173,7 +173,7 @@ def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
     """Write the pictures and ``summary.md`` for a run log, a ``mixprec bench --json`` file, or a
     ``mixprec bench`` results folder (its ``bench.json`` and, when present, ``steps.jsonl``).
 
-    An unfinished run (see :func:`incomplete`) is reported on what it holds, and its summary says so
+    An unfinished run (see ``incomplete``) is reported on what it holds, and its summary says so
     first.
 
     Args:
@@ -185,8 +185,9 @@ def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
 
     Raises:
         FileNotFoundError: ``log`` does not exist (for a folder: it has no ``bench.json``).
-        TruncatedFile: a file is cut off. ValueError: it is none of the accepted kinds (the message says
-        which file is wanted). ImportError: matplotlib is missing.
+        ValueError: a file is cut off (``TruncatedFile``, a ValueError), or it is none of the accepted
+            kinds (the message says which file is wanted).
+        ImportError: matplotlib is missing.
     """
     log = Path(log)
     if log.is_dir():

@@ -162,7 +162,7 @@ class ScalerLog:
     def close(self) -> None:
         """Append the end-of-log trailer and close the file (records stay in memory); a later record
         rewrites the file without the trailer and appends. A log without its trailer is reported as
-        incomplete by ``mixprec report`` (see :mod:`mixprec._files`)."""
+        incomplete by ``mixprec report`` (see ``mixprec._files``)."""
         if self._file is not None:
             self._file.write(trailer_line(len(self.records)))
             self._file.flush()

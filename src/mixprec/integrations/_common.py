@@ -72,7 +72,7 @@ def settings(
     framework's own flag and the policy, and a default mixprec.GradScaler for float16.
 
     Raises:
-        TypeError / ValueError: as :func:`check_policy`, :func:`check_scaler`, :func:`framework_dtype`
+        TypeError, ValueError: as :func:`check_policy`, :func:`check_scaler`, :func:`framework_dtype`
             and :func:`region_dtype`.
     """
     policy = check_policy(policy)

@@ -160,7 +160,7 @@ class MixprecAccelerator(Accelerator):
         where the names are the children's. Call the model inside ``with accelerator.autocast():`` for such
         pins (a warning says so once); pins by module class or by filter need nothing. An HF model's
         gradient checkpointing, enabled before this call, recomputes under the region when the policy pins
-        or edits (see :func:`~mixprec.integrations._common.checkpoint_in_region`; ValueError for a
+        or edits (see ``checkpoint_in_region``; ValueError for a
         reentrant one).
         """
         model = super().prepare_model(

@@ -118,7 +118,7 @@ class MixprecPrecision(Precision):
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Take the autocast device from the (already placed) model if none was given; make an HF model's
         gradient checkpointing recompute under the region when the policy pins or edits (ValueError for
-        a reentrant one, see :func:`~mixprec.integrations._common.checkpoint_in_region`)."""
+        a reentrant one, see ``checkpoint_in_region``)."""
         if self.device is None:
             first = next(model.parameters(), None)
             self.device = "cpu" if first is None else first.device.type
@@ -327,8 +327,8 @@ class MixprecReplan(pl.Callback):
     schedule's state, and a resumed fit re-applies its plan first. ``make_plan(pl_module) -> PrecisionPlan``.
 
     Raises:
-        TypeError / ValueError: as ``ReplanSchedule``; during ``fit``, a ``make_plan`` that fails or returns
-        a plan that does not fit the module stops it, the module unchanged.
+        TypeError, ValueError: as ``ReplanSchedule``; during ``fit``, a ``make_plan`` that fails or
+            returns a plan that does not fit the module stops it, the module unchanged.
     """
 
     def __init__(

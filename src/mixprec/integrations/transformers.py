@@ -251,8 +251,8 @@ class MixprecReplanCallback(transformers.TrainerCallback):
         make_plan: ``make_plan(model) -> PrecisionPlan``, ``model`` being the Trainer's (unwrapped) model.
 
     Raises:
-        TypeError / ValueError: as ``ReplanSchedule``; during ``train``, a ``make_plan`` that fails or
-        returns a plan that does not fit the model stops it, the model unchanged.
+        TypeError, ValueError: as ``ReplanSchedule``; during ``train``, a ``make_plan`` that fails or
+            returns a plan that does not fit the model stops it, the model unchanged.
     """
 
     def __init__(self, make_plan: Any, **schedule: Any) -> None:

@@ -1,6 +1,6 @@
 """`mixprec.lowbit`: block-scaled low-bit training, with one scale per block of a tensor.
 
-* formats as data (:mod:`~mixprec.lowbit.formats`): fp8 tensorwise / rowwise / 1x128 / 128x128, MXFP8,
+* formats as data (``mixprec.lowbit.formats``): fp8 tensorwise / rowwise / 1x128 / 128x128, MXFP8,
   MXFP4, NVFP4 (:data:`FORMATS`), and user formats built from an element format, a scale format, a block
   shape and a scale rule;
 * :func:`quantize` returns a :class:`Quantized` (data, scales, ``.dequantize(dtype)``), bit for bit
@@ -10,7 +10,7 @@
 * :func:`convert_to_lowbit_training` swaps ``nn.Linear`` for :class:`LowbitLinear` (torchao's
   ``module_filter_fn(module, fqn) -> bool`` contract). GEMMs are emulated on a CPU (dequantize, float32
   matmul); on CUDA each GEMM runs on the tensor-core kernel the device has (fp8 tensorwise / rowwise from
-  sm89, fp8 blockwise on sm90, MXFP8 / MXFP4 / NVFP4 on sm100; :mod:`~mixprec.lowbit.kernels`), else
+  sm89, fp8 blockwise on sm90, MXFP8 / MXFP4 / NVFP4 on sm100; ``mixprec.lowbit.kernels``), else
   emulated;
   :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws;
 * :func:`auto_filter` is a ``module_filter_fn`` that keeps out the layers too small to gain from a recipe

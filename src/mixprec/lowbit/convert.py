@@ -69,7 +69,7 @@ def convert_to_lowbit_training(
             layer the filter accepts that is already converted with another recipe, by
             :func:`mixprec.float8.convert_to_float8_training` or by a plan (layers and settings named;
             a :class:`LowbitLinear` of this same recipe is left as it is: converting twice is a no-op).
-        Nothing is converted when it raises.
+            Nothing is converted when it raises.
 
     Warns:
         UserWarning: naming the layers that compute a linear map but were kept as they are (subclasses
@@ -159,7 +159,7 @@ def load_sr_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None
     Raises:
         TypeError: for a ``state`` that is not a dict of uint8 tensors.
         ValueError: when its keys are not those ``sr_state_dict(model)`` has (both lists in the message).
-        No generator is changed when it raises.
+            No generator is changed when it raises.
     """
     if not isinstance(state, dict) or not all(
         isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in state.values()

@@ -130,7 +130,7 @@ def kernel_path(
 def lowbit_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.T`` of two quantized (rows, K) matrices (quantized along K), (rows_a, rows_b) ``out_dtype``.
 
-    On the kernel :func:`kernel_path` names, else :func:`emulated_mm` (warning once per process for each
+    On the kernel ``kernel_path`` names, else ``emulated_mm`` (warning once per process for each
     pair of formats, device and reason).
     """
     kernel, reason = _select(a, b)

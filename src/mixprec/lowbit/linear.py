@@ -29,7 +29,7 @@ class LowbitLinear(nn.Linear):
             the layer's device: ``torch.rand`` cannot draw CUDA noise from a CPU generator.
 
     Raises:
-        ValueError / TypeError: for a bad recipe or generator, or a generator on another device than the
+        ValueError, TypeError: for a bad recipe or generator, or a generator on another device than the
             layer's weight (nothing is built then). A layer built on the "meta" device (deferred
             initialisation) takes any generator; forward refuses an input on another device than the
             generator with the same ValueError (a layer moved by ``.cuda()`` after construction too).
@@ -59,8 +59,9 @@ class LowbitLinear(nn.Linear):
         """A LowbitLinear sharing ``linear``'s parameter objects (an optimizer built before keeps working).
 
         Raises:
-            TypeError: if ``linear`` is not an ``nn.Linear``; ValueError / TypeError for a bad recipe or
-                generator, or a generator on another device than ``linear.weight``.
+            TypeError: if ``linear`` is not an ``nn.Linear``.
+            ValueError, TypeError: for a bad recipe or generator, or a generator on another device than
+                ``linear.weight``.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")

@@ -50,6 +50,7 @@ __all__ = ["HP", "OPERANDS", "RECIPES", "Recipe", "get_recipe"]
 
 #: The name of "not quantized" (the operand stays in the input's precision).
 HP = "hp"
+#: The six operands of a linear layer's three GEMMs (forward, input grad, weight grad), in order.
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_go", "dgrad_w", "wgrad_go", "wgrad_x")
 _GEMMS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_go", "dgrad_w"), "wgrad": ("wgrad_go", "wgrad_x")}
 _SWITCHES = {"on": True, "off": False}
@@ -168,6 +169,7 @@ def _same(fmt: str) -> Recipe:
     return Recipe(fmt, fmt, fmt, fmt, fmt, fmt)
 
 
+#: The named recipes, a format per GEMM operand each.
 RECIPES: dict[str, Recipe] = {
     "fp8_tensorwise": Recipe(
         "fp8_tensorwise",

@@ -1,9 +1,10 @@
 """fp32 master weights, compensated pure low-precision updates and the O0-O3 recipes.
 
-``optimizer`` (:class:`MixedPrecisionOptimizer`: masters and loss scaling), ``compensated``
-(:class:`CompensatedOptimizer`: Kahan / stochastic rounding without masters), ``updates`` (its foreach Adam,
-AdamW and SGD), ``recipes`` (:func:`initialize`, opt levels and presets), ``casting`` (the model cast),
-``state`` (state-dict validation), ``wrapper`` (the shared base class and loss-scale specs).
+``optimizer`` (:class:`~mixprec.MixedPrecisionOptimizer`: masters and loss scaling), ``compensated``
+(:class:`~mixprec.CompensatedOptimizer`: Kahan / stochastic rounding without masters), ``updates`` (its
+foreach Adam, AdamW and SGD), ``recipes`` (:func:`~mixprec.initialize`, opt levels and presets),
+``casting`` (the model cast), ``state`` (state-dict validation), ``wrapper`` (the shared base class and
+loss-scale specs).
 """
 
 from mixprec.master.optimizer import MixedPrecisionOptimizer

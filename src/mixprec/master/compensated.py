@@ -75,7 +75,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         scratch_numel: most weights stepped at once (consecutive whole tensors), which bounds the fp32
             temporaries: the scratch copies of the generic path, the fp32 values of fp32-state updates;
             None: all at once.
-        state_dtype: None (bf16 where the method allows it, see :func:`mixprec.master.updates.moment_dtypes`)
+        state_dtype: None (bf16 where the method allows it, see ``mixprec.master.updates.moment_dtypes``)
             or ``torch.float32`` (always fp32 state: bit for bit the torch optimizer stepping an fp32
             scratch copy of each weight, then rounding it).
         skip_nonfinite: skip (and warn about) a step whose gradients are inf/nan or would overflow the

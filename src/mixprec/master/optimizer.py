@@ -59,7 +59,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     With a scaler, a step whose unscaled gradients hold a value whose square overflows the optimizer
     state's dtype (``|g| > 1.8e19`` for fp32 state) is skipped and counted in :attr:`skipped_steps`, with a
-    ``RuntimeWarning`` (:mod:`mixprec.master.guard`); Kahan/stochastic inner updates are not guarded here.
+    ``RuntimeWarning`` (``mixprec.master.guard``); Kahan/stochastic inner updates are not guarded here.
 
     Args:
         optimizer: a torch optimizer built on the model's parameters.

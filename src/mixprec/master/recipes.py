@@ -73,6 +73,8 @@ class OptLevel:
     weight_update: str = "nearest"  # "kahan" / "stochastic": compensated pure low-precision weights
 
 
+#: apex's opt levels O0-O3, each an ``OptLevel`` of what :func:`mixprec.initialize` does to the model
+#: and optimizer.
 OPT_LEVELS: dict[str, OptLevel] = {
     "O0": OptLevel(cast_model=False, autocast=False, keep_batchnorm_fp32=False, master_weights=False,
                    loss_scale=None, cast_inputs=False, outputs_fp32=False),
@@ -84,7 +86,7 @@ OPT_LEVELS: dict[str, OptLevel] = {
                    loss_scale=1.0, cast_inputs=True, outputs_fp32=False),
 }  # fmt: skip
 
-# preset -> (opt level, dtype or None for the device default, overrides)
+#: The Lightning-style presets, name -> (opt level, dtype or None for the device default, overrides).
 PRESETS: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
     "32-true": ("O0", None, {}),
     "16-mixed": ("O1", torch.float16, {}),

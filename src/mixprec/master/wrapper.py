@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 __all__ = ["LOW_PRECISION_DTYPES", "OptimizerWrapper", "ScalerView", "first_device", "resolve_scaler"]
 
+#: The low-precision floating dtypes (fp16, bf16) the optimizer wrappers treat as half parameters.
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
@@ -96,7 +97,7 @@ class OptimizerWrapper(Optimizer):
         return self.optimizer.defaults
 
     def gradient_params(self) -> list[torch.Tensor]:
-        """The tensors whose ``.grad`` :meth:`step` consumes: what a loss scaler must unscale first."""
+        """The tensors whose ``.grad`` ``step()`` consumes: what a loss scaler must unscale first."""
         return [p for group in self.param_groups for p in group["params"]]
 
     def _zero_grads(self, model_params: list[torch.Tensor], set_to_none: bool) -> None:

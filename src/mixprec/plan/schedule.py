@@ -62,8 +62,8 @@ class Replan:
         history: ``(step, formats)`` for each change applied.
 
     Raises:
-        TypeError: for a non-callable ``make_plan``; ValueError: for a bad ``every``, a negative phase
-        step or an unknown phase format.
+        TypeError: for a non-callable ``make_plan``.
+        ValueError: for a bad ``every``, a negative phase step or an unknown phase format.
     """
 
     def __init__(
@@ -182,8 +182,8 @@ class ReplanSchedule:
         decay_step: the step the learning-rate decay phase began at (None before).
 
     Raises:
-        TypeError / ValueError: for a non-callable ``make_plan``, a bad ``every``, phase step or format
-        (as ``Replan``), an unknown ``lr_decay`` format, or ``lr_fraction`` outside (0, 1].
+        TypeError, ValueError: for a non-callable ``make_plan``, a bad ``every``, phase step or format
+            (as ``Replan``), an unknown ``lr_decay`` format, or ``lr_fraction`` outside (0, 1].
     """
 
     def __init__(

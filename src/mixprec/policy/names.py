@@ -142,6 +142,7 @@ def _op_label(op: OpKey) -> str:
     return op if isinstance(op, str) else f"<{getattr(op, '__qualname__', repr(op))}>"
 
 
+#: The names :meth:`mixprec.Policy.preset` accepts.
 POLICY_PRESETS = ("bf16-mixed", "fp16-mixed", "conservative")
 
 

@@ -57,7 +57,9 @@ class ResolvedPolicy:
 
     @cached_property
     def deviations(self) -> Deviations:
-        """The ops whose category differs from torch.autocast's on :attr:`device_type` (see Deviations)."""
+        """The ops whose category differs from torch.autocast's on ``device_type``.
+
+        See :class:`~mixprec.policy.resolve.Deviations`."""
         native = _base_table(self.device_type)
         by_name = {op: cat for op, cat in self.by_name.items() if native.get(op, PASSTHROUGH) != cat}
         by_name.update({op: PASSTHROUGH for op in native if op not in self.by_name})

@@ -351,7 +351,7 @@ class GradScaler:
                 iteration that only calls ``update(new_scale)`` skipped nothing (``last_step_skipped``).
 
         Raises:
-            GradScalerError: with no ``new_scale`` and no step/unscale_ in this iteration, or no scale() ever.
+            GradScalerError: no ``new_scale`` and no ``step``/``unscale_`` this iteration, or no scale() yet.
             ValueError: for a bad ``new_scale``; the scaler is left as it was, and ``update()`` may follow.
         """
         if not self._enabled:

@@ -68,7 +68,7 @@ DEFAULTS = RuleArguments()
 
 
 class GradScalerError(RuntimeError, AssertionError):
-    """Misuse of the scale/unscale_/step/update sequence.
+    """Misuse of the ``scale`` / ``unscale_`` / ``step`` / ``update`` sequence.
 
     A RuntimeError, and also an AssertionError because torch raises AssertionError for some of these
     (no scale() before step, no inf checks before update), so code written against torch still catches them.
@@ -262,10 +262,10 @@ class ScaleRule:
         self._apply_state(self.read_state(state_dict))
 
     def read_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The checked values :meth:`load_state_dict` would restore; changes nothing.
+        """What :meth:`~mixprec.scaling.ScaleRule.load_state_dict` would restore, checked; changes nothing.
 
         Raises:
-            TypeError, ValueError: as :meth:`load_state_dict`.
+            TypeError, ValueError: as :meth:`~mixprec.scaling.ScaleRule.load_state_dict`.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}: {state_dict!r:.80}")
