@@ -11,6 +11,11 @@ references: ``MXTensor.to_mx``, ``NVFP4Tensor.to_nvfp4`` and the float8 ``hp_ten
 Stochastic rounding rounds ``|v|`` to one of its two neighbours on the element grid with probability
 proportional to closeness, ``floor(|v| / ulp + u) * ulp`` with ``u ~ U[0, 1)`` drawn from ``generator``
 (computed in float64, so it is exact for every fp32 input), which makes ``E[q] = v`` within the range.
+To keep every value within the range, a stochastic ``quantize`` gives each block whose largest value the
+nearest scale puts above ``elem.max`` the next coarser scale (:func:`scaling.coarser_scale`: the e4m3
+descale rounded up for NVFP4, with a per-tensor scale ``TENSOR_HEADROOM`` larger; ``ceil(log2(amax /
+elem_max))`` for MX), so nothing saturates and ``E[dequantize(q)] = x`` on every element: a saturated value
+has no round-up to balance it. Values beyond a given ``tensor_amax`` still saturate, as asked.
 """
 
 from __future__ import annotations
@@ -142,8 +147,8 @@ def quantize(
     if fmt.two_level:
         full = scaling.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0] if tensor_amax is None else tensor_amax
         full = _on_device(full, x.device)
-        tensor_scale = scaling.nvfp4_tensor_scale(full)
-    scaled, scale = _scale(x2, amax, fmt, rows, cols, tensor_scale)
+        tensor_scale = scaling.nvfp4_tensor_scale(full, headroom=stochastic)
+    scaled, scale = _scale(x2, amax, fmt, rows, cols, tensor_scale, unsaturated=stochastic)
     scaled = torch.clamp(scaled, min=-fmt.elem.max, max=fmt.elem.max)
     if stochastic:
         scaled = round_to_element(scaled, fmt.elem, stochastic=True, generator=generator)
@@ -215,23 +220,44 @@ def _pad(x2, rows, cols, pad, fmt, shape, axis) -> torch.Tensor:
     return x2.contiguous()
 
 
-def _scale(x2, amax, fmt, rows, cols, tensor_scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x2 scaled into the element range, the stored scale)``."""
+def _scale(x2, amax, fmt, rows, cols, tensor_scale, unsaturated) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x2 scaled into the element range, the stored scale)``.
+
+    With ``unsaturated`` (stochastic rounding), each block whose amax the nearest scale puts above
+    ``elem.max`` takes the next coarser scale instead, so no value is clamped: a clamp has no round-up to
+    balance it under stochastic rounding and would shrink each block's largest value on average.
+    """
     mb, kb = amax.shape
     blocks = x2.reshape(mb, rows, kb, cols)
+    scale = _nearest_scale(amax, fmt, tensor_scale)
+    factor, divide = _factor(scale, fmt, tensor_scale)
+    if unsaturated:
+        top = amax / factor if divide else amax * factor  # the block's largest value, scaled as the others
+        over = (top > fmt.elem.max) & torch.isfinite(amax)
+        scale = scaling.coarser_scale(scale, fmt.scale, over)
+        factor, divide = _factor(scale, fmt, tensor_scale)
+    factor = factor[:, None, :, None]
+    scaled = (blocks / factor if divide else blocks * factor).reshape(x2.shape)
+    return scaled, (scale.view(torch.float8_e8m0fnu) if fmt.scale == "e8m0" else scale)
+
+
+def _nearest_scale(amax, fmt, tensor_scale) -> torch.Tensor:
+    """The per-block scale torchao's references store: fp32 multipliers, uint8 exponents, e4m3 descales."""
     if fmt.scale in ("fp32", "pow2"):
-        scale = scaling.fp32_scale(amax, fmt.elem, fmt.scale == "pow2")
-        return (blocks * scale[:, None, :, None]).reshape(x2.shape), scale
+        return scaling.fp32_scale(amax, fmt.elem, fmt.scale == "pow2")
     if fmt.scale == "e8m0":
-        exp = scaling.e8m0_exponent(amax, fmt.elem, fmt.rule)
-        factor, divide = scaling.e8m0_quantize_factor(exp, fmt.rule)
-        factor = factor[:, None, :, None]
-        scaled = blocks / factor if divide else blocks * factor
-        return scaled.reshape(x2.shape), exp.view(torch.float8_e8m0fnu)
-    descale = scaling.e4m3_descale(amax, tensor_scale)
-    d32 = descale.to(torch.float32)
-    factor = 1.0 / d32 if tensor_scale is None else (1.0 / tensor_scale) / d32
-    return (blocks * factor[:, None, :, None]).reshape(x2.shape), descale
+        return scaling.e8m0_exponent(amax, fmt.elem, fmt.rule)
+    return scaling.e4m3_descale(amax, tensor_scale)
+
+
+def _factor(scale, fmt, tensor_scale) -> tuple[torch.Tensor, bool]:
+    """``(factor, divide)``: the scaled values are ``x / factor`` if ``divide`` else ``x * factor``."""
+    if fmt.scale in ("fp32", "pow2"):
+        return scale, False
+    if fmt.scale == "e8m0":
+        return scaling.e8m0_quantize_factor(scale, fmt.rule)
+    d32 = scale.to(torch.float32)
+    return (1.0 / d32 if tensor_scale is None else (1.0 / tensor_scale) / d32), False
 
 
 def _store(scaled: torch.Tensor, fmt: LowbitFormat) -> torch.Tensor:

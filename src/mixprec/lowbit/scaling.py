@@ -16,6 +16,8 @@ there is no host synchronisation. The algorithms:
   e4m3, clamped to [2**-6, 448]; with ``two_level`` a float32 per-tensor scale ``t = amax_tensor / (448*6)``
   is divided out first, so the e4m3 descale is ``amax / 6 / t``. Stored values are
   ``saturate(x * ((1 / t) / d))`` with ``d`` the e4m3 descale as float32 (``t = 1`` for one level).
+* under stochastic rounding (:func:`coarser_scale`): a block whose amax the scale above puts beyond the
+  element max takes the next coarser scale, so nothing saturates; NVFP4's ``t`` gets ``TENSOR_HEADROOM``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mixprec.lowbit.formats import ScaleRule
 __all__ = [
     "EPS",
     "block_amax",
+    "coarser_scale",
     "e4m3_descale",
     "e8m0_exponent",
     "e8m0_quantize_factor",
@@ -45,6 +48,10 @@ E8M0_NAN = 255
 F32_MIN_NORMAL = 2.0**-126
 F4_MAX = 6.0
 F8E4M3_MAX = 448.0
+E4M3_MAX_BITS = 0x7E  # the code of 448; 0x7F is nan
+#: NVFP4's per-tensor scale margin under stochastic rounding: 16 float32 ulps, beyond the four roundings
+#: (amax / 2688, amax / 6 / t, 1 / t, (1 / t) / d) between a block's amax and its scaled value.
+TENSOR_HEADROOM = 1.0 + 2.0**-20
 
 
 def block_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -108,6 +115,29 @@ def e4m3_descale(amax: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch
     return torch.clamp(block, min=tiny, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def nvfp4_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
-    """NVFP4's float32 per-tensor scale ``amax / (448 * 6)``, so block descales use e4m3's whole range."""
-    return amax.to(torch.float32) / (F8E4M3_MAX * F4_MAX)
+def nvfp4_tensor_scale(amax: torch.Tensor, headroom: bool = False) -> torch.Tensor:
+    """NVFP4's float32 per-tensor scale ``amax / (448 * 6)``, so block descales use e4m3's whole range.
+
+    With ``headroom`` (stochastic rounding) it is ``TENSOR_HEADROOM`` larger, so the block holding the
+    tensor's amax maps to at most 6 under the largest descale, 448, despite float32 rounding on the way.
+    """
+    scale = amax.to(torch.float32) / (F8E4M3_MAX * F4_MAX)
+    return scale * TENSOR_HEADROOM if headroom else scale
+
+
+def coarser_scale(scale: torch.Tensor, kind: str, where: torch.Tensor) -> torch.Tensor:
+    """``scale`` (as stored for scale format ``kind``) one step coarser where ``where`` is set.
+
+    The step is the smallest that scales a block's values down: the next float32 toward zero (fp32), half
+    the multiplier (pow2), the next biased exponent (e8m0, up to 254) or the next e4m3 descale (up to 448).
+    On a floor-rule e8m0 exponent this gives ``ceil(log2(amax / elem_max))``, the RCEIL rule, exactly.
+    """
+    if kind == "fp32":
+        return torch.where(where, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+    if kind == "pow2":
+        return torch.where(where, scale * 0.5, scale)
+    if kind == "e8m0":
+        return torch.where(where & (scale < E8M0_NAN - 1), scale + 1, scale)
+    bits = scale.view(torch.uint8)
+    step = torch.where(where & (bits < E4M3_MAX_BITS), bits + 1, bits)  # positive e4m3: codes ordered
+    return step.to(torch.uint8).view(torch.float8_e4m3fn)
