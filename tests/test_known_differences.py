@@ -1,5 +1,5 @@
-"""Each behaviour the README's "Known differences" lists, with torch's own behaviour beside it in the same
-process: if torch changes, or mixprec does, the test says which line of the README is out of date."""
+"""Each behaviour docs/known-differences.md lists, with torch's own behaviour beside it in the same
+process: if torch changes, or mixprec does, the test says which line of that page is out of date."""
 
 from __future__ import annotations
 

@@ -184,8 +184,8 @@ def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
     import re
 
     lightning = pytest.importorskip("lightning")
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### Re-planning during training", 1)[1].split("\n## ", 1)[0]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guide" / "planner.md").read_text()
+    section = text.split("## Re-planning during training", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
@@ -203,7 +203,7 @@ def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
         "module": module,
         "optimizer": torch.optim.AdamW(module.parameters(), lr=1e-3),
     }
-    exec(compile(block, "README.md#re-planning-during-training", "exec"), namespace)
+    exec(compile(block, "docs/guide/planner.md#re-planning-during-training", "exec"), namespace)
     schedule = namespace["schedule"]
     assert [s for s, _ in schedule.replan.history] == [0]  # the loop ran; its first step planned
     assert formats_of(module) == expected(schedule.plan.formats)
