@@ -95,7 +95,8 @@ def make_records(results: Sequence[Any], runs_planned: int | None = None) -> lis
             "speedup_high": t.speedup_high,
             "noisy": t.noisy,
             "peak_memory_mb": r.peak_memory_mb,
-            **{f"{c}_bytes": (r.memory_bytes or {}).get(c) for c in COMPONENTS},
+            # results made before the components were measured (or stand-ins for them) have none
+            **{f"{c}_bytes": (getattr(r, "memory_bytes", None) or {}).get(c) for c in COMPONENTS},
             "final_loss": _finite(r.final_loss),
             "final_metric": _finite(r.final_metric),
             "skipped_steps": r.skipped_steps,
