@@ -190,8 +190,9 @@ def fit_memory(
             raise ValueError(
                 f"max_memory={max_memory} bytes ({_mib(max_memory)}) is below the least memory these formats "
                 f"reach: {least['total']} bytes ({_mib(least['total'])}) with state_format="
-                f"{least['state_format']!r} and activation_format={least['activation_format']!r} "
-                f"({counted})"
+                f"{least['state_format']!r}"
+                + (f" and activation_format={least['activation_format']!r}" if memory.linears else "")
+                + f" ({counted})"
             )
         chosen = max(fits, key=lambda o: (o["total"], [-k for k in o["order"]]))
     records = [{k: v for k, v in o.items() if k != "order"} for o in options]
