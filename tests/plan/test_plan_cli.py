@@ -71,6 +71,8 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory:make", "--min-low-share", "0.5"], "applies with max_cost only"),
         (["--from", "plan_factory:make", "--max-cost", "-1"], "max_cost must be > 0"),
         (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
+        (["--from", "plan_factory:make", "--max-memory", "lots"], "max_memory must be an int number"),
+        (["--from", "plan_factory:make", "--max-memory", "100"], "below the least memory"),
     ],
 )
 def test_plan_command_refuses_bad_input_with_exit_code_2(factory, capsys, argv, message):
@@ -94,3 +96,16 @@ def test_plan_command_with_max_cost_plans_the_most_accurate_within_it(factory, c
     local = PrecisionPlan.from_json(out_json.read_text())
     assert local.measure == "local" and local.relative_cost() <= 0.8 + 1e-9
     assert local.passes < plan.passes
+
+
+def test_plan_command_with_max_memory_plans_smaller_state_and_activations(factory, capsys):
+    out_json, out_png = factory / "p.json", factory / "p.png"
+    argv = ["plan", "--from", "plan_factory:make", "--formats", "bf16", "--tokens-per-step", "4096"]
+    assert main([*argv, "--json", str(out_json), "--plot", str(out_png)]) == 0
+    free = PrecisionPlan.from_json(out_json.read_text())
+    bound = free.memory["components"]["total"] - 1
+    assert main([*argv, "--max-memory", str(bound), "--json", str(out_json), "--plot", str(out_png)]) == 0
+    plan = PrecisionPlan.from_json(out_json.read_text())
+    assert (plan.state_format, plan.activation_format) != (None, None)
+    assert plan.memory["components"]["total"] <= bound == plan.memory["max_memory"]
+    assert "save_activations=" in capsys.readouterr().out

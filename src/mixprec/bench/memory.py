@@ -9,6 +9,11 @@
   counts, so this is only meaningful in a fresh process per run, which is how the bench runs on a CPU.
   Where the peak cannot be reset, the all-time peak ``ru_maxrss`` is used when training raised it, else
   nothing is reported.
+
+Beside the peak, :func:`component_bytes` reads what one step holds per component (weights, gradients,
+optimizer state, saved activations) off the tensors themselves, the same on every device: the storages of
+the parameters, their gradients and the optimizer's state, and the saved tensors :class:`SavedBytes`
+counts through ``torch.autograd.graph.saved_tensors_hooks`` during that step's forward.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import gc
 import resource
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,3 +101,70 @@ class PeakMemory:
             peak = _maxrss_bytes()
             return (peak - self._base) / MIB if peak > self._start_maxrss else None
         return None
+
+
+#: The parts of a step's memory reported per mode, in the order the table shows them.
+COMPONENTS = ("weights", "gradients", "optimizer_state", "activations")
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view and its base count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class SavedBytes:
+    """Counts, while it is entered, the bytes of the tensors autograd saves for backward: distinct storages,
+    leaving out parameters and buffers of ``model`` (the model holds them anyway) and leaves that require
+    grad. A region with its own ``saved_tensors_hooks`` inside (``save_activations``) takes over from this
+    one, as torch's innermost hooks do, so such a mode reports its own count instead."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self._seen: dict[int, int] = {}
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        root = t._base if t._base is not None else t
+        if not (isinstance(root, torch.nn.Parameter) or (root.is_leaf and root.requires_grad)):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._owned:
+                self._seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def component_bytes(model: torch.nn.Module, optimizer: Any, activations: int) -> dict[str, int]:
+    """What a training step holds once it is done, read off the tensors: the model's parameters plus any
+    tensor the optimizer steps instead of them (fp32 masters), their ``.grad``, every tensor in the torch
+    optimizer's ``state`` plus a mixprec wrapper's Kahan ``compensation`` buffers, and ``activations``."""
+    inner, compensation = optimizer, []
+    while getattr(inner, "optimizer", None) is not None:  # mixprec wrappers hold the optimizer they step
+        compensation += list(getattr(inner, "compensation", None) or [])
+        inner = inner.optimizer
+    params = list(model.parameters())
+    stepped = [p for group in inner.param_groups for p in group["params"]]
+    held = {t.untyped_storage().data_ptr() for t in params}
+    masters = [p for p in stepped if p.untyped_storage().data_ptr() not in held]
+    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    state += compensation
+    return {
+        "weights": _storage_bytes(params + masters),
+        "gradients": _storage_bytes(p.grad for p in params + masters if p.grad is not None),
+        "optimizer_state": _storage_bytes(state),
+        "activations": activations,
+    }

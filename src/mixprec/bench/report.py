@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec._files import jsonl_text, write_atomic
-from mixprec.bench.memory import DESCRIPTIONS
+from mixprec.bench.memory import COMPONENTS, DESCRIPTIONS
 from mixprec.bench.plots import speedup_text
 from mixprec.bench.stats import AA_LABEL, NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
 from mixprec.bench.workloads import WORKLOADS
@@ -33,6 +33,10 @@ RECORD_KEYS = (
     "speedup_high",
     "noisy",
     "peak_memory_mb",
+    "weights_bytes",
+    "gradients_bytes",
+    "optimizer_state_bytes",
+    "activations_bytes",
     "final_loss",
     "final_metric",
     "skipped_steps",
@@ -92,6 +96,8 @@ def make_records(results: Sequence[Any], runs_planned: int | None = None) -> lis
             "speedup_high": t.speedup_high,
             "noisy": t.noisy,
             "peak_memory_mb": r.peak_memory_mb,
+            # results made before the components were measured (or stand-ins for them) have none
+            **{f"{c}_bytes": (getattr(r, "memory_bytes", None) or {}).get(c) for c in COMPONENTS},
             "final_loss": _finite(r.final_loss),
             "final_metric": _finite(r.final_metric),
             "skipped_steps": r.skipped_steps,
@@ -153,6 +159,31 @@ def _layout(rows: list[list[str]]) -> list[str]:
     return lines
 
 
+_MEMORY_HEAD = ("mode", "weights", "grads", "opt state", "saved acts", "total")
+
+
+def memory_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Each mode's bytes per component after one step, in KiB ([] when no record has them)."""
+    rows = [r for r in records if r.get("weights_bytes") is not None]
+    if not rows:
+        return []
+    cells = [list(_MEMORY_HEAD)]
+    for r in rows:
+        values = [r[f"{c}_bytes"] for c in COMPONENTS]
+        cells.append([r["mode"], *(f"{v / 1024:.1f}" for v in values), f"{sum(values) / 1024:.1f}"])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_MEMORY_HEAD))]
+    lines = ["", "memory per component (KiB, one step, read off the tensors)"]
+    for index, row in enumerate(cells):
+        lines.append(
+            "  ".join(
+                f"{c:{'<' if i == 0 else '>'}{w}}" for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
 def _wrap(text: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False) or [""]
 
@@ -166,6 +197,7 @@ def format_table(results: Sequence[Any], notes: Iterable[str] = (), header: str 
         better = "higher" if spec.metric_higher_is_better else "lower"
         rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in records if r["workload"] == workload]
         lines += ["", f"{workload} (metric: {spec.metric}, {better} is better)", *_layout(rows)]
+        lines += memory_table([r for r in records if r["workload"] == workload])
     noisy = [f"{r['workload']}/{r['mode']}" for r in records if r["noisy"]]
     lines.append("")
     for line in footer(results):
@@ -192,6 +224,9 @@ def footer(results: Sequence[Any]) -> list[str]:
         f"between processes that the '{AA_LABEL}' run (a second fp32 process) shows; NOISY: CI wider "
         f"than {NOISY_WIDTH:.0%} of the speedup (fp32: IQR over {NOISY_IQR:.0%} of the median)",
         "MiB: peak memory, " + "; ".join(DESCRIPTIONS[m] for m in methods),
+        "memory per component: after the last warm-up step, the storages of the parameters (and fp32 "
+        "masters), their .grad, the optimizer's state (and Kahan buffers), and the distinct tensors autograd "
+        "saved for backward in that step (saved_tensors_hooks; parameters left out)",
         "scale: final loss scale ('-': the mode does not scale the loss); "
         "skip: optimizer steps skipped on inf/nan gradients",
     ]

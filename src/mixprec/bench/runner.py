@@ -14,6 +14,7 @@ own, which keeps CPU peak memory honest) is :mod:`mixprec.bench.workers`' busine
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mixprec.bench.memory import PeakMemory
+from mixprec.bench.memory import PeakMemory, SavedBytes, component_bytes
 from mixprec.bench.modes import MODES
 from mixprec.bench.stats import AA_LABEL
 from mixprec.bench.workloads import WORKLOADS
@@ -101,6 +102,7 @@ class RunResult:
     wall_s: float
     threads: int = 1
     history: list[dict[str, Any]] = field(default_factory=list)
+    memory_bytes: dict[str, int] | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -139,6 +141,7 @@ class Trainer:
         make = self.workload.make_scheduler
         self.scheduler = make(self.mode.torch_optimizer) if make else None
         self.history: list[dict[str, Any]] = []
+        self.memory_bytes: dict[str, int] | None = None
 
     def steps(self, count: int, round_index: int) -> list[float]:
         """Train ``count`` more steps (never past the job's total); returns their step times in ms."""
@@ -157,7 +160,12 @@ class Trainer:
         begin = time.perf_counter()
         x, y = next(workload.batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = mode.train_step(x, y, workload.loss_fn)
+        # the last warm-up step (untimed in the statistics) counts the bytes per component once
+        counting = len(self.history) == max(self.job.warmup - 1, 0)
+        with SavedBytes(mode.model) if counting else contextlib.nullcontext() as saved:
+            loss = mode.train_step(x, y, workload.loss_fn)
+        if saved is not None:
+            self.memory_bytes = component_bytes(mode.model, mode.optimizer, saved.nbytes)
         if self.scheduler is not None:
             self.scheduler.step()
         _sync(device)
@@ -200,6 +208,7 @@ class Trainer:
             wall_s=time.perf_counter() - self.started,
             threads=torch.get_num_threads(),
             history=self.history,
+            memory_bytes=self.memory_bytes,
         )
 
 

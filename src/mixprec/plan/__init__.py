@@ -7,6 +7,8 @@ Files in the order the data flows:
 * :mod:`~mixprec.plan.local`: ``measure="local"``, every (layer, format) estimated from the reference pass;
 * :mod:`~mixprec.plan.cost`: a format's GEMM cost for a layer, a GPU's roofline or timed here;
 * :mod:`~mixprec.plan.solve`: the cheapest plan within a loss budget, the most accurate within a cost;
+* :mod:`~mixprec.plan.memory`: the step's memory per component for any state/activation format, and
+  the pair that fits ``max_memory``;
 * :mod:`~mixprec.plan.result`: :class:`PrecisionPlan`, the value with its JSON, table, plot and ``apply``;
 * :mod:`~mixprec.plan.planner`: :func:`plan_precision`, the method end to end;
 * :mod:`~mixprec.plan.schedule`: :class:`Replan` and :class:`ReplanSchedule`, re-planning during training;

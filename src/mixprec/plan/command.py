@@ -68,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rows M of each layer's GEMMs in one training step: the shape the cost is priced at "
         "(default: the calibration batch's rows, with a warning)",
     )
+    parser.add_argument(
+        "--max-memory",
+        default=None,
+        help="bound on the step's memory (bytes, or '2GiB', '512MB'): the plan also picks the optimizer's "
+        "state_format and the save_activations format (default: no bound, memory reported)",
+    )
+    parser.add_argument(
+        "--weight-update",
+        default="kahan",
+        choices=("kahan", "stochastic", "masters"),
+        help="how the model is stepped, for the memory model (default kahan)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
     parser.add_argument("--plot", type=Path, default=Path("plan.png"), help="where the plot goes")
@@ -97,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         exhaustive=args.exhaustive,
         measure=args.measure,
         seed=args.seed,
+        max_memory=int(args.max_memory) if str(args.max_memory).isdigit() else args.max_memory,
+        weight_update=args.weight_update,
     )
     print(plan.table())
     write_atomic(args.json, plan.to_json())  # complete or absent, see mixprec._files

@@ -76,6 +76,7 @@ from mixprec.plan.measure import (
     Slots,
     divergences,
 )
+from mixprec.plan.memory import OPTIMIZERS, MemoryModel, check_formats, fit_memory, parse_bytes
 from mixprec.plan.result import PrecisionPlan
 from mixprec.plan.solve import knapsack, most_accurate, reason, reason_at_cost
 
@@ -100,6 +101,10 @@ def plan_precision(
     max_rounds: int = 6,
     seed: int = 0,
     measure: str = "exact",
+    max_memory: int | str | None = None,
+    state_formats: Sequence[str | None] = (None, "bf16", "int8", "fp8"),
+    activation_formats: Sequence[str | None] = (None, "fp8", "mxfp8"),
+    weight_update: str = "kahan",
 ) -> PrecisionPlan:
     """Plan a format per ``nn.Linear`` of ``model`` so that the whole plan's measured loss change fits.
 
@@ -142,6 +147,19 @@ def plan_precision(
         seed: seeds dropout (the same masks in every pass) and stochastic rounding.
         measure: ``"exact"`` (one forward/backward per layer and format) or ``"local"`` (every layer and
             format estimated from the reference pass alone, :mod:`mixprec.plan.local`).
+        max_memory: a bound on the training step's memory (bytes as an int, or ``"2GiB"``, ``"512MB"``):
+            weights, gradients, optimizer state and the planned linears' saved inputs at
+            ``tokens_per_step`` rows (:mod:`mixprec.plan.memory`). The plan then also picks one optimizer
+            state format and one saved-activation format for the whole model: of the pairs that fit, the
+            one that keeps the most bytes (quantizes the least). It does not change the GEMM formats
+            (they do not change memory). None: the first-listed formats, memory reported only.
+        state_formats: candidate ``state_format=`` values of the optimizer, preferred first (None: fp32
+            moments).
+        activation_formats: candidate :func:`mixprec.lowbit.save_activations` formats, preferred first
+            (None: saved as they are).
+        weight_update: how the model is stepped, for the memory model: ``"kahan"`` or ``"stochastic"``
+            (:class:`mixprec.CompensatedOptimizer`, Kahan keeps one buffer per low-precision weight) or
+            ``"masters"`` (:class:`mixprec.MixedPrecisionOptimizer`, fp32 masters of low-precision weights).
 
     Returns:
         A :class:`~mixprec.plan.PrecisionPlan`.
@@ -152,8 +170,10 @@ def plan_precision(
             outside (0, 1], a measure other than "exact" or "local", an empty ``batches``
             (or ``check_batches`` given empty), an unknown format or cost target, a model without linear
             layers (or that is one), a model with parameters or buffers on the meta device, or a
-            ``loss_fn`` that returns a non-scalar loss, or a non-finite one at high precision. Nothing is
-            changed then.
+            ``loss_fn`` that returns a non-scalar loss, or a non-finite one at high precision; a
+            ``max_memory`` that is not a size, or below the least memory the candidate state and
+            activation formats reach (the message names that least memory); unknown state or activation
+            formats or ``weight_update``. Nothing is changed then.
 
     Warns:
         UserWarning: naming the ``nn.Linear`` layers ``loss_fn`` never called (left out of the plan,
@@ -175,6 +195,13 @@ def plan_precision(
     _check_share("max_flushed", max_flushed)
     if measure not in ("exact", "local"):
         raise ValueError(f"measure must be 'exact' or 'local', got {measure!r}")
+    bound = None if max_memory is None else parse_bytes(max_memory)
+    states, acts = check_formats(state_formats, activation_formats)
+    if weight_update not in OPTIMIZERS:
+        raise ValueError(f"weight_update must be one of {OPTIMIZERS}, got {weight_update!r}")
+    if bound is not None:  # the parameters' part alone is a lower bound: refuse before any pass
+        params_only = MemoryModel.of(model, {}, weight_update)
+        fit_memory(params_only, bound, states, acts, "weights, gradients and optimizer state alone")
     target, cost_fn = resolve_cost(cost, model, formats)
     if tokens_per_step is not None:
         check_tokens_per_step(tokens_per_step)
@@ -235,6 +262,9 @@ def plan_precision(
     if tokens_per_step is None:
         _warn_calibration_rows(layers)
     ran = [f for f in fqns if f not in never_ran]
+    rows = {f: tokens_per_step or layers[f].shape[0] for f in ran}
+    memory = MemoryModel.of(model, rows, weight_update)
+    state_format, activation_format, options = fit_memory(memory, bound, states, acts)
     if max_cost is None:
         reasons = {f: reason(f, chosen, layers, limits, rounds) for f in ran}
     else:
@@ -257,6 +287,14 @@ def plan_precision(
         min_low_share=min_low_share,
         tokens_per_step=tokens_per_step,
         not_run=never_ran,
+        state_format=state_format,
+        activation_format=activation_format,
+        memory={
+            "max_memory": bound,
+            "weight_update": weight_update,
+            "components": memory.components(state_format, activation_format),
+            "options": options,
+        },
     )
 
 

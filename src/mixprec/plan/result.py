@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from collections.abc import Callable
@@ -13,16 +14,17 @@ import torch
 from torch import nn
 
 from mixprec._files import write_atomic
-from mixprec.lowbit import LowbitLinear, get_recipe
+from mixprec.lowbit import LowbitLinear, get_recipe, save_activations
 from mixprec.lowbit.swap import converted_as, is_converted, refuse_reconversion
 from mixprec.plan.measure import HIGH_PRECISION
 
 __all__ = ["PrecisionPlan"]
 
-_VERSION = 4
+_VERSION = 5
 #: version 2 documents have no ``measure`` field (they were measured exactly); versions 2-3 have no
-#: ``tokens_per_step`` or ``not_run`` (priced at the calibration rows; every linear that ran is listed)
-_READS = (2, 3, 4)
+#: ``tokens_per_step`` or ``not_run`` (priced at the calibration rows; every linear that ran is listed);
+#: versions 2-4 have no ``state_format``, ``activation_format`` or ``memory`` (no memory was planned)
+_READS = (2, 3, 4, 5)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,15 @@ class PrecisionPlan:
             of GEMM FLOPs below bf16 of a plan made as the most accurate within a cost (else None).
         tokens_per_step: the rows M every GEMM was priced at (None: each layer's calibration rows).
         not_run: the ``nn.Linear`` layers ``loss_fn`` never called: not planned, kept as they are.
+        state_format, activation_format: the optimizer's ``state_format=`` and the
+            :func:`~mixprec.lowbit.save_activations` format planned for the whole model (None: fp32
+            moments / activations saved as they are); see :meth:`optimizer_kwargs` and
+            :meth:`save_activations`.
+        memory: ``{"max_memory": bytes or None, "weight_update": str, "components": {"weights",
+            "gradients", "optimizer_state", "activations", "total"} (bytes, predicted by
+            :mod:`mixprec.plan.memory` for the planned formats), "options": [{"state_format",
+            "activation_format", "total"}, ...] (every candidate pair)}``; None in a plan read from a
+            version before 5.
     """
 
     formats: dict[str, str]
@@ -77,6 +88,9 @@ class PrecisionPlan:
     measure: str = "exact"
     tokens_per_step: int | None = None
     not_run: list[str] = field(default_factory=list)
+    state_format: str | None = None
+    activation_format: str | None = None
+    memory: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ reading
     def flop_share(self, fqn: str) -> float:
@@ -104,6 +118,27 @@ class PrecisionPlan:
         return lambda module, fqn: fqn in chosen
 
     # ------------------------------------------------------------------ acting
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`mixprec.CompensatedOptimizer` or
+        :class:`mixprec.MixedPrecisionOptimizer` that give the planned optimizer state:
+        ``{"state_format": ...}``, one for all parameter groups (the optimizers take one per optimizer).
+        For fp32 moments (None) under Kahan or stochastic updates it adds ``state_dtype=torch.float32``,
+        which the memory model counted (the compensated optimizer's own default keeps the first moment
+        in bf16 where it can)."""
+        out: dict[str, Any] = {"state_format": self.state_format}
+        update = (self.memory or {}).get("weight_update")
+        if self.state_format is None and update in ("kahan", "stochastic"):
+            out["state_dtype"] = torch.float32
+        return out
+
+    def save_activations(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """The planned saved-activation format as a context manager to enter around the forward:
+        :class:`mixprec.lowbit.save_activations` (``module``: the model, whose parameters and buffers are
+        then kept as they are), or a no-op when the plan keeps activations as they are."""
+        if self.activation_format is None:
+            return contextlib.nullcontext()
+        return save_activations(self.activation_format, module=module)
+
     def apply(self, model: nn.Module, generator: torch.Generator | None = None) -> nn.Module:
         """Put each planned layer of ``model`` in its format, in place, and return ``model``.
 
@@ -165,6 +200,7 @@ class PrecisionPlan:
         ]
         m = self.measured
         lines.append(self._priced())
+        lines += self.memory_lines()
         lines.append(
             f"plan: {self.low_precision_share():.1%} of GEMM FLOPs below bf16, "
             f"cost {self.relative_cost():.3f}x bf16 on {self.target}; "
@@ -174,6 +210,19 @@ class PrecisionPlan:
             f"= {self.seconds / max(self.step_seconds, 1e-9):.0f} reference steps, {self.passes} passes"
         )
         return "\n".join(lines)
+
+    def memory_lines(self) -> list[str]:
+        """The planned memory per component and formats, in MiB ([] for a plan without a memory record)."""
+        if self.memory is None:
+            return []
+        c, bound = self.memory["components"], self.memory["max_memory"]
+        parts = ", ".join(f"{k.replace('_', ' ')} {c[k] / 2**20:.2f}" for k in c if k != "total")
+        limit = "no bound" if bound is None else f"max_memory {bound / 2**20:.2f} MiB"
+        return [
+            f"memory ({self.memory['weight_update']} updates): state_format={self.state_format!r}, "
+            f"save_activations={self.activation_format!r}; {parts}; total {c['total'] / 2**20:.2f} MiB "
+            f"({limit})"
+        ]
 
     def _priced(self) -> str:
         """The line saying which rows M the cost model priced the GEMMs at (M x N x K above is measured)."""
