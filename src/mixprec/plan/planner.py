@@ -132,7 +132,7 @@ def plan_precision(
             layer in bf16 (0.5 = half of bf16's time in the cost model): the plan is then the *most
             accurate* within it: of the (up to 3) assignments of least summed squared weight-gradient
             divergence whose cost fits, the one whose whole-plan weight-gradient change measures least
-            (then loss change; see :mod:`mixprec.plan.solve` for why the gradient decides).
+            (then loss change; see ``mixprec.plan.solve`` for why the gradient decides).
             Needs ``budget=None``; no ``grad_budget``.
         min_low_share: with ``max_cost``, the least share in [0, 1] of the planned layers' GEMM FLOPs that
             must run below bf16 (to compare with a hand rule at its share; None: no bound).
@@ -141,7 +141,7 @@ def plan_precision(
         max_rounds: solves at most (>= 1) before falling back to the model's precision.
         seed: seeds dropout (the same masks in every pass) and stochastic rounding.
         measure: ``"exact"`` (one forward/backward per layer and format) or ``"local"`` (every layer and
-            format estimated from the reference pass alone, :mod:`mixprec.plan.local`).
+            format estimated from the reference pass alone, ``mixprec.plan.local``).
 
     Returns:
         A :class:`~mixprec.plan.PrecisionPlan`.
