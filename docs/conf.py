@@ -50,6 +50,8 @@ _EXTERNAL = (
 nitpick_ignore_regex = [
     (r"py:.*", _EXTERNAL + r"(\..*)?"),
 ]
+# torch's nn.Module.forward docstring, which a forward without its own inherits, says :class:`Module`
+nitpick_ignore = [("py:class", "Module")]
 
 
 def _data_doc(app, what, name, obj, options, lines) -> None:

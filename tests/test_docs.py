@@ -41,8 +41,8 @@ PAGES_WITH_CODE = [p for p in pages() if python_blocks(p)]
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(DOCS)))
-def test_page_code_runs(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(page.parent)
+def test_page_code_runs(page: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)  # a block that writes a file (plan.png) writes it here, not into docs/
     namespace: dict[str, object] = {"__name__": "__docs__"}
     for line, code, skipped in python_blocks(page):
         if skipped:

@@ -1,4 +1,4 @@
-"""benchmarks/fake_cuda_syncs.py: the host-sync table of docs/gpu.md, one row per path, mixprec beside torch."""
+"""benchmarks/fake_cuda_syncs.py: host-sync table of docs/gpu.md, one row per path, mixprec beside torch."""
 
 from __future__ import annotations
 

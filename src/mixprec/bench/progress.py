@@ -165,7 +165,7 @@ class Progress:
             self._line()
 
     def replan(self, before: Sequence[Job], after: Sequence[Job]) -> None:
-        """Runs not started yet were re-chosen (:mod:`mixprec.bench.budget`): ``before[i]`` is now
+        """Runs not started yet were re-chosen (``mixprec.bench.budget``): ``before[i]`` is now
         ``after[i]``; the total follows, and the new total is the one later corrections compare with."""
         for old, new in zip(before, after, strict=True):
             self.jobs[self.jobs.index(old)] = new

@@ -98,13 +98,13 @@ class Fp8Report:
 
     @property
     def max_underflow(self) -> float:
-        """Deprecated name of :attr:`max_flushed`."""
+        """Deprecated name of ``max_flushed``."""
         _warn_renamed("Fp8Report.max_underflow", "max_flushed")
         return self.max_flushed
 
     @property
     def max_saturate(self) -> float:
-        """Deprecated name of :attr:`max_saturated`."""
+        """Deprecated name of ``max_saturated``."""
         _warn_renamed("Fp8Report.max_saturate", "max_saturated")
         return self.max_saturated
 

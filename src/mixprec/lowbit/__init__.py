@@ -14,9 +14,9 @@
   emulated;
   :func:`sr_state_dict` / :func:`load_sr_state_dict` save and restore the stochastic-rounding draws;
 * :func:`auto_filter` is a ``module_filter_fn`` that keeps out the layers too small to gain from a recipe
-  at a run's ``tokens_per_step``, by the planner's roofline (:mod:`~mixprec.lowbit.cost`).
+  at a run's ``tokens_per_step``, by the planner's roofline (``mixprec.lowbit.cost``).
 * :class:`save_activations` keeps the tensors autograd saves for backward in fp8 or mxfp8
-  (:mod:`~mixprec.lowbit.activations`).
+  (``mixprec.lowbit.activations``).
 
 Example::
 

@@ -71,7 +71,7 @@ class save_activations:  # lower case: a context manager, spelled like torch's s
 
     Args:
         fmt: ``"fp8"`` or ``"mxfp8"``.
-        min_numel: tensors with fewer elements are kept as they are (default :data:`MIN_NUMEL`).
+        min_numel: tensors with fewer elements are kept as they are (default ``MIN_NUMEL``, 1024).
         module: a module whose parameters and buffers (matched by storage) are kept as they are; without
             it only parameters are recognised, and a buffer saved for backward (a rotary cos/sin table)
             is quantized.

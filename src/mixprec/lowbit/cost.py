@@ -168,14 +168,14 @@ def auto_filter(
 
     True for an ``nn.Linear`` (or subclass) whose ``fqn`` contains none of ``filter_fqns``, whose
     ``in_features`` and ``out_features`` are multiples of 16 (the tensor-core kernels' requirement,
-    :func:`mixprec.lowbit.kernels.select_kernel`), and whose three training GEMMs at ``tokens_per_step``
+    ``mixprec.lowbit.kernels.select_kernel``), and whose three training GEMMs at ``tokens_per_step``
     rows cost, in ``target``'s roofline, less than ``1 - min_gain`` times bf16's: what
     :func:`mixprec.plan.plan_precision` (same target, same ``tokens_per_step``) counts as a gain.
 
     Args:
         recipe: a :data:`mixprec.lowbit.RECIPES` name (or a recipe string :func:`get_recipe` reads).
         tokens_per_step: the rows M of each layer's GEMMs in one training step (batch x sequence).
-        target: a name of :data:`TARGETS` or ``cost(format, m, n, k) -> float``.
+        target: a name of :data:`mixprec.plan.TARGETS` or ``cost(format, m, n, k) -> float``.
         min_gain: the least share in [0, 1) of the bf16 time the format must save (0: any saving). The
             roofline leaves out kernel efficiency and launch overhead, so it is optimistic: torchao's
             H100 thresholds (``_auto_filter_for_recipe``, fitted to measured speedups) hold on its test

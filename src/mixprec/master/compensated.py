@@ -81,8 +81,8 @@ class CompensatedOptimizer(OptimizerWrapper):
         skip_nonfinite: skip (and warn about) a step whose gradients are inf/nan or would overflow the
             optimizer state; False steps whatever comes, as torch does.
         state_format: None (the moments as ``state_dtype`` says) or ``"bf16"``, ``"int8"``, ``"fp8"``: Adam's
-            moments stored in that low-bit format (:mod:`mixprec.master.state_formats`), stepped chunk by
-            chunk (:mod:`mixprec.master.lowbit_adam`); needs ``torch.optim.Adam``/``AdamW`` and
+            moments stored in that low-bit format (``mixprec.master.state_formats``), stepped chunk by
+            chunk (``mixprec.master.lowbit_adam``); needs ``torch.optim.Adam``/``AdamW`` and
             ``state_dtype=None``.
 
     Attributes:

@@ -68,8 +68,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         master_weights: keep fp32 copies of half-precision params (True), or step them in place (False, apex
             O3 / "bf16-true").
         state_format: None (the inner optimizer's own state and step) or ``"bf16"``, ``"int8"``, ``"fp8"``:
-            Adam's moments stored in that low-bit format (:mod:`mixprec.master.state_formats`) and the masters
-            stepped chunk by chunk through torch's fused kernel (:mod:`mixprec.master.lowbit_adam`); needs a
+            Adam's moments stored in that low-bit format (``mixprec.master.state_formats``) and the masters
+            stepped chunk by chunk through torch's fused kernel (``mixprec.master.lowbit_adam``); needs a
             fresh ``torch.optim.Adam``/``AdamW``.
 
     Raises:

@@ -2,17 +2,17 @@
 
 Files in the order the data flows:
 
-* :mod:`~mixprec.plan.measure`: one forward/backward with some layers swapped; each (layer, format)
+* ``mixprec.plan.measure``: one forward/backward with some layers swapped; each (layer, format)
   measured on demand, at most once (:class:`LayerMeasure`, :class:`Divergence`);
-* :mod:`~mixprec.plan.local`: ``measure="local"``, every (layer, format) estimated from the reference pass;
-* :mod:`~mixprec.plan.cost`: a format's GEMM cost for a layer, a GPU's roofline or timed here;
-* :mod:`~mixprec.plan.solve`: the cheapest plan within a loss budget, the most accurate within a cost;
-* :mod:`~mixprec.plan.memory`: the step's memory per component for any state/activation format, and
+* ``mixprec.plan.local``: ``measure="local"``, every (layer, format) estimated from the reference pass;
+* ``mixprec.plan.cost``: a format's GEMM cost for a layer, a GPU's roofline or timed here;
+* ``mixprec.plan.solve``: the cheapest plan within a loss budget, the most accurate within a cost;
+* ``mixprec.plan.memory``: the step's memory per component for any state/activation format, and
   the pair that fits ``max_memory``;
-* :mod:`~mixprec.plan.result`: :class:`PrecisionPlan`, the value with its JSON, table, plot and ``apply``;
-* :mod:`~mixprec.plan.planner`: :func:`plan_precision`, the method end to end;
-* :mod:`~mixprec.plan.schedule`: :class:`Replan` and :class:`ReplanSchedule`, re-planning during training;
-* :mod:`~mixprec.plan.command`: ``mixprec plan``.
+* ``mixprec.plan.result``: :class:`PrecisionPlan`, the value with its JSON, table, plot and ``apply``;
+* ``mixprec.plan.planner``: :func:`plan_precision`, the method end to end;
+* ``mixprec.plan.schedule``: :class:`Replan` and :class:`ReplanSchedule`, re-planning during training;
+* ``mixprec.plan.command``: ``mixprec plan``.
 
 It uses :mod:`mixprec.lowbit` (the formats), :mod:`mixprec.inspect` (the per-operand quantization
 statistics) and nothing above them.

@@ -31,7 +31,7 @@ class MeasuredCost:
     """``cost(format, m, n, k)``: the median measured seconds of a layer's three training GEMMs.
 
     For a shape it has not seen, it builds an ``nn.Linear(k, n)`` on ``device`` in ``dtype``, the module
-    the planner swaps in for each format (:func:`mixprec.plan.measure.swapped_in`), a random
+    the planner swaps in for each format (``mixprec.plan.measure.swapped_in``), a random
     ``(m, k)`` input and a random ``(m, n)`` output gradient, and times forward plus
     ``torch.autograd.grad`` of the input and weight (fprop, dgrad, wgrad): ``warmup`` untimed calls per
     format, then ``repeats`` rounds, each timing every format once in turn (so drift on the machine

@@ -137,7 +137,7 @@ def plan_precision(
             layer in bf16 (0.5 = half of bf16's time in the cost model): the plan is then the *most
             accurate* within it: of the (up to 3) assignments of least summed squared weight-gradient
             divergence whose cost fits, the one whose whole-plan weight-gradient change measures least
-            (then loss change; see :mod:`mixprec.plan.solve` for why the gradient decides).
+            (then loss change; see ``mixprec.plan.solve`` for why the gradient decides).
             Needs ``budget=None``; no ``grad_budget``.
         min_low_share: with ``max_cost``, the least share in [0, 1] of the planned layers' GEMM FLOPs that
             must run below bf16 (to compare with a hand rule at its share; None: no bound).
@@ -146,10 +146,10 @@ def plan_precision(
         max_rounds: solves at most (>= 1) before falling back to the model's precision.
         seed: seeds dropout (the same masks in every pass) and stochastic rounding.
         measure: ``"exact"`` (one forward/backward per layer and format) or ``"local"`` (every layer and
-            format estimated from the reference pass alone, :mod:`mixprec.plan.local`).
+            format estimated from the reference pass alone, ``mixprec.plan.local``).
         max_memory: a bound on the training step's memory (bytes as an int, or ``"2GiB"``, ``"512MB"``):
             weights, gradients, optimizer state and the planned linears' saved inputs at
-            ``tokens_per_step`` rows (:mod:`mixprec.plan.memory`). The plan then also picks one optimizer
+            ``tokens_per_step`` rows (``mixprec.plan.memory``). The plan then also picks one optimizer
             state format and one saved-activation format for the whole model: of the pairs that fit, the
             one that keeps the most bytes (quantizes the least). It does not change the GEMM formats
             (they do not change memory). None: the first-listed formats, memory reported only.
