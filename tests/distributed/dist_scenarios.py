@@ -426,11 +426,112 @@ def lowbit_comm(rank: int, world_size: int) -> Result:
     }
 
 
+# -- low-bit optimizer state resharded: saved on 2 FSDP2 ranks, loaded on 2 and on 1 (issue 30 item 1) -----
+
+
+def _reshard_model(sharded: bool) -> torch.nn.Module:
+    """Shard offsets 384 and 96 values into the weights: not block-aligned, so the saved grid matters."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Tanh(), torch.nn.Linear(24, 8))
+    model = model.to(torch.bfloat16)
+    if sharded:
+        for module in (model[0], model[2], model):
+            fully_shard(module)
+    return model
+
+
+def _reshard_optimizer(model: torch.nn.Module, kind: str, fmt: str | None) -> Any:
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if kind == "kahan":
+        return mixprec.CompensatedOptimizer(inner, "kahan", state_format=fmt)
+    return mixprec.MixedPrecisionOptimizer(inner, scaler=None, state_format=fmt)
+
+
+def _reshard_train(model: torch.nn.Module, optimizer: Any, steps: range) -> None:
+    """The same batch on every rank: FSDP2's averaged gradient is then exactly the one-process gradient."""
+    for step in steps:
+        torch.manual_seed(1000 + step)
+        x, y = torch.randn(8, 32).to(torch.bfloat16), torch.randn(8, 8)
+        F.mse_loss(model(x).float(), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _whole(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()
+    ]
+
+
+def _set_whole(model: torch.nn.Module, weights: list[torch.Tensor]) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        for param, weight in zip(model.parameters(), weights, strict=True):
+            if hasattr(param, "device_mesh"):
+                param.to_local().copy_(
+                    distribute_tensor(weight, param.device_mesh, param.placements).to_local()
+                )
+            else:
+                param.copy_(weight)
+
+
+def _reshard_case(kind: str, fmt: str | None) -> Result:
+    from mixprec.master import full_state_dict, load_full_state_dict
+
+    model = _reshard_model(sharded=True)
+    optimizer = _reshard_optimizer(model, kind, fmt)
+    _reshard_train(model, optimizer, range(3))
+    saved, weights = full_state_dict(optimizer), _whole(model)
+    _reshard_train(model, optimizer, range(3, 5))
+    result: Result = {"reference": _whole(model), "weights": weights}
+    origins = saved["optimizer"]["state"][0].get("block_origins")  # the first weight's saved grid
+    result["origins"] = None if origins is None else origins.tolist()
+    for name, sharded in (("two", True), ("one", False)):
+        resumed = _reshard_model(sharded)
+        _set_whole(resumed, weights)
+        again = _reshard_optimizer(resumed, kind, fmt)
+        load_full_state_dict(again, saved)
+        _reshard_train(resumed, again, range(3, 5))
+        result[name] = _whole(resumed)
+    other = "fp8" if fmt != "fp8" else "int8"
+    refused = _reshard_optimizer(_reshard_model(sharded=True), kind, other)
+    try:
+        load_full_state_dict(refused, saved)
+        result["other_format"] = "loaded"
+    except ValueError as error:
+        result["other_format"] = str(error)
+    result["other_format_state"] = len(refused.state)
+    if fmt in ("int8", "fp8"):  # a one-process state has one grid, which rank 1's shard start would cut
+        single = _reshard_model(sharded=False)
+        alone = _reshard_optimizer(single, kind, fmt)
+        _reshard_train(single, alone, range(1))
+        target = _reshard_optimizer(_reshard_model(sharded=True), kind, fmt)
+        try:
+            load_full_state_dict(target, full_state_dict(alone))
+            result["one_to_two"] = "loaded"
+        except ValueError as error:
+            result["one_to_two"] = str(error)
+        result["one_to_two_state"] = len(target.state)
+    return result
+
+
+def reshard(rank: int, world_size: int) -> Result:
+    return {
+        f"{kind}-{fmt}": _reshard_case(kind, fmt)
+        for kind in ("kahan", "masters")
+        for fmt in (None, "bf16", "int8", "fp8")
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int], Result]] = {
     "sharded": sharded,
     "ddp": ddp,
     "fsdp": fsdp,
     "lowbit_comm": lowbit_comm,
+    "reshard": reshard,
 }
 
 

@@ -50,6 +50,7 @@ from mixprec.master import updates
 from mixprec.master.fused_adam import AdamUnit, adam_step
 from mixprec.master.lowbit_adam import check_lowbit_params, step_groups
 from mixprec.master.lowp import CHUNK, FOLD, Workspace
+from mixprec.master.sharding import agree_finite, local, local_params
 from mixprec.master.state_formats import check_state_format
 from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
 
@@ -137,7 +138,8 @@ class CompensatedOptimizer(OptimizerWrapper):
             if param.dtype in LOW_PRECISION_DTYPES:
                 self.model_params.append(param)
                 if self.method == "kahan":
-                    self.compensation.append(torch.zeros_like(param, memory_format=torch.preserve_format))
+                    shard = local(param)  # FSDP2: a buffer for this rank's shard only
+                    self.compensation.append(torch.zeros_like(shard, memory_format=torch.preserve_format))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer; its low-precision params get compensation buffers."""
@@ -179,7 +181,7 @@ class CompensatedOptimizer(OptimizerWrapper):
                 "makes the optimizer unsupported (amsgrad, differentiable, capturable or tensor options)"
             )
         with torch.no_grad():
-            stepped = self._step_fast() if self.algorithm is not None else self._step_generic()
+            stepped = self._step_shards()
         self.last_step_skipped = not stepped
         if not stepped:
             self.skipped_steps += 1
@@ -190,6 +192,24 @@ class CompensatedOptimizer(OptimizerWrapper):
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _step_shards(self) -> bool:
+        """Step this rank's shards of FSDP2 (DTensor) params as plain tensors, the other params as they are;
+        ranks agree on skipping a non-finite step (one all-reduce, only with DTensor params)."""
+        held = [p for group in self.param_groups for p in group["params"]]
+        model_params = self.model_params
+        with local_params(self.optimizer) as swapped:
+            if not swapped:
+                return self._step_fast() if self.algorithm is not None else self._step_generic()
+            self.model_params = [swapped.get(id(p), p) for p in model_params]
+            try:
+                if self.skip_nonfinite:
+                    graded = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+                    if not agree_finite(held, updates.grads_fit(graded)):
+                        return False
+                return self._step_fast() if self.algorithm is not None else self._step_generic()
+            finally:
+                self.model_params = model_params
 
     def _step_lowbit(self) -> bool:
         """Adam/AdamW with low-bit moments; False when ``skip_nonfinite`` skipped it (checked before

@@ -29,6 +29,7 @@ import torch
 from mixprec.master import state_formats as sf
 from mixprec.master.fused_adam import _round_stochastic, _segments
 from mixprec.master.lowp import Workspace
+from mixprec.master.sharding import local_grads
 
 __all__ = ["check_lowbit_params", "lowbit_adam_step", "step_groups"]
 
@@ -68,13 +69,14 @@ def step_groups(
             kahan = [kahan_of(p) if kahan_of else None for p in params]
             generator = generator_of(device) if generator_of else None
             states = [optimizer.state[p] for p in params]
-            lowbit_adam_step(group, states, params, kahan, method, fmt, generator, workspace)
+            with local_grads(params) as shards:  # FSDP2: each rank steps its own shard
+                lowbit_adam_step(group, states, shards, kahan, method, fmt, generator, workspace)
 
 
 def _prepare(fmt: str, states: list[dict[str, Any]], params: list[torch.Tensor]) -> None:
     """Create missing state (torch's ``step`` plus the format's moments) and count the step."""
     for state, param in zip(states, params, strict=True):
-        if not state:
+        if not state:  # a fresh state has one block grid (no ORIGINS key), from the tensor's start
             state["step"] = torch.tensor(0.0, dtype=_F32)
             state.update(sf.new_moments(fmt, param))
     torch._foreach_add_([s["step"] for s in states], 1.0)  # torch: step_t += 1 first
@@ -110,20 +112,33 @@ def lowbit_adam_step(
     buffers = {
         role: workspace.get(device, _F32, role, limit) for role in ("values", "grad", "moment", "second")
     }
-    for segments in _segments([p.numel() for p in params], limit, align=sf.BLOCK):
+    runs = [
+        (i, a, b, block)
+        for i, (param, state) in enumerate(zip(params, states, strict=True))
+        for a, b, block in sf.pieces(param.numel(), _origins(state))
+    ]
+    for cuts in _segments([b - a for _, a, b, _ in runs], limit, align=sf.BLOCK):
+        segments = [
+            (runs[k][0], runs[k][1] + a, runs[k][1] + b, runs[k][3] + a // sf.BLOCK) for k, a, b in cuts
+        ]
         _chunk(group, states, params, kahan, method, fmt, generator, workspace, segments, buffers)
 
 
+def _origins(state: dict[str, Any]) -> list[int] | None:
+    origins = state.get(sf.ORIGINS)
+    return None if origins is None else origins.tolist()
+
+
 def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segments, buffers) -> None:
-    """Dequantize, step and requantize one chunk (``segments``: (param index, start, stop))."""
+    """Dequantize, step and requantize one chunk (``segments``: (param index, start, stop, first block))."""
     work = {role: [] for role in buffers}
     at = 0
-    for _, a, b in segments:
+    for _, a, b, _ in segments:
         for role, buffer in buffers.items():
             work[role].append(buffer[at : at + b - a])
         at += b - a
     targets, lows = [], []
-    for n, (i, a, b) in enumerate(segments):
+    for n, (i, a, b, block) in enumerate(segments):
         flat = params[i].view(-1)[a:b]
         if params[i].dtype == _F32:
             targets.append(flat)  # stepped in place, exactly as torch steps an fp32 param
@@ -136,20 +151,20 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
             lows.append(n)
         work["grad"][n].copy_(params[i].grad.reshape(-1)[a:b])
         for key, role in zip(sf.MOMENTS, ("moment", "second"), strict=True):
-            codes, scale = _codes(fmt, states[i], key, a, b)
+            codes, scale = _codes(fmt, states[i], key, a, b, block)
             sf.dequantize_(fmt, key == "exp_avg_sq", codes, scale, work[role][n], workspace.tables)
-    steps = [states[i]["step"] for i, _, _ in segments]
+    steps = [states[i]["step"] for i, _, _, _ in segments]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
     (beta1, beta2), maximize = group["betas"], group.get("maximize", False)
     kernel(targets, work["grad"], work["moment"], work["second"], [], steps, lr=group["lr"], beta1=beta1,
            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], amsgrad=False,
            maximize=maximize)  # fmt: skip
-    for n, (i, a, b) in enumerate(segments):
+    for n, (i, a, b, block) in enumerate(segments):
         for key, role in zip(sf.MOMENTS, ("moment", "second"), strict=True):
-            codes, scale = _codes(fmt, states[i], key, a, b)
+            codes, scale = _codes(fmt, states[i], key, a, b, block)
             sf.quantize_(fmt, key == "exp_avg_sq", work[role][n], codes, scale, workspace.tables)
     for n in lows:
-        i, a, b = segments[n]
+        i, a, b, _ = segments[n]
         weight, value = params[i].view(-1)[a:b], work["values"][n]
         if kahan[i] is not None:
             weight.copy_(value)  # w = round(t)
@@ -161,9 +176,10 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
             weight.copy_(value)
 
 
-def _codes(fmt: str, state: dict[str, Any], key: str, start: int, stop: int):
-    """The flat codes of ``state[key]`` from ``start`` to ``stop`` and the scales of their blocks."""
+def _codes(fmt: str, state: dict[str, Any], key: str, start: int, stop: int, block: int):
+    """The flat codes of ``state[key]`` from ``start`` to ``stop`` (one run of the grid, from its block
+    ``block``) and the scales of their blocks."""
     codes = state[key].view(-1)[start:stop]
     if fmt == "bf16":
         return codes, None
-    return codes, state[sf.scale_key(key)][start // sf.BLOCK : -(-stop // sf.BLOCK)]
+    return codes, state[sf.scale_key(key)][block : block + -(-(stop - start) // sf.BLOCK)]

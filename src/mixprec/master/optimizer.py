@@ -30,6 +30,7 @@ import torch
 from torch.optim import Optimizer
 
 from mixprec.master.guard import HugeGradientGuard
+from mixprec.master.sharding import local
 from mixprec.master.wrapper import (
     LOW_PRECISION_DTYPES,
     OptimizerWrapper,
@@ -121,7 +122,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def _master_for(self, param: torch.Tensor) -> torch.Tensor:
         if not (self.master_weights and param.dtype in LOW_PRECISION_DTYPES):
             return param
-        master = torch.nn.Parameter(param.detach().to(torch.float32, copy=True), param.requires_grad)
+        # FSDP2: the master is a plain fp32 copy of this rank's shard, so the step never runs DTensor ops.
+        master = torch.nn.Parameter(local(param).detach().to(torch.float32, copy=True), param.requires_grad)
         state = self.optimizer.state.pop(param, None)
         if state:
             self.optimizer.state[master] = {
@@ -173,7 +175,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._stepped = self._held()
 
     def _record(self) -> None:
-        self._seen = [(p._version, p.data_ptr()) for p in self.model_params]
+        self._seen = [(local(p)._version, local(p).data_ptr()) for p in self.model_params]
 
     def sync_masters(self) -> None:
         """Copy model weights that changed outside the optimizer into their masters (elementwise).
@@ -186,7 +188,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             RuntimeError: a model weight changed shape or dtype (the optimizer cannot follow that).
         """
         with torch.no_grad():
-            for param, master in zip(self.model_params, self.master_params, strict=True):
+            for param, master in zip(map(local, self.model_params), self.master_params, strict=True):
                 if param.shape != master.shape or param.dtype not in LOW_PRECISION_DTYPES:
                     raise RuntimeError(
                         f"a model parameter changed to {param.dtype} {tuple(param.shape)} after initialize; "
@@ -198,7 +200,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def _follow_model(self) -> None:
         if any(
-            (p._version, p.data_ptr()) != seen for p, seen in zip(self.model_params, self._seen, strict=True)
+            (local(p)._version, local(p).data_ptr()) != seen
+            for p, seen in zip(self.model_params, self._seen, strict=True)
         ):
             self.sync_masters()
 
@@ -236,7 +239,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if self._grads_ready:
             return
         for param, master in zip(self.model_params, self.master_params, strict=True):
-            master.grad = None if param.grad is None else param.grad.to(torch.float32)
+            master.grad = None if param.grad is None else local(param.grad).to(torch.float32)
         self._scaler_view.refresh()
         self.scaler.unscale_(self._scaler_view)
         self._grads_ready = True
@@ -278,7 +281,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self.scaler.update()
             if self.model_params:
                 with torch.no_grad():
-                    torch._foreach_copy_(self.model_params, self.master_params)
+                    torch._foreach_copy_([local(p) for p in self.model_params], self.master_params)
         finally:
             for master in self.master_params:
                 master.grad = None  # the fp32 gradients exist during the step only

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from mixprec.master.sharding import local
+
 __all__ = ["check_compensated_state", "check_inner_state", "check_scaler_state", "load_inner_state"]
 
 _SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg")
@@ -43,6 +45,7 @@ def check_inner_state(optimizer: Optimizer, state_dict: Any) -> None:
                 f"this optimizer's {len(group['params'])}"
             )
         for index, param in zip(saved["params"], group["params"], strict=True):
+            param = local(param)  # FSDP2: the state of this rank's shard
             for key, value in state.get(index, {}).items():
                 if key in _SHAPED_STATE and torch.is_tensor(value) and value.shape != param.shape:
                     raise ValueError(
@@ -83,7 +86,7 @@ def check_scaler_state(scaler: Any, state_dict: Any) -> None:
 def check_state_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any, what: str) -> None:
     """Refuse a state dict saved with another ``state_format`` (``saved``), or whose moments do not have
     the layout ``fmt`` stores (:func:`mixprec.master.state_formats.expected_layout`); changes nothing."""
-    from mixprec.master.state_formats import expected_layout
+    from mixprec.master.state_formats import ORIGINS, check_origins, expected_layout
 
     if saved != fmt:
         raise ValueError(
@@ -103,7 +106,11 @@ def check_state_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any
         saved_state = state["state"].get(index, {})
         if not saved_state:
             continue
-        layout = expected_layout(fmt, param)
+        param = local(param)
+        origins = None
+        if fmt in ("int8", "fp8") and ORIGINS in saved_state:
+            origins = check_origins(saved_state[ORIGINS], param.numel())
+        layout = expected_layout(fmt, param, origins)
         for key, (shape, dtype) in layout.items():
             value = saved_state.get(key)
             if not torch.is_tensor(value) or tuple(value.shape) != shape or value.dtype != dtype:
@@ -198,5 +205,5 @@ def load_mixed_precision_state(optimizer: Any, state_dict: Any) -> None:
     with torch.no_grad():
         if masters:
             torch._foreach_copy_(optimizer.master_params, masters)
-            torch._foreach_copy_(optimizer.model_params, optimizer.master_params)
+            torch._foreach_copy_([local(p) for p in optimizer.model_params], optimizer.master_params)
     optimizer.scaler.load_state_dict(state_dict["scaler"])

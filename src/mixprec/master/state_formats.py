@@ -26,17 +26,22 @@ whole moment exists.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
 __all__ = [
     "BLOCK",
+    "ORIGINS",
     "STATE_FORMATS",
+    "block_count",
+    "check_origins",
     "check_state_format",
     "dequantize_",
     "dynamic_map",
     "new_moments",
+    "pieces",
     "quantize_",
     "scale_key",
     "state_nbytes",
@@ -45,6 +50,7 @@ __all__ = [
 STATE_FORMATS = ("bf16", "int8", "fp8")
 BLOCK = 256  # values per scale, as torchao's and bitsandbytes' 8-bit optimizers
 MOMENTS = ("exp_avg", "exp_avg_sq")
+ORIGINS = "block_origins"  # a state key, present only where the grid restarts inside a tensor
 _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = torch.finfo(_E4M3).max
 _TINY = 1e-12  # the smallest block absmax, as torchao: an all-zero block gets a finite scale
@@ -94,6 +100,45 @@ def _map(signed: bool, device: torch.device, tables: dict[Any, Any]) -> tuple[to
     return tables[key]
 
 
+def pieces(numel: int, origins: list[int] | None) -> list[tuple[int, int, int]]:
+    """``(start, stop, first block)`` of each run of the block grid: blocks of ``BLOCK`` restart at every
+    origin (default ``[0]``). A state resharded from several ranks keeps each shard's grid this way
+    (:mod:`mixprec.master.sharding`), so its blocks, and so its codes, are those the shards had."""
+    starts = [0] if not origins else list(origins)
+    out, block = [], 0
+    for start, stop in zip(starts, [*starts[1:], numel], strict=True):
+        out.append((start, stop, block))
+        block += -(-(stop - start) // BLOCK)
+    return out
+
+
+def block_count(numel: int, origins: list[int] | None = None) -> int:
+    """Scales a moment of ``numel`` values holds on the grid of ``origins``."""
+    return sum(-(-(stop - start) // BLOCK) for start, stop, _ in pieces(numel, origins))
+
+
+def check_origins(value: Any, numel: int) -> list[int]:
+    """The origins a state's ``block_origins`` holds: a 1-D int64 tensor starting at 0, increasing, below
+    ``numel``.
+
+    Raises:
+        ValueError: naming the value when it is anything else.
+    """
+    ok = torch.is_tensor(value) and value.dtype == torch.int64 and value.dim() == 1 and value.numel() > 0
+    origins = value.tolist() if ok else []
+    if (
+        not ok
+        or origins[0] != 0
+        or any(b <= a for a, b in itertools.pairwise(origins))
+        or origins[-1] >= max(numel, 1)
+    ):
+        raise ValueError(
+            f"block_origins must be a 1-D int64 tensor [0, ...] increasing and below the parameter's {numel} "
+            f"values, got {value!r:.120}"
+        )
+    return origins
+
+
 def new_moments(fmt: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
     """Zero ``exp_avg``/``exp_avg_sq`` codes (shaped as ``param``) and their block scales."""
     out: dict[str, torch.Tensor] = {}
@@ -105,11 +150,14 @@ def new_moments(fmt: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def expected_layout(fmt: str | None, param: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """What a moment state of ``param`` holds in ``fmt``: key -> (shape, dtype); {} for None (torch's)."""
+def expected_layout(
+    fmt: str | None, param: torch.Tensor, origins: list[int] | None = None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What a moment state of ``param`` (its local shard, under FSDP2) holds in ``fmt`` on the block grid
+    of ``origins``: key -> (shape, dtype); {} for None (torch's)."""
     if fmt is None:
         return {}
-    blocks = -(-param.numel() // BLOCK)
+    blocks = block_count(param.numel(), origins)
     out = {key: (tuple(param.shape), _CODE_DTYPES[fmt]) for key in MOMENTS}
     if fmt != "bf16":
         out.update({scale_key(key): ((blocks,), torch.float32) for key in MOMENTS})
