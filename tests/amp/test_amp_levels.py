@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import MixedPrecisionOptimizer
-from mixprec.master.casting import cast_model
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.recipes import OPT_LEVELS, PRESETS, initialize, resolve_level
+from mixprec.amp.casting import cast_model
+from mixprec.amp.levels import OPT_LEVELS, PRESETS, initialize, resolve_level
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.optim.compensated import CompensatedOptimizer
 
 
 def bn_model(seed=0):

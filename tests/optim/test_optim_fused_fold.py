@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import fused_adam
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.lowp import FOLD, Workspace
+from mixprec.optim import fused_adam
+from mixprec.optim.compensated import CompensatedOptimizer
+from mixprec.optim.rounding import FOLD, Workspace
 
 BF16 = torch.bfloat16
 

@@ -6,7 +6,7 @@ AdamW and SGD), ``recipes`` (:func:`initialize`, opt levels and presets), ``cast
 ``state`` (state-dict validation), ``wrapper`` (the shared base class and loss-scale specs).
 """
 
-from mixprec.master.optimizer import MixedPrecisionOptimizer
-from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper, resolve_scaler
+from mixprec.optim.masters import MixedPrecisionOptimizer
+from mixprec.optim.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper, resolve_scaler
 
 __all__ = ["LOW_PRECISION_DTYPES", "MixedPrecisionOptimizer", "OptimizerWrapper", "resolve_scaler"]

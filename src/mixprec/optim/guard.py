@@ -88,7 +88,7 @@ def largest_norms(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, tor
     every ``|g|`` of its tensor. Empty tensors are left out; no gradients give ``{}``.
 
     The one non-finite / overflow check of the master-weight paths (this guard, the compensated updates,
-    the fused Adam path above ``lowp.FOLD`` values, which below it checks its own fp32 gradient copies);
+    the fused Adam path above ``rounding.FOLD`` values, which below it checks its own fp32 gradient copies);
     the inf-norm kernel would be exact but is ~30x slower on a CPU.
     """
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

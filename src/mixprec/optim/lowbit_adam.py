@@ -1,7 +1,7 @@
 """Adam/AdamW with low-bit moments, chunk by chunk through torch's fused kernel: :func:`lowbit_adam_step`.
 
 Both optimizer wrappers step with it when ``state_format`` is set (the formats:
-:mod:`mixprec.master.state_formats`). Each chunk of at most ``workspace.numel`` values (cut at block
+:mod:`mixprec.optim.state_formats`). Each chunk of at most ``workspace.numel`` values (cut at block
 boundaries of each tensor) is dequantized into fp32 workspace buffers, stepped by torch's fused Adam/AdamW
 kernel, and requantized; the weight is written as its update method says::
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from mixprec.master import state_formats as sf
-from mixprec.master.fused_adam import _round_stochastic, _segments
-from mixprec.master.lowp import Workspace
+from mixprec.optim import state_formats as sf
+from mixprec.optim.fused_adam import _round_stochastic, _segments
+from mixprec.optim.rounding import Workspace
 
 __all__ = ["check_lowbit_params", "lowbit_adam_step", "step_groups"]
 

@@ -82,8 +82,8 @@ def check_scaler_state(scaler: Any, state_dict: Any) -> None:
 
 def check_state_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any, what: str) -> None:
     """Refuse a state dict saved with another ``state_format`` (``saved``), or whose moments do not have
-    the layout ``fmt`` stores (:func:`mixprec.master.state_formats.expected_layout`); changes nothing."""
-    from mixprec.master.state_formats import expected_layout
+    the layout ``fmt`` stores (:func:`mixprec.optim.state_formats.expected_layout`); changes nothing."""
+    from mixprec.optim.state_formats import expected_layout
 
     if saved != fmt:
         raise ValueError(
