@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.amp.levels import initialize
-from mixprec.optim.masters import MixedPrecisionOptimizer
+from mixprec.amp import initialize
+from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.optim.wrapper import first_device
 from mixprec.scaling import GradScaler
 

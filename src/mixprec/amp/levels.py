@@ -42,9 +42,7 @@ from torch import nn
 from mixprec import formats
 from mixprec._tree import map_tensors
 from mixprec.amp.casting import cast_model, cast_with_undo
-from mixprec.optim.compensated import CompensatedOptimizer
-from mixprec.optim.masters import MixedPrecisionOptimizer
-from mixprec.optim.wrapper import resolve_scaler
+from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer, resolve_scaler
 
 __all__ = [
     "OPT_LEVELS",
