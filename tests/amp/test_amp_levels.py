@@ -8,10 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.amp.casting import cast_model
-from mixprec.amp.levels import OPT_LEVELS, PRESETS, initialize, resolve_level
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.optim.compensated import CompensatedOptimizer
+from mixprec.amp import OPT_LEVELS, PRESETS, cast_model, initialize, resolve_level
+from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer
 
 
 def bn_model(seed=0):

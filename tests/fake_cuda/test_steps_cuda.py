@@ -13,7 +13,7 @@ import torch
 
 import mixprec
 from fake_cuda import loops
-from mixprec.optim.compensated import METHODS
+from mixprec.optim import METHODS
 from mixprec.optim.guard import largest_norms
 
 

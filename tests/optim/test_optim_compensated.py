@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.optim.compensated import CompensatedOptimizer
+from mixprec.optim import CompensatedOptimizer
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.amp.levels import initialize
-from mixprec.optim.compensated import CompensatedOptimizer
+from mixprec.amp import initialize
+from mixprec.optim import CompensatedOptimizer
 
 
 def net(seed=0, batchnorm=False):

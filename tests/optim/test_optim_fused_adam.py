@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.amp.levels import initialize
-from mixprec.optim.compensated import CompensatedOptimizer
+from mixprec.amp import initialize
+from mixprec.optim import CompensatedOptimizer
 from mixprec.optim.rounding import KEEP_HIGH_16_BITS, POOL, RandomBits
 
 BF16, FP32 = torch.bfloat16, torch.float32

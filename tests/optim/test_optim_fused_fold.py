@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.optim import fused_adam
-from mixprec.optim.compensated import CompensatedOptimizer
+from mixprec.optim import CompensatedOptimizer, fused_adam
 from mixprec.optim.rounding import FOLD, Workspace
 
 BF16 = torch.bfloat16

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.amp.levels import initialize
+from mixprec.amp import initialize
 
 sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import load_digits  # noqa: E402
