@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 
 from mixprec.optim import updates
 from mixprec.optim.fused_adam import AdamUnit, adam_step
+from mixprec.optim.guard import grads_of
 from mixprec.optim.lowbit_adam import check_lowbit_params, step_groups
 from mixprec.optim.rounding import CHUNK, FOLD, Workspace
 from mixprec.optim.state_formats import check_state_format
@@ -250,7 +251,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             and self.method != "nearest"
             and self.algorithm == "adam"
             and self.state_dtype is None
-            and updates.contiguous(params, [p.grad for p in params], kahan or [])
+            and updates.contiguous(params, grads_of(params), kahan or [])
         )
 
     def _step_unfused(self, group, bucket, low, state_dtype, slots) -> None:
@@ -376,7 +377,7 @@ class CompensatedOptimizer(OptimizerWrapper):
 def _scratch(param: torch.Tensor) -> torch.nn.Parameter:
     """An fp32 copy of a low-precision param with an fp32 copy of its gradient (exists during a step)."""
     scratch = torch.nn.Parameter(param.detach().float(), param.requires_grad)
-    scratch.grad = param.grad.float()
+    scratch.grad = grads_of([param])[0].float()
     return scratch
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.guard import largest_norms
+from mixprec.optim.guard import grads_of, largest_norms
 from mixprec.optim.rounding import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits, views
 
 __all__ = ["AdamUnit", "adam_step", "grads_fit"]
@@ -93,7 +93,7 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
     for unit in units:
         _prepare(unit)
-        flat_grads = [] if folded else [p.grad.view(-1) for p in unit.params]
+        flat_grads = [] if folded else [g.view(-1) for g in grads_of(unit.params)]
         for chunk in _plan(unit, workspace, used, offset if folded else None):
             if not folded:
                 pieces = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
@@ -114,7 +114,7 @@ def _copied_grads_fit(units: list[AdamUnit], workspace: Workspace, used: dict[tu
     """Copy every gradient into the "grad" buffer (unit after unit, in param order: the layout the folded
     plans read) and check the copy: its squared L2 norm (inf/nan for any inf/nan) at most ``max / 2`` of
     the narrowest second-moment dtype. The buffer's views are kept with the plans (keyed by the shapes)."""
-    grads = [p.grad for unit in units for p in unit.params]
+    grads = grads_of(p for unit in units for p in unit.params)
     total = sum(g.numel() for g in grads)
     buffer = workspace.get(units[0].params[0].device, _F32, "grad", total)
     key = ("fold", workspace.generation, *(g.shape for g in grads))
@@ -210,7 +210,7 @@ def grads_fit(units: list[AdamUnit]) -> bool:
     each group's largest L2 norm (:func:`~mixprec.optim.guard.largest_norms`, one host sync) at most
     ``sqrt(max / 2)`` of the narrowest second-moment dtype."""
     limit = min((torch.finfo(unit.moment_dtypes[1]).max / 2) ** 0.5 for unit in units)
-    norms = largest_norms(param.grad for unit in units for param in unit.params)
+    norms = largest_norms(grads_of(param for unit in units for param in unit.params))
     return all(norm <= limit for norm in norms.values())  # nan compares False
 
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["HugeGradientGuard", "largest_norms", "square_limit"]
+__all__ = ["HugeGradientGuard", "grads_of", "largest_norms", "square_limit"]
 
 
 def square_limit(dtype: torch.dtype) -> float:
@@ -80,6 +80,16 @@ class HugeGradientGuard:
                 stacklevel=4,
             )
         return not self.last_step_skipped
+
+
+def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradient of each of ``params``: the steps are given only parameters that have one."""
+    grads = []
+    for i, param in enumerate(params):
+        if param.grad is None:
+            raise ValueError(f"parameter {i} of the step has no gradient; a step takes params with a .grad")
+        grads.append(param.grad)
+    return grads
 
 
 def largest_norms(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], float]:

@@ -116,7 +116,7 @@ def lowbit_adam_step(
 
 def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segments, buffers) -> None:
     """Dequantize, step and requantize one chunk (``segments``: (param index, start, stop))."""
-    work = {role: [] for role in buffers}
+    work: dict[str, list[torch.Tensor]] = {role: [] for role in buffers}
     at = 0
     for _, a, b in segments:
         for role, buffer in buffers.items():

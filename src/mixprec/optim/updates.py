@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.guard import largest_norms
+from mixprec.optim.guard import grads_of, largest_norms
 from mixprec.optim.rounding import Workspace, chunks, kahan_fold, round_stochastic_into, views
 
 __all__ = [
@@ -105,7 +105,7 @@ def grads_fit(params: list[torch.Tensor]) -> bool:
     group's largest L2 norm (:func:`~mixprec.optim.guard.largest_norms`, one host sync) at most
     ``sqrt(max / 2)`` of fp32, about 1.3e19."""
     limit = (torch.finfo(torch.float32).max / 2) ** 0.5
-    norms = largest_norms(p.grad for p in params)
+    norms = largest_norms(grads_of(params))
     return all(norm <= limit for norm in norms.values())  # nan compares False
 
 
@@ -139,10 +139,11 @@ def step_group(
         mode, target = "in_place", params  # fp32 weights, or bf16 weights rounded once per step
     elif fp32_copy or method == "stochastic":
         mode, target = ("fp32_copy" if fp32_copy else "stochastic"), [p.float() for p in params]
-    else:
-        mode, target = "kahan_low", kahan  # bf16 state and weights: the update accumulates in the buffer
+    else:  # bf16 state and weights: the update accumulates in the Kahan buffer
+        assert kahan is not None, "method 'kahan' steps with its buffers"
+        mode, target = "kahan_low", kahan
     decay_base = target if mode in ("in_place", "fp32_copy") else params
-    grads = [p.grad if p.grad.dtype == state_dtype else p.grad.to(state_dtype) for p in params]
+    grads = [g if g.dtype == state_dtype else g.to(state_dtype) for g in grads_of(params)]
     step = _adam if algorithm == "adam" else _sgd
     step(group, states, grads, target, decay_base, additive=mode == "kahan_low", fold=state_dtype in _LOW)
     if mode == "kahan_low":
