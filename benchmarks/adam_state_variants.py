@@ -13,7 +13,7 @@ fp32-v-foreach      12     bf16 m, fp32 v, foreach ops (mixed bf16/fp32 ops are 
 fp32-v-upcast       12     bf16 m, fp32 v, gradients copied to fp32 first so v's ops are fp32 only
 bf16-v-stochastic   10     bf16 m and v, v's update rounded stochastically (unbiased decay)
 fused-chunks        12     mixprec's path: torch's fused Adam kernel on fp32 copies of 2**18-element
-                           chunks, bf16 m, fp32 v (``mixprec.master.fused_adam``), no non-finite check
+                           chunks, bf16 m, fp32 v (``mixprec.optim.fused_adam``), no non-finite check
 fused-folded        12     the same with the check folded into the pass (the default under 2**20
                            values: one dot of the fp32 gradient copies the kernel needs anyway)
 fused-separate      12     the same with the check as a separate read of the bf16 gradients first

@@ -38,7 +38,7 @@ from mixprec.float8.linear import Float8Linear
 from mixprec.float8.matmul import Float8LinearFunction
 from mixprec.lowbit import RECIPES, get_recipe
 from mixprec.lowbit.gemm import LowbitLinearFunction
-from mixprec.master.compensated import METHODS
+from mixprec.optim import METHODS
 
 M, K, N = 256, 512, 1024
 

@@ -3,7 +3,7 @@
 ``python benchmarks/huge_gradient_guard.py --threads 1 --json benchmarks/huge_gradient_guard.json``
 
 For each path (O1, O2, bf16-true) and width, two copies of the same model and optimizer are built in this
-process, one with the guard (:mod:`mixprec.master.guard`) and one with it removed; their training steps
+process, one with the guard (:mod:`mixprec.optim.guard`) and one with it removed; their training steps
 (forward, backward, ``step()``) alternate, so drift and other jobs on the machine hit both alike. Times are
 CPU time (``time.process_time``) of blocks of ``--steps`` steps; the table gives the median per-step time of
 each and the median of the per-round ratios, with the interquartile range in brackets.

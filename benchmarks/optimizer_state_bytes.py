@@ -33,9 +33,7 @@ from typing import Any
 import torch
 
 from mixprec.bench.workloads import WORKLOADS, Preset
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.optimizer import MixedPrecisionOptimizer
-from mixprec.master.state_formats import STATE_FORMATS
+from mixprec.optim import STATE_FORMATS, CompensatedOptimizer, MixedPrecisionOptimizer
 
 LM = {"context": 64, "width": 96, "layers": 2, "heads": 2, "lr": 2e-3}
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}

@@ -10,12 +10,11 @@ Diagnostics live in :mod:`mixprec.inspect`.
 """
 
 from mixprec import distributed, float8, formats, lowbit
+from mixprec.amp import OPT_LEVELS, PRESETS, initialize
 from mixprec.autocast import autocast, get_autocast_dtype, is_autocast_enabled
 from mixprec.autocast.checkpoint import autocast_context_fn, checkpoint
 from mixprec.autocast.custom_function import custom_bwd, custom_fwd
-from mixprec.master import MixedPrecisionOptimizer
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.recipes import OPT_LEVELS, PRESETS, initialize
+from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer
 from mixprec.policy import Policy
 from mixprec.scaling import DynamicScale, GradScaler, HeadroomScale, NoScale, StaticScale
 

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.master.optimizer import MixedPrecisionOptimizer
-from mixprec.master.recipes import initialize
-from mixprec.master.wrapper import first_device
+from mixprec.amp import initialize
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.optim.wrapper import first_device
 from mixprec.scaling import GradScaler
 
 __all__ = ["FP16_Optimizer", "amp"]

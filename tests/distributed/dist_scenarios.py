@@ -479,7 +479,7 @@ def _set_whole(model: torch.nn.Module, weights: list[torch.Tensor]) -> None:
 
 
 def _reshard_case(kind: str, fmt: str | None) -> Result:
-    from mixprec.master import full_state_dict, load_full_state_dict
+    from mixprec.optim import full_state_dict, load_full_state_dict
 
     model = _reshard_model(sharded=True)
     optimizer = _reshard_optimizer(model, kind, fmt)

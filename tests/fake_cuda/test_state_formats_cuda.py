@@ -8,7 +8,7 @@ import torch
 
 import mixprec
 from fake_cuda import loops
-from mixprec.master.state_formats import STATE_FORMATS
+from mixprec.optim.state_formats import STATE_FORMATS
 
 
 def _counted_steps(recorder, opt, ps, steps: int = 3) -> list[tuple[int, int]]:

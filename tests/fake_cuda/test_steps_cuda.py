@@ -13,8 +13,8 @@ import torch
 
 import mixprec
 from fake_cuda import loops
-from mixprec.master.compensated import METHODS
-from mixprec.master.guard import largest_norms
+from mixprec.optim import METHODS
+from mixprec.optim.guard import largest_norms
 
 
 def _syncs(counts: loops.Counts) -> list[int]:

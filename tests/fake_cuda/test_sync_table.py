@@ -10,7 +10,7 @@ import torch
 
 from mixprec.float8.config import RECIPE_NAMES
 from mixprec.lowbit import RECIPES
-from mixprec.master.compensated import METHODS
+from mixprec.optim import METHODS
 
 pytestmark = pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (fake tier)")
 

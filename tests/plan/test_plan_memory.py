@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.master.state_formats import state_nbytes
+from mixprec.optim.state_formats import state_nbytes
 from mixprec.plan import PrecisionPlan, plan_precision
 from mixprec.plan.memory import MemoryModel, parse_bytes
 

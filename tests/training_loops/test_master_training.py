@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master.recipes import initialize
+from mixprec.amp import initialize
 
 sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import load_digits  # noqa: E402

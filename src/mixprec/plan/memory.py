@@ -10,7 +10,7 @@ Per parameter tensor ``p`` of the model and per planned linear layer (``K`` inpu
     activations   = the layer's GEMM input saved for the weight gradient, an (M, K) tensor in the
                     layer's dtype, or its quantized form for "fp8" / "mxfp8"
 
-The moment bytes are those :func:`mixprec.master.state_formats.new_moments` allocates (codes and block
+The moment bytes are those :func:`mixprec.optim.state_formats.new_moments` allocates (codes and block
 scales); the fp32 moments of ``state_format=None`` are torch Adam's own. The activation bytes are those of
 :func:`mixprec.lowbit.quantize` with the layout :class:`mixprec.lowbit.save_activations` stores (fp8 rows
 with one fp32 scale each, or mxfp8 in 32-blocks padded along K); tensors under its ``MIN_NUMEL`` stay as
@@ -42,7 +42,7 @@ from torch import nn
 from mixprec.lowbit.activations import ACTIVATION_FORMATS, MIN_NUMEL
 from mixprec.lowbit.formats import get_format
 from mixprec.lowbit.quantize import quantize
-from mixprec.master.state_formats import STATE_FORMATS, new_moments
+from mixprec.optim.state_formats import STATE_FORMATS, new_moments
 
 __all__ = [
     "COMPONENTS",

@@ -4,7 +4,7 @@ Temporaries (fp32 copies of the gradients and moments, Adam's denominator, stoch
 random bits) live in a :class:`Workspace` of at most ``CHUNK`` elements per buffer that survives between
 steps: an update allocates nothing per step, and no scratch the size of a big model exists. One buffer may
 reach ``FOLD`` elements: the fp32 gradient copies of a whole guarded fused Adam step small enough to be
-checked in the workspace before anything is written (:func:`mixprec.master.fused_adam.adam_step`). Each
+checked in the workspace before anything is written (:func:`mixprec.optim.fused_adam.adam_step`). Each
 chunk is a list of consecutive slices of the flattened tensors (a big tensor spans chunks, small ones share
 one), so the foreach ops see the same values as on whole tensors; only the grouping differs.
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, RandomBits
-from mixprec.master.recipes import initialize
+from mixprec.amp import initialize
+from mixprec.optim import CompensatedOptimizer
+from mixprec.optim.rounding import KEEP_HIGH_16_BITS, POOL, RandomBits
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

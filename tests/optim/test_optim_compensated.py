@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master.compensated import CompensatedOptimizer
+from mixprec.optim import CompensatedOptimizer
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -174,7 +174,7 @@ def test_errors_name_the_bad_value():
 
 
 def test_under_loss_scaling_the_model_grads_are_unscaled_and_clipped():
-    from mixprec.master import MixedPrecisionOptimizer
+    from mixprec.optim import MixedPrecisionOptimizer
     from mixprec.scaling import GradScaler
 
     weight = nn.Parameter(torch.ones(64, dtype=torch.float16))
@@ -211,7 +211,7 @@ def test_lr_scheduler_drives_the_inner_optimizer():
 
 
 def test_state_dtype_follows_whether_a_bf16_average_can_move():
-    from mixprec.master.updates import moment_dtypes
+    from mixprec.optim.updates import moment_dtypes
 
     one = torch.ones(1, dtype=torch.bfloat16)
     assert torch.equal(one * 0.999, one) and not torch.equal(one * 0.99, one)  # why beta2 0.999 stays fp32

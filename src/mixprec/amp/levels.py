@@ -1,4 +1,4 @@
-"""apex-style opt levels (O0-O3) and Lightning/Accelerate-style presets: :func:`initialize`.
+"""apex-style opt levels (O0-O3) and Lightning/Accelerate-style presets: :func:`~mixprec.initialize`.
 
 =====  ===================  =========  ===============  ==============  =============  ===================
 level  weights              autocast   BatchNorm        master weights  loss scale     inputs / outputs
@@ -16,15 +16,15 @@ O3     ``dtype``            no         ``dtype``        no              static 1
 A static scale of 1 does not scale, but a step whose gradients hold inf/nan is still skipped: that is the
 default of every preset without dynamic scaling, so a NaN never reaches the weights, the masters or the
 Kahan buffers. With ``weight_update="kahan"``/``"stochastic"`` at that scale the check runs inside the
-compensated update pass instead of the scaler (:class:`~mixprec.master.compensated.CompensatedOptimizer`'s
+compensated update pass instead of the scaler (:class:`~mixprec.optim.compensated.CompensatedOptimizer`'s
 ``skip_nonfinite``, which also skips a gradient whose square would overflow Adam's second moment); under
 any other scale it runs in both. ``loss_scale=None`` opts out (no check, no skip, as torch).
 
 Casting never touches modules kept in fp32 (BatchNorm under ``keep_batchnorm_fp32``) and refuses a cast
 that would turn a finite value into inf. fp16 weights without masters (O3, "16-true") are stepped through
-:class:`~mixprec.master.compensated.CompensatedOptimizer` with ``method="nearest"``: the optimizer state
+:class:`~mixprec.optim.compensated.CompensatedOptimizer` with ``method="nearest"``: the optimizer state
 stays fp32, since torch's Adam on fp16 state divides by an ``eps`` that is 0 in fp16 (NaN rows).
-:func:`initialize` checks everything before it changes the model; if wrapping fails it undoes the cast.
+:func:`~mixprec.initialize` checks everything before it changes the model; if wrapping fails it undoes the cast.
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ from torch import nn
 
 from mixprec import formats
 from mixprec._tree import map_tensors
-from mixprec.master.casting import cast_model, cast_with_undo
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.optimizer import MixedPrecisionOptimizer
-from mixprec.master.wrapper import resolve_scaler
+from mixprec.amp.casting import cast_model, cast_with_undo
+from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer, resolve_scaler
 
 __all__ = [
     "OPT_LEVELS",
@@ -59,7 +57,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class OptLevel:
-    """One row of the opt-level table; :func:`initialize`'s overrides replace fields by name."""
+    """One row of the opt-level table; :func:`~mixprec.initialize`'s overrides replace fields by name."""
 
     cast_model: bool
     autocast: bool
@@ -182,7 +180,7 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
 class PrecisionForward:
     """A model's ``forward`` under an opt level: inputs cast on entry, autocast around, outputs to fp32.
 
-    Installed as ``model.forward`` by :func:`initialize`; it also marks the model as initialized.
+    Installed as ``model.forward`` by :func:`~mixprec.initialize`; it also marks the model as initialized.
     """
 
     def __init__(

@@ -14,8 +14,8 @@ in expectation and needs no buffer (bf16 only).
 Two paths, chosen per optimizer:
 
 * ``torch.optim.Adam``, ``AdamW`` and ``SGD``: mixprec steps the torch optimizer's own groups and state with
-  foreach updates on the low-precision weights (:mod:`mixprec.master.updates`; Adam/AdamW on bf16 weights
-  with Kahan or stochastic rounding in one fused pass, :mod:`mixprec.master.fused_adam`). Each moving
+  foreach updates on the low-precision weights (``mixprec.optim.updates``; Adam/AdamW on bf16 weights
+  with Kahan or stochastic rounding in one fused pass, ``mixprec.optim.fused_adam``). Each moving
   average is kept in bf16 where it can move in bf16, else fp32 (``state_dtype``): at torch's default Adam
   betas a bf16 first moment and an fp32 second moment. No fp32 copy of the model exists at any time.
 * any other optimizer: it steps fp32 scratch copies of at most ``scratch_numel`` weights at a time (exact for
@@ -27,7 +27,7 @@ the whole model.
 With ``skip_nonfinite`` (the default) a step is skipped, state and weights untouched, when a gradient is
 inf/nan or (Adam) its square would overflow the second moment; the fused Adam path checks inside its pass
 (the fp32 copies of the gradients it makes anyway, before anything is written) when the step holds at most
-``lowp.FOLD`` values, the others and bigger steps check the gradients first. ``skipped_steps`` and
+``rounding.FOLD`` values, the others and bigger steps check the gradients first. ``skipped_steps`` and
 ``last_step_skipped`` report it, and each skip warns.
 
 Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Measured in
@@ -46,13 +46,14 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from mixprec.master import updates
-from mixprec.master.fused_adam import AdamUnit, adam_step
-from mixprec.master.lowbit_adam import check_lowbit_params, step_groups
-from mixprec.master.lowp import CHUNK, FOLD, Workspace
-from mixprec.master.sharding import agree_finite, local, local_params
-from mixprec.master.state_formats import check_state_format
-from mixprec.master.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
+from mixprec.optim import updates
+from mixprec.optim.fused_adam import AdamUnit, adam_step
+from mixprec.optim.guard import grads_of
+from mixprec.optim.lowbit_adam import check_lowbit_params, step_groups
+from mixprec.optim.rounding import CHUNK, FOLD, Workspace
+from mixprec.optim.sharding import agree_finite, local, local_params
+from mixprec.optim.state_formats import check_state_format
+from mixprec.optim.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
 
 __all__ = ["METHODS", "CompensatedOptimizer"]
 
@@ -76,14 +77,14 @@ class CompensatedOptimizer(OptimizerWrapper):
         scratch_numel: most weights stepped at once (consecutive whole tensors), which bounds the fp32
             temporaries: the scratch copies of the generic path, the fp32 values of fp32-state updates;
             None: all at once.
-        state_dtype: None (bf16 where the method allows it, see ``mixprec.master.updates.moment_dtypes``)
+        state_dtype: None (bf16 where the method allows it, see ``mixprec.optim.updates.moment_dtypes``)
             or ``torch.float32`` (always fp32 state: bit for bit the torch optimizer stepping an fp32
             scratch copy of each weight, then rounding it).
         skip_nonfinite: skip (and warn about) a step whose gradients are inf/nan or would overflow the
             optimizer state; False steps whatever comes, as torch does.
         state_format: None (the moments as ``state_dtype`` says) or ``"bf16"``, ``"int8"``, ``"fp8"``: Adam's
-            moments stored in that low-bit format (``mixprec.master.state_formats``), stepped chunk by
-            chunk (``mixprec.master.lowbit_adam``); needs ``torch.optim.Adam``/``AdamW`` and
+            moments stored in that low-bit format (``mixprec.optim.state_formats``), stepped chunk by
+            chunk (``mixprec.optim.lowbit_adam``); needs ``torch.optim.Adam``/``AdamW`` and
             ``state_dtype=None``.
 
     Attributes:
@@ -270,7 +271,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             and self.method != "nearest"
             and self.algorithm == "adam"
             and self.state_dtype is None
-            and updates.contiguous(params, [p.grad for p in params], kahan or [])
+            and updates.contiguous(params, grads_of(params), kahan or [])
         )
 
     def _step_unfused(self, group, bucket, low, state_dtype, slots) -> None:
@@ -383,7 +384,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             ValueError: missing keys, another method, compensation buffers of other shapes or dtypes,
                 generator states or an optimizer state that do not fit.
         """
-        from mixprec.master.state import check_compensated_state, load_inner_state
+        from mixprec.optim.state import check_compensated_state, load_inner_state
 
         generators = check_compensated_state(self, state_dict)
         load_inner_state(self.optimizer, state_dict["optimizer"])
@@ -396,7 +397,7 @@ class CompensatedOptimizer(OptimizerWrapper):
 def _scratch(param: torch.Tensor) -> torch.nn.Parameter:
     """An fp32 copy of a low-precision param with an fp32 copy of its gradient (exists during a step)."""
     scratch = torch.nn.Parameter(param.detach().float(), param.requires_grad)
-    scratch.grad = param.grad.float()
+    scratch.grad = grads_of([param])[0].float()
     return scratch
 
 

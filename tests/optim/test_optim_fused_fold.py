@@ -10,9 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import fused_adam
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.lowp import FOLD, Workspace
+from mixprec.optim import CompensatedOptimizer, fused_adam
+from mixprec.optim.rounding import FOLD, Workspace
 
 BF16 = torch.bfloat16
 

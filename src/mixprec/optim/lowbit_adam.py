@@ -1,7 +1,7 @@
 """Adam/AdamW with low-bit moments, chunk by chunk through torch's fused kernel: :func:`lowbit_adam_step`.
 
 Both optimizer wrappers step with it when ``state_format`` is set (the formats:
-:mod:`mixprec.master.state_formats`). Each chunk of at most ``workspace.numel`` values (cut at block
+``mixprec.optim.state_formats``). Each chunk of at most ``workspace.numel`` values (cut at block
 boundaries of each tensor) is dequantized into fp32 workspace buffers, stepped by torch's fused Adam/AdamW
 kernel, and requantized; the weight is written as its update method says::
 
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from mixprec.master import state_formats as sf
-from mixprec.master.fused_adam import _round_stochastic, _segments
-from mixprec.master.lowp import Workspace
-from mixprec.master.sharding import local_grads
+from mixprec.optim import state_formats as sf
+from mixprec.optim.fused_adam import _round_stochastic, _segments
+from mixprec.optim.rounding import Workspace
+from mixprec.optim.sharding import local_grads
 
 __all__ = ["check_lowbit_params", "lowbit_adam_step", "step_groups"]
 
@@ -131,7 +131,7 @@ def _origins(state: dict[str, Any]) -> list[int] | None:
 
 def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segments, buffers) -> None:
     """Dequantize, step and requantize one chunk (``segments``: (param index, start, stop, first block))."""
-    work = {role: [] for role in buffers}
+    work: dict[str, list[torch.Tensor]] = {role: [] for role in buffers}
     at = 0
     for _, a, b, _ in segments:
         for role, buffer in buffers.items():

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["HugeGradientGuard", "largest_norms", "square_limit"]
+__all__ = ["HugeGradientGuard", "grads_of", "largest_norms", "square_limit"]
 
 
 def square_limit(dtype: torch.dtype) -> float:
@@ -82,13 +82,23 @@ class HugeGradientGuard:
         return not self.last_step_skipped
 
 
+def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradient of each of ``params``: the steps are given only parameters that have one."""
+    grads = []
+    for i, param in enumerate(params):
+        if param.grad is None:
+            raise ValueError(f"parameter {i} of the step has no gradient; a step takes params with a .grad")
+        grads.append(param.grad)
+    return grads
+
+
 def largest_norms(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], float]:
     """The largest L2 norm of ``grads`` per ``(device, dtype)``: one ``torch._foreach_norm`` per group
     and one host read per device. A norm is inf or nan when a tensor holds inf or nan, and bounds
     every ``|g|`` of its tensor. Empty tensors are left out; no gradients give ``{}``.
 
     The one non-finite / overflow check of the master-weight paths (this guard, the compensated updates,
-    the fused Adam path above ``lowp.FOLD`` values, which below it checks its own fp32 gradient copies);
+    the fused Adam path above ``rounding.FOLD`` values, which below it checks its own fp32 gradient copies);
     the inf-norm kernel would be exact but is ~30x slower on a CPU.
     """
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.recipes import initialize
+from mixprec.amp import initialize
+from mixprec.optim import CompensatedOptimizer
 
 
 def net(seed=0, batchnorm=False):

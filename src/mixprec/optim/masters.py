@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from mixprec.master.guard import HugeGradientGuard
-from mixprec.master.sharding import local
-from mixprec.master.wrapper import (
+from mixprec.optim.guard import HugeGradientGuard
+from mixprec.optim.sharding import local
+from mixprec.optim.wrapper import (
     LOW_PRECISION_DTYPES,
     OptimizerWrapper,
     ScalerView,
@@ -60,7 +60,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     With a scaler, a step whose unscaled gradients hold a value whose square overflows the optimizer
     state's dtype (``|g| > 1.8e19`` for fp32 state) is skipped and counted in :attr:`skipped_steps`, with a
-    ``RuntimeWarning`` (``mixprec.master.guard``); Kahan/stochastic inner updates are not guarded here.
+    ``RuntimeWarning`` (``mixprec.optim.guard``); Kahan/stochastic inner updates are not guarded here.
 
     Args:
         optimizer: a torch optimizer built on the model's parameters.
@@ -69,8 +69,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         master_weights: keep fp32 copies of half-precision params (True), or step them in place (False, apex
             O3 / "bf16-true").
         state_format: None (the inner optimizer's own state and step) or ``"bf16"``, ``"int8"``, ``"fp8"``:
-            Adam's moments stored in that low-bit format (``mixprec.master.state_formats``) and the masters
-            stepped chunk by chunk through torch's fused kernel (``mixprec.master.lowbit_adam``); needs a
+            Adam's moments stored in that low-bit format (``mixprec.optim.state_formats``) and the masters
+            stepped chunk by chunk through torch's fused kernel (``mixprec.optim.lowbit_adam``); needs a
             fresh ``torch.optim.Adam``/``AdamW``.
 
     Raises:
@@ -214,7 +214,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def skipped_steps(self) -> int:
         """Steps skipped so far because a gradient was inf/nan (as the scaler counts them; 0 for a scaler
         that does not count) or so large that its square would overflow the optimizer state (the guard, or a
-        :class:`~mixprec.master.compensated.CompensatedOptimizer` inside that checks in its update pass)."""
+        :class:`~mixprec.optim.compensated.CompensatedOptimizer` inside that checks in its update pass)."""
         guard = self._scaler_view.guard
         inner = int(getattr(self.optimizer, "skipped_steps", 0))
         return int(getattr(self.scaler, "skipped_steps", 0)) + (guard.skipped_steps if guard else 0) + inner
@@ -318,7 +318,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             TypeError: ``state_dict`` is not a dict.
             ValueError: when keys are missing or a part does not fit this optimizer.
         """
-        from mixprec.master.state import load_mixed_precision_state
+        from mixprec.optim.state import load_mixed_precision_state
 
         load_mixed_precision_state(self, state_dict)
         self._grads_ready = False
@@ -349,10 +349,10 @@ def _check_new_params(
 
 
 def _check_state_format(optimizer: Optimizer, state_format: Any) -> None:
-    from mixprec.master import updates
-    from mixprec.master.compensated import CompensatedOptimizer
-    from mixprec.master.lowbit_adam import check_lowbit_params
-    from mixprec.master.state_formats import check_state_format
+    from mixprec.optim import updates
+    from mixprec.optim.compensated import CompensatedOptimizer
+    from mixprec.optim.lowbit_adam import check_lowbit_params
+    from mixprec.optim.state_formats import check_state_format
 
     if check_state_format(state_format) is None:
         return
@@ -374,7 +374,7 @@ def _check_state_format(optimizer: Optimizer, state_format: Any) -> None:
 def _guard_for(optimizer: Optimizer, scaler: Any) -> HugeGradientGuard | None:
     """The huge-gradient guard of a wrapper, or None: without a scaler (``loss_scale=None``, as torch), and
     for Kahan/stochastic updates (their own update pass checks the gradients)."""
-    from mixprec.master.compensated import CompensatedOptimizer
+    from mixprec.optim.compensated import CompensatedOptimizer
 
     enabled = getattr(scaler, "is_enabled", None)
     if callable(enabled) and not enabled():

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from mixprec.master.sharding import local
+from mixprec.optim.sharding import local
 
 __all__ = ["check_compensated_state", "check_inner_state", "check_scaler_state", "load_inner_state"]
 
@@ -85,8 +85,8 @@ def check_scaler_state(scaler: Any, state_dict: Any) -> None:
 
 def check_state_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any, what: str) -> None:
     """Refuse a state dict saved with another ``state_format`` (``saved``), or whose moments do not have
-    the layout ``fmt`` stores (:func:`mixprec.master.state_formats.expected_layout`); changes nothing."""
-    from mixprec.master.state_formats import ORIGINS, check_origins, expected_layout
+    the layout ``fmt`` stores (:func:`mixprec.optim.state_formats.expected_layout`); changes nothing."""
+    from mixprec.optim.state_formats import ORIGINS, check_origins, expected_layout
 
     if saved != fmt:
         raise ValueError(

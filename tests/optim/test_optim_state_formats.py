@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.optimizer import MixedPrecisionOptimizer
-from mixprec.master.state_formats import (
+from mixprec.optim.compensated import CompensatedOptimizer
+from mixprec.optim.masters import MixedPrecisionOptimizer
+from mixprec.optim.state_formats import (
     BLOCK,
     STATE_FORMATS,
     dequantize_,

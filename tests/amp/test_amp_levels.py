@@ -8,10 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import MixedPrecisionOptimizer
-from mixprec.master.casting import cast_model
-from mixprec.master.compensated import CompensatedOptimizer
-from mixprec.master.recipes import OPT_LEVELS, PRESETS, initialize, resolve_level
+from mixprec.amp import OPT_LEVELS, PRESETS, cast_model, initialize, resolve_level
+from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer
 
 
 def bn_model(seed=0):

@@ -1,7 +1,7 @@
 """Low-bit formats for Adam's moments: how ``exp_avg`` and ``exp_avg_sq`` are stored between steps.
 
-``state_format=`` on :class:`~mixprec.master.compensated.CompensatedOptimizer` and
-:class:`~mixprec.master.optimizer.MixedPrecisionOptimizer` picks one; each moment is kept in the torch
+``state_format=`` on :class:`~mixprec.optim.compensated.CompensatedOptimizer` and
+:class:`~mixprec.optim.masters.MixedPrecisionOptimizer` picks one; each moment is kept in the torch
 optimizer's ``state`` under torch's key (the codes, shaped as the parameter) plus a ``<key>_scale`` tensor
 of one fp32 scale per block of ``BLOCK`` consecutive values of the flattened parameter (the last block may
 be shorter)::
@@ -20,7 +20,7 @@ arXiv 2410.19313, answers with dynamic range expansion; the square root is the s
 
 Quantization rounds to nearest, so a state is a deterministic function of the step's inputs and a resumed
 run repeats an uninterrupted one bit for bit. The functions work on flat segments that start at a block
-boundary of their tensor (a chunk of :mod:`mixprec.master.lowbit_adam`), so no full-precision copy of a
+boundary of their tensor (a chunk of ``mixprec.optim.lowbit_adam``), so no full-precision copy of a
 whole moment exists.
 """
 
@@ -92,7 +92,7 @@ def dynamic_map(signed: bool) -> list[float]:
 
 def _map(signed: bool, device: torch.device, tables: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """The map and the midpoints between its neighbours (fp32, on ``device``), made once per ``tables``
-    (the caller's cache, e.g. a :class:`~mixprec.master.lowp.Workspace`'s: no state shared process-wide)."""
+    (the caller's cache, e.g. a :class:`~mixprec.optim.rounding.Workspace`'s: nothing shared process-wide)."""
     key = ("qmap", signed, str(device))
     if key not in tables:
         qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32).to(device)
@@ -103,7 +103,7 @@ def _map(signed: bool, device: torch.device, tables: dict[Any, Any]) -> tuple[to
 def pieces(numel: int, origins: list[int] | None) -> list[tuple[int, int, int]]:
     """``(start, stop, first block)`` of each run of the block grid: blocks of ``BLOCK`` restart at every
     origin (default ``[0]``). A state resharded from several ranks keeps each shard's grid this way
-    (:mod:`mixprec.master.sharding`), so its blocks, and so its codes, are those the shards had."""
+    (``mixprec.optim.sharding``), so its blocks, and so its codes, are those the shards had."""
     starts = [0] if not origins else list(origins)
     out, block = [], 0
     for start, stop in zip(starts, [*starts[1:], numel], strict=True):

@@ -1,12 +1,12 @@
 """Foreach Adam, AdamW and SGD steps that update bf16/fp16 weights in place, compensated or rounded.
 
-:class:`~mixprec.master.compensated.CompensatedOptimizer` runs these for ``torch.optim.Adam``, ``AdamW`` and
+:class:`~mixprec.optim.compensated.CompensatedOptimizer` runs these for ``torch.optim.Adam``, ``AdamW`` and
 ``SGD`` (anything else goes through its generic fp32-scratch path). The optimizer object stays torch's: its
 ``param_groups`` hold the model's own low-precision parameters, its ``state`` the moments under torch's key
 names, so LR schedulers, ``state_dict`` and hooks see a plain torch optimizer. Only ``step`` is replaced.
 
 Adam/AdamW on bf16 weights with Kahan or stochastic rounding take the fused path
-(:mod:`mixprec.master.fused_adam`: bf16 first moment, second moment in bf16 or fp32 per
+(``mixprec.optim.fused_adam``: bf16 first moment, second moment in bf16 or fp32 per
 :func:`moment_dtypes`, fp32 arithmetic in the workspace, the non-finite check inside the pass). The rest is
 torch's single-tensor algorithm (``torch/optim/adam.py``, ``sgd.py``), per parameter, on whole lists at
 once (``torch._foreach_*``). How the update ``u`` reaches a low-precision weight ``w`` depends on the dtype
@@ -22,7 +22,7 @@ its optimizer state is kept in::
         nearest:     w = round(w + u)
 
 With fp32 state the result is bit for bit what stepping an fp32 scratch copy of each weight with the torch
-optimizer and rounding it back computes (test: ``tests/master/test_master_equivalence.py``). With bf16 state
+optimizer and rounding it back computes (test: ``tests/optim/test_optim_equivalence.py``). With bf16 state
 every state operation rounds its result to bf16 once (``lerp_``, ``mul_``, ``addcmul_``, ...).
 
 Sources: Adam (Kingma & Ba 2015) and SGD as torch implements them; Kahan-compensated bf16 updates (Zamirai
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from mixprec.master.guard import largest_norms
-from mixprec.master.lowp import Workspace, chunks, kahan_fold, round_stochastic_into, views
+from mixprec.optim.guard import grads_of, largest_norms
+from mixprec.optim.rounding import Workspace, chunks, kahan_fold, round_stochastic_into, views
 
 __all__ = [
     "FAST_OPTIMIZERS",
@@ -102,10 +102,10 @@ def contiguous(*lists: list[torch.Tensor]) -> bool:
 
 def grads_fit(params: list[torch.Tensor]) -> bool:
     """Whether every gradient of ``params`` is finite and its square fits fp32/bf16 optimizer state: each
-    group's largest L2 norm (:func:`~mixprec.master.guard.largest_norms`, one host sync) at most
+    group's largest L2 norm (:func:`~mixprec.optim.guard.largest_norms`, one host sync) at most
     ``sqrt(max / 2)`` of fp32, about 1.3e19."""
     limit = (torch.finfo(torch.float32).max / 2) ** 0.5
-    norms = largest_norms(p.grad for p in params)
+    norms = largest_norms(grads_of(params))
     return all(norm <= limit for norm in norms.values())  # nan compares False
 
 
@@ -139,10 +139,11 @@ def step_group(
         mode, target = "in_place", params  # fp32 weights, or bf16 weights rounded once per step
     elif fp32_copy or method == "stochastic":
         mode, target = ("fp32_copy" if fp32_copy else "stochastic"), [p.float() for p in params]
-    else:
-        mode, target = "kahan_low", kahan  # bf16 state and weights: the update accumulates in the buffer
+    else:  # bf16 state and weights: the update accumulates in the Kahan buffer
+        assert kahan is not None, "method 'kahan' steps with its buffers"
+        mode, target = "kahan_low", kahan
     decay_base = target if mode in ("in_place", "fp32_copy") else params
-    grads = [p.grad if p.grad.dtype == state_dtype else p.grad.to(state_dtype) for p in params]
+    grads = [g if g.dtype == state_dtype else g.to(state_dtype) for g in grads_of(params)]
     step = _adam if algorithm == "adam" else _sgd
     step(group, states, grads, target, decay_base, additive=mode == "kahan_low", fold=state_dtype in _LOW)
     if mode == "kahan_low":
@@ -152,7 +153,7 @@ def step_group(
 
 
 def _kahan_fold_through(params: list[torch.Tensor], kahan: list[torch.Tensor], workspace: Workspace) -> None:
-    """:func:`~mixprec.master.lowp.kahan_fold` over whole tensors, its temporary in the workspace."""
+    """:func:`~mixprec.optim.rounding.kahan_fold` over whole tensors, its temporary in the workspace."""
     if not contiguous(params, kahan):
         kahan_fold(params, kahan, [torch.empty_like(p) for p in params])
         return

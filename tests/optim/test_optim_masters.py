@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import MixedPrecisionOptimizer, resolve_scaler
+from mixprec.optim import MixedPrecisionOptimizer, resolve_scaler
 from mixprec.scaling import GradScaler
 
 

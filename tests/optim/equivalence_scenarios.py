@@ -10,7 +10,7 @@ import torch
 from scratch_reference import PersistentMasters, ScratchCompensated
 from torch import nn
 
-from mixprec.master.recipes import initialize
+from mixprec.amp import initialize
 
 STEPS = 20
 OVERFLOW_STEP = 7

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.master import state_formats as sf
+from mixprec.optim import state_formats as sf
 
 __all__ = ["full_state_dict", "load_full_state_dict", "local", "local_grads", "local_params"]
 
@@ -149,8 +149,8 @@ def _shard_of(param: Any) -> _Shard | None:
 def _parts(optimizer: Any) -> tuple[dict[str, Any], list[Any], list[Any], str]:
     """The wrapper's state dict, the param behind each inner state id (the DTensor whose shard it holds),
     the param behind each entry of the per-param list (``compensation`` / ``master_params``) and its key."""
-    from mixprec.master.compensated import CompensatedOptimizer
-    from mixprec.master.optimizer import MixedPrecisionOptimizer
+    from mixprec.optim.compensated import CompensatedOptimizer
+    from mixprec.optim.masters import MixedPrecisionOptimizer
 
     if isinstance(optimizer, CompensatedOptimizer):
         inner = [p for g in optimizer.param_groups for p in g["params"]]

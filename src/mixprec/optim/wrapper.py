@@ -131,13 +131,13 @@ class ScalerView:
 
     For a plain optimizer these are its params (the fp32 masters among them). A wrapper such as
     CompensatedOptimizer reads the model's gradients while its groups hold gradient-less scratch params.
-    ``guard`` (:class:`~mixprec.master.guard.HugeGradientGuard`) may skip the inner step after the scaler
+    ``guard`` (:class:`~mixprec.optim.guard.HugeGradientGuard`) may skip the inner step after the scaler
     decided to take it. With a ``state_format`` the step is Adam/AdamW on low-bit moments
-    (:func:`mixprec.master.lowbit_adam.step_groups`) instead of the inner optimizer's own.
+    (:func:`mixprec.optim.lowbit_adam.step_groups`) instead of the inner optimizer's own.
     """
 
     def __init__(self, optimizer: Optimizer, guard: Any = None, state_format: str | None = None) -> None:
-        from mixprec.master.lowp import Workspace
+        from mixprec.optim.rounding import Workspace
 
         self.optimizer = optimizer
         self.guard = guard  # a HugeGradientGuard, or None
@@ -163,7 +163,7 @@ class ScalerView:
         ):
             return None
         if self.state_format is not None:
-            from mixprec.master.lowbit_adam import step_groups
+            from mixprec.optim.lowbit_adam import step_groups
 
             with torch.no_grad():
                 step_groups(self.optimizer, self.state_format, self.workspace)  # type: ignore[arg-type]

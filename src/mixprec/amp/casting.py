@@ -60,7 +60,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool =
     Parameters stay the same objects (their data is replaced), so an optimizer built on them still holds them.
 
     Raises:
-        TypeError, ValueError: see :func:`cast_plan`; nothing is changed then.
+        TypeError, ValueError: see ``cast_plan``; nothing is changed then.
     """
     cast_with_undo(model, dtype, keep_batchnorm_fp32)
     return model
@@ -83,8 +83,9 @@ def cast_with_undo(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bo
     def undo() -> None:
         for module, params, buffers in saved:
             for k, (data, grad) in params.items():
-                module._parameters[k].data = data
-                module._parameters[k].grad = grad
+                param = module._parameters[k]
+                assert param is not None, "only set parameters were saved"
+                param.data, param.grad = data, grad
             module._buffers.update(buffers)
 
     return undo

@@ -13,7 +13,7 @@ and written back rounded::
     torch._fused_adamw_(t, g, m, v, step)    # (_fused_adam_ for Adam): torch's AdamW on the fp32 copies
     exp_avg = bf16(m)  [exp_avg_sq = bf16(v)]
     kahan:       w = round(t);  c = round(t - w)          # t - w is exact in fp32
-    stochastic:  w = round_stochastic(t)                  # lowp.RandomBits
+    stochastic:  w = round_stochastic(t)                  # rounding.RandomBits
 
 One step from fresh state is therefore bit for bit torch's fused AdamW stepping an fp32 copy of ``w + c``;
 later steps differ only by the moments' storage rounding. Seven copies and one kernel replace the dozen
@@ -24,7 +24,7 @@ is inf/nan or so large (L2 norm over ``sqrt(max / 2)`` of v's dtype, about 1.3e1
 overflow the second moment: either would make ``exp_avg_sq`` inf or nan and freeze the weight for good
 (``m / inf = 0`` every later step). Where it reads the gradients:
 
-* folded into the pass when the whole step holds at most ``workspace.fold_numel`` values (``lowp.FOLD``)
+* folded into the pass when the whole step holds at most ``workspace.fold_numel`` values (``rounding.FOLD``)
   on one device: every gradient is copied into one fp32 workspace buffer first (the copy the kernel needs
   anyway, done for all chunks before the first kernel), the check is one ``torch.dot`` of that hot copy
   with itself (the squared norm of all gradients together: inf or nan exactly when a gradient is, or the
@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from mixprec.master.guard import largest_norms
-from mixprec.master.lowp import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits, views
+from mixprec.optim.guard import grads_of, largest_norms
+from mixprec.optim.rounding import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits, views
 
 __all__ = ["AdamUnit", "adam_step", "grads_fit"]
 
@@ -93,7 +93,7 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
     for unit in units:
         _prepare(unit)
-        flat_grads = [] if folded else [p.grad.view(-1) for p in unit.params]
+        flat_grads = [] if folded else [g.view(-1) for g in grads_of(unit.params)]
         for chunk in _plan(unit, workspace, used, offset if folded else None):
             if not folded:
                 pieces = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
@@ -114,7 +114,7 @@ def _copied_grads_fit(units: list[AdamUnit], workspace: Workspace, used: dict[tu
     """Copy every gradient into the "grad" buffer (unit after unit, in param order: the layout the folded
     plans read) and check the copy: its squared L2 norm (inf/nan for any inf/nan) at most ``max / 2`` of
     the narrowest second-moment dtype. The buffer's views are kept with the plans (keyed by the shapes)."""
-    grads = [p.grad for unit in units for p in unit.params]
+    grads = grads_of(p for unit in units for p in unit.params)
     total = sum(g.numel() for g in grads)
     buffer = workspace.get(units[0].params[0].device, _F32, "grad", total)
     key = ("fold", workspace.generation, *(g.shape for g in grads))
@@ -207,10 +207,10 @@ def _consecutive(buffer: torch.Tensor, segments: list[tuple[int, int, int]]) -> 
 
 def grads_fit(units: list[AdamUnit]) -> bool:
     """Whether every gradient is finite and small enough that its square fits the second moment's dtype:
-    each group's largest L2 norm (:func:`~mixprec.master.guard.largest_norms`, one host sync) at most
+    each group's largest L2 norm (:func:`~mixprec.optim.guard.largest_norms`, one host sync) at most
     ``sqrt(max / 2)`` of the narrowest second-moment dtype."""
     limit = min((torch.finfo(unit.moment_dtypes[1]).max / 2) ** 0.5 for unit in units)
-    norms = largest_norms(param.grad for unit in units for param in unit.params)
+    norms = largest_norms(grads_of(param for unit in units for param in unit.params))
     return all(norm <= limit for norm in norms.values())  # nan compares False
 
 

@@ -1,0 +1,37 @@
+"""Optimizer wrappers that train low-precision weights: fp32 masters, compensated updates, low-bit states.
+
+Two wrappers share one base, one load-state check and one guard, and each may keep Adam's moments low-bit:
+
+* ``wrapper`` -- :class:`OptimizerWrapper` (the base both share), :func:`resolve_scaler` (loss-scale spec);
+* ``state`` -- the checks that let ``load_state_dict`` validate everything before changing anything;
+* ``guard`` -- ``HugeGradientGuard``: skips a step whose gradient square would overflow the state;
+* ``masters`` -- :class:`~mixprec.MixedPrecisionOptimizer`: fp32 master weights behind a half model;
+* ``compensated`` -- :class:`~mixprec.CompensatedOptimizer`: no masters, Kahan or stochastic rounding (``METHODS``);
+* ``updates`` -- its foreach Adam, AdamW and SGD steps on the low-precision weights;
+* ``fused_adam`` -- its Adam/AdamW through torch's fused kernel on cache-sized fp32 chunk copies;
+* ``rounding`` -- the workspace, chunks, Kahan fold and stochastic-rounding bits those updates share;
+* ``state_formats`` -- bf16 / int8 / fp8 block codecs for Adam's moments (``STATE_FORMATS``);
+* ``lowbit_adam`` -- Adam/AdamW on those states, chunk by chunk; both wrappers step with it;
+* ``sharding`` -- FSDP2 shards: each rank steps its own; :func:`full_state_dict` /
+  :func:`load_full_state_dict` save on N ranks and load on M.
+
+The O0-O3 levels and presets that build these wrappers live in :mod:`mixprec.amp`.
+"""
+
+from mixprec.optim.compensated import METHODS, CompensatedOptimizer
+from mixprec.optim.masters import MixedPrecisionOptimizer
+from mixprec.optim.sharding import full_state_dict, load_full_state_dict
+from mixprec.optim.state_formats import STATE_FORMATS
+from mixprec.optim.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper, resolve_scaler
+
+__all__ = [
+    "LOW_PRECISION_DTYPES",
+    "METHODS",
+    "STATE_FORMATS",
+    "CompensatedOptimizer",
+    "MixedPrecisionOptimizer",
+    "OptimizerWrapper",
+    "full_state_dict",
+    "load_full_state_dict",
+    "resolve_scaler",
+]
