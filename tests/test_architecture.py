@@ -100,7 +100,7 @@ def test_the_planner_sits_on_lowbit_and_inspect_and_nothing_below_imports_it():
         "formats",
         "policy",
         "_files",
-        "master",
+        "optim",
     }
     assert ("inspect", "plan") not in edges
     assert {a for a, b in edges if b == "plan"} <= {"cli", "bench", "integrations"}
