@@ -24,7 +24,8 @@ Casting never touches modules kept in fp32 (BatchNorm under ``keep_batchnorm_fp3
 that would turn a finite value into inf. fp16 weights without masters (O3, "16-true") are stepped through
 :class:`~mixprec.optim.compensated.CompensatedOptimizer` with ``method="nearest"``: the optimizer state
 stays fp32, since torch's Adam on fp16 state divides by an ``eps`` that is 0 in fp16 (NaN rows).
-:func:`~mixprec.initialize` checks everything before it changes the model; if wrapping fails it undoes the cast.
+:func:`~mixprec.initialize` checks everything before it changes the model; if wrapping fails it undoes
+the cast.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from mixprec.bench.progress import EVAL_S, START_S, Progress
 from mixprec.bench.runner import Job, RunFailed, RunResult
 from mixprec.bench.workers import make_worker
 
-Done = Callable[[list[RunResult]], None]
+Done = Callable[[list[RunResult]], object]  # the return value, if any, is ignored
 #: Called with the runs not started yet before each workload after the first; returns them re-chosen.
 Rechoose = Callable[[list[Job]], list[Job]]
 

@@ -6,7 +6,8 @@ Two wrappers share one base, one load-state check and one guard, and each may ke
 * ``state`` -- the checks that let ``load_state_dict`` validate everything before changing anything;
 * ``guard`` -- ``HugeGradientGuard``: skips a step whose gradient square would overflow the state;
 * ``masters`` -- :class:`~mixprec.MixedPrecisionOptimizer`: fp32 master weights behind a half model;
-* ``compensated`` -- :class:`~mixprec.CompensatedOptimizer`: no masters, Kahan or stochastic rounding (``METHODS``);
+* ``compensated`` -- :class:`~mixprec.CompensatedOptimizer`: no masters, Kahan or stochastic rounding
+  (``METHODS``);
 * ``updates`` -- its foreach Adam, AdamW and SGD steps on the low-precision weights;
 * ``fused_adam`` -- its Adam/AdamW through torch's fused kernel on cache-sized fp32 chunk copies;
 * ``rounding`` -- the workspace, chunks, Kahan fold and stochastic-rounding bits those updates share;

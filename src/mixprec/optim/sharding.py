@@ -279,8 +279,9 @@ def load_full_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> None:
         return
     inner_state = dict(state_dict["optimizer"].get("state", {}))
     for i, state in list(inner_state.items()):
-        if isinstance(i, int) and 0 <= i < len(shards) and shards[i] is not None and isinstance(state, dict):
-            inner_state[i] = _slice_state(state, local(inner[i]), shards[i], i)
+        shard = shards[i] if isinstance(i, int) and 0 <= i < len(shards) else None
+        if shard is not None and isinstance(state, dict):
+            inner_state[i] = _slice_state(state, local(inner[i]), shard, i)
     listed_in = list(state_dict.get(list_key, []))
     for n, shard in enumerate(list_shards):
         if shard is not None and n < len(listed_in) and torch.is_tensor(listed_in[n]):
