@@ -10,7 +10,9 @@ its inner codes and scales), divided by the parameter count: mixprec's ``state_f
 and torch-optimi's ``AdamW`` (bf16 weights, Kahan summation).
 
 Part 2 trains the ``lm`` workload (its data, model, schedule and held-out evaluation, at the small size set
-below) with fp32 weights for ``--steps`` steps and seeds 0..``--seeds``-1, once per optimizer: torch's AdamW
+below) for ``--steps`` steps and the ``teacher`` task (``benchmarks/lowbit_lm.py``'s noisy-teacher
+classification: a 64-256-256-256-10 MLP, 8192 held-out rows, lr 1e-3) for ``--teacher-steps`` steps, both
+with fp32 weights and seeds 0..``--seeds``-1, once per optimizer: torch's AdamW
 (fp32 state), torchao's AdamW8bit and ``MixedPrecisionOptimizer(state_format=...)`` for each format. Each
 format's held-out loss minus fp32-state AdamW's and minus AdamW8bit's, paired by seed (same data order and
 initialization), is reported as a mean with a 95% t-interval.
@@ -26,8 +28,10 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,8 +79,8 @@ def _lm(seed: int, steps: int, corpus: Any):
     return spec.build(corpus, preset, seed, steps, torch.device("cpu"))
 
 
-def _adamw(params: Any) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LM["lr"], betas=(0.9, 0.99), weight_decay=0.01)
+def _adamw(params: Any, lr: float = LM["lr"]) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
 
 
 def _one_step(model: torch.nn.Module, opt: Any, batch: Any, loss_fn: Any) -> None:
@@ -126,9 +130,19 @@ def bytes_table(corpus: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _train(seed: int, steps: int, corpus: Any, make: Callable[[Any], Any]) -> float:
-    wl = _lm(seed, steps, corpus)
-    opt = make(wl.model)
+def _teacher(seed: int, steps: int):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import lowbit_lm  # a sibling script, not a package
+
+    return lowbit_lm._classify(seed, steps, torch.device("cpu"), teacher=True)
+
+
+LR = {"lm": LM["lr"], "teacher": 1e-3}
+
+
+def _train(task: str, seed: int, steps: int, corpus: Any, make: Callable[[Any, float], Any]) -> float:
+    wl = _lm(seed, steps, corpus) if task == "lm" else _teacher(seed, steps)
+    opt = make(wl.model, LR[task])
     scheduler = wl.make_scheduler(opt) if wl.make_scheduler else None
     for _ in range(steps):
         _one_step(wl.model, opt, next(wl.batches), wl.loss_fn)
@@ -150,19 +164,24 @@ def _interval(diffs: list[float]) -> tuple[float, float]:
     return mean, half
 
 
-def loss_table(seeds: int, steps: int, corpus: Any) -> dict[str, Any]:
-    makers: dict[str, Callable[[Any], Any]] = {"fp32": lambda m: _adamw(m.parameters())}
-    peers = _peers()
-    if "torchao AdamW8bit" in peers:
-        makers["torchao8bit"] = lambda m: peers["torchao AdamW8bit"](list(m.parameters()))
+def loss_table(task: str, seeds: int, steps: int, corpus: Any) -> dict[str, Any]:
+    makers: dict[str, Callable[[Any, float], Any]] = {"fp32": lambda m, lr: _adamw(m.parameters(), lr)}
+    try:
+        from torchao.optim import AdamW8bit
+
+        makers["torchao8bit"] = lambda m, lr: AdamW8bit(
+            list(m.parameters()), lr=lr, betas=(0.9, 0.99), weight_decay=0.01
+        )
+    except ImportError:
+        pass
     for fmt in STATE_FORMATS:
-        makers[fmt] = lambda m, f=fmt: MixedPrecisionOptimizer(
-            _adamw(m.parameters()), scaler=None, state_format=f
+        makers[fmt] = lambda m, lr, f=fmt: MixedPrecisionOptimizer(
+            _adamw(m.parameters(), lr), scaler=None, state_format=f
         )
     losses: dict[str, list[float]] = {name: [] for name in makers}
     for seed in range(seeds):  # interleaved: every optimizer once per seed before the next seed
         for name, make in makers.items():
-            losses[name].append(_train(seed, steps, corpus, make))
+            losses[name].append(_train(task, seed, steps, corpus, make))
     rows = {}
     for fmt in STATE_FORMATS:
         row = {"loss": losses[fmt]}
@@ -177,7 +196,9 @@ def loss_table(seeds: int, steps: int, corpus: Any) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=120, help="lm steps")
+    parser.add_argument("--teacher-steps", type=int, default=300)
+    parser.add_argument("--tasks", default="lm,teacher", help="comma-separated: lm, teacher")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -190,22 +211,27 @@ def main() -> None:
         print(
             f"{row['optimizer']:48} {row['state_bytes_per_param']:14.3f} {row['kahan_bytes_per_param']:14.3f}"
         )
-    result = loss_table(args.seeds, args.steps, corpus)
-    print(
-        f"\nheld-out loss, lm workload ({args.steps} steps, seeds 0..{args.seeds - 1}), paired differences:"
-    )
-    base = {k: statistics.fmean(v) for k, v in result["losses"].items()}
-    print("  means: " + ", ".join(f"{k} {v:.4f}" for k, v in base.items()))
-    for fmt, row in result["formats"].items():
-        parts = [
-            f"{k[6:]}: {v['mean']:+.4f} +- {v['ci95']:.4f}" for k, v in row.items() if k.startswith("minus_")
-        ]
-        print(f"  {fmt:5} minus " + "; ".join(parts))
+    results = {}
+    for task in args.tasks.split(","):
+        if task not in LR:
+            parser.error(f"--tasks: unknown task {task!r}; accepted: {', '.join(LR)}")
+        steps = args.steps if task == "lm" else args.teacher_steps
+        result = results[task] = loss_table(task, args.seeds, steps, corpus)
+        print(f"\nheld-out loss, {task} ({steps} steps, seeds 0..{args.seeds - 1}), paired differences:")
+        base = {k: statistics.fmean(v) for k, v in result["losses"].items()}
+        print("  means: " + ", ".join(f"{k} {v:.4f}" for k, v in base.items()))
+        for fmt, row in result["formats"].items():
+            parts = [
+                f"{k[6:]}: {v['mean']:+.4f} +- {v['ci95']:.4f}"
+                for k, v in row.items()
+                if k.startswith("minus_")
+            ]
+            print(f"  {fmt:5} minus " + "; ".join(parts))
     seconds = time.perf_counter() - start
     print(f"\n{seconds:.0f} s")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"bytes": table, "loss": result, "args": vars(args), "seconds": seconds, "lm": LM},
+            json.dump({"bytes": table, "loss": results, "args": vars(args), "seconds": seconds, "lm": LM},
                       handle, indent=1)  # fmt: skip
 
 
