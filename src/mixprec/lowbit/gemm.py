@@ -27,7 +27,7 @@ import torch
 
 from mixprec.lowbit import history as tensor_history
 from mixprec.lowbit.formats import get_format
-from mixprec.lowbit.history import GRAD_OUTPUT, INPUT, WEIGHT, TensorScaling
+from mixprec.lowbit.history import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.lowbit.kernels import Kernel, select_kernel, to_blocked
 from mixprec.lowbit.quantize import Quantized, quantize
 from mixprec.lowbit.recipes import HP, Recipe
@@ -131,9 +131,12 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    if not torch.cuda.is_available() and torch._guards.detect_fake_mode() is not None:
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except (AssertionError, RuntimeError):  # no CUDA in this build: only a fake tensor gets this far
+        if torch.cuda.is_available() or torch._guards.detect_fake_mode() is None:
+            raise
         return SHAPES_ONLY_CAPABILITY
-    major, minor = torch.cuda.get_device_capability(device)
     return int(major), int(minor)
 
 
@@ -322,9 +325,8 @@ def _scaled(
             use_fast_accum=fast_accum,
         )  # fmt: skip
     else:
-        out = torch._scaled_mm(
-            data_a, data_b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, use_fast_accum=fast_accum
-        )
+        accum = {"use_fast_accum": True} if fast_accum else {}  # torch's default is False
+        out = torch._scaled_mm(data_a, data_b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, **accum)
     if two_level:  # NVFP4's per-tensor scales, folded into the output: out * (t_a * t_b)
         scales = [t for t in (a.tensor_scale, b.tensor_scale) if t is not None]
         out = out * (scales[0] * scales[1] if len(scales) == 2 else scales[0])
@@ -353,30 +355,31 @@ def _gemm(a, a_fmt, b, b_fmt, out_dtype, sr_a=False, generator=None, options=Non
         return torch.mm(a, b.t()).to(out_dtype)
     qa = quantize(a, a_fmt, stochastic=sr_a, generator=generator, pad=True) if a_fmt != HP else None
     qb = quantize(b, b_fmt, pad=True) if b_fmt != HP else None
-    if qa is not None and qb is not None:
-        return lowbit_mm(qa, qb, out_dtype, options)
+    if qa is not None and qb is not None:  # (three arguments where there are no options: lowbit's own)
+        return lowbit_mm(qa, qb, out_dtype) if options is None else lowbit_mm(qa, qb, out_dtype, options)
     a32 = _matrix(qa) if qa is not None else a.to(torch.float32)
     b32 = _matrix(qb) if qb is not None else b.to(torch.float32)
     return torch.mm(a32, b32.t()).to(out_dtype)
 
 
-def _scale_cast(role, x, fmt_name, scaling, history, stats, update) -> Quantized:
-    """``x`` (rows, K) cast to the tensorwise format ``fmt_name`` with ``scaling``'s scale for ``role``."""
+def _scale_cast(role, x, fmt_name, scaling, history, stats, update) -> tuple[Quantized, torch.Tensor]:
+    """``x`` (rows, K) cast to the tensorwise format ``fmt_name`` with ``scaling``'s scale for ``role``,
+    and that scalar scale."""
     fmt = get_format(fmt_name)
     if not fmt.is_tensorwise:
         raise ValueError(f"a TensorScaling layer needs tensorwise formats, got {fmt_name!r}")
     scale = scaling.scale(role, x, fmt.elem, fmt.scale == "pow2", history, stats, update)
-    return _tensorwise(tensor_history.to_float8(x, scale, fmt.elem), scale, x.dtype, fmt_name)
+    return _tensorwise(tensor_history.to_float8(x, scale, fmt.elem), scale, x.dtype, fmt_name), scale
 
 
-def _weight_cast(weight, fmt_name, scaling, history, stats, update) -> Quantized:
+def _weight_cast(weight, fmt_name, scaling, history, stats, update) -> tuple[Quantized, torch.Tensor]:
     """The weight (N, K) cast once for fprop and dgrad. A weight that arrives cast (FSDP2's fp8
     all-gather: ``tensorwise_cast()`` -> data, scale, amax) is used as it is, one that wraps the tensor it
     stands for (``cast_source``) is cast from that."""
     if hasattr(weight, "tensorwise_cast"):
         data, scale, amax = weight.tensorwise_cast()
         stats[0, WEIGHT], stats[1, WEIGHT] = amax, scale
-        return _tensorwise(data, scale, weight.dtype, fmt_name)
+        return _tensorwise(data, scale, weight.dtype, fmt_name), scale
     source = getattr(weight, "cast_source", weight)
     return _scale_cast(WEIGHT, source, fmt_name, scaling, history, stats, update)
 
@@ -444,9 +447,10 @@ class LowbitLinearFunction(torch.autograd.Function):
     both GEMMs a tensor is in, so the fp8 input and weight are what backward keeps, as torchao's.
     ``stats`` float32[2, 3] receives each role's last amax and scale.
 
-    ``gemms``: the fprop, dgrad, wgrad :class:`GemmOptions` (None: the defaults). Autocast is off inside;
-    the output has ``x``'s dtype, the gradients ``x``'s and ``weight``'s. ``generator`` feeds stochastic
-    rounding (None: torch's global generator).
+    After ``generator`` come, optionally and in this order, ``gemms`` (the fprop, dgrad, wgrad
+    :class:`GemmOptions`; None: the defaults), ``scaling``, ``history``, ``stats`` and ``update``.
+    Autocast is off inside; the output has ``x``'s dtype, the gradients ``x``'s and ``weight``'s.
+    ``generator`` feeds stochastic rounding (None: torch's global generator).
     """
 
     @staticmethod
@@ -456,26 +460,23 @@ class LowbitLinearFunction(torch.autograd.Function):
         weight: torch.Tensor,
         recipe: Recipe,
         generator: torch.Generator | None,
-        gemms: tuple[GemmOptions, GemmOptions, GemmOptions] | None = None,
-        scaling: TensorScaling | None = None,
-        history: torch.Tensor | None = None,
-        stats: torch.Tensor | None = None,
-        update: bool = True,
+        *options: Any,
     ) -> torch.Tensor:
-        gemms = gemms or _DEFAULT_GEMMS
+        gemms, scaling, history, stats, update = _unpack(options)
+        ctx.n_options = len(options)  # backward returns one gradient per argument given
         ctx.recipe, ctx.generator, ctx.gemms, ctx.scaling = recipe, generator, gemms, scaling
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             if scaling is None:
                 w = weight.to(x.dtype)
-                out = _gemm(x2, recipe.fprop_x, w, recipe.fprop_w, x.dtype, options=gemms[0])
+                out = _gemm(x2, recipe.fprop_x, w, recipe.fprop_w, x.dtype, options=gemms and gemms[0])
                 ctx.save_for_backward(x2, w)
             else:
-                qx = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update)
-                qw = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update)
+                qx, x_scale = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update)
+                qw, w_scale = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update)
                 out = lowbit_mm(qx, qw, x.dtype, gemms[0])
-                ctx.save_for_backward(qx.data, qx.scale, qw.data, qw.scale)
+                ctx.save_for_backward(qx.data, x_scale, qw.data, w_scale)  # a gathered weight's own cast
                 ctx.history, ctx.stats, ctx.update = history, stats, update
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -486,12 +487,19 @@ class LowbitLinearFunction(torch.autograd.Function):
                 grad_x, grad_w = _recipe_backward(ctx, grad_out)
             else:
                 grad_x, grad_w = _tensorwise_backward(ctx, grad_out)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, *([None] * ctx.n_options)
+
+
+def _unpack(options: tuple) -> tuple:
+    """``(gemms, scaling, history, stats, update)`` from the optional arguments, defaults filled in."""
+    if len(options) > 5:
+        raise TypeError(f"LowbitLinearFunction takes at most 9 arguments, got {4 + len(options)}")
+    return (*options, *(None, None, None, None, True)[len(options) :])
 
 
 def _recipe_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     x2, w = ctx.saved_tensors
-    recipe, gen, (_, dgrad, wgrad) = ctx.recipe, ctx.generator, ctx.gemms
+    recipe, gen, (_, dgrad, wgrad) = ctx.recipe, ctx.generator, ctx.gemms or (None, None, None)
     grad_x = grad_w = None
     go = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
     if ctx.needs_input_grad[0]:
@@ -506,10 +514,10 @@ def _recipe_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | N
 
 def _tensorwise_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     x8, x_scale, w8, w_scale = ctx.saved_tensors
-    recipe, (_, dgrad, wgrad) = ctx.recipe, ctx.gemms
+    recipe, (_, dgrad, wgrad) = ctx.recipe, ctx.gemms or _DEFAULT_GEMMS
     grad_x = grad_w = None
     go2 = grad_out.reshape(-1, grad_out.shape[-1])
-    qgo = _scale_cast(GRAD_OUTPUT, go2, recipe.dgrad_go, ctx.scaling, ctx.history, ctx.stats, ctx.update)
+    qgo, _ = _scale_cast(GRAD_OUTPUT, go2, recipe.dgrad_go, ctx.scaling, ctx.history, ctx.stats, ctx.update)
     if ctx.needs_input_grad[0]:
         qw_t = _tensorwise(w8.t(), w_scale, ctx.w_dtype, recipe.dgrad_w)
         grad_x = lowbit_mm(qgo, qw_t, grad_out.dtype, dgrad).reshape(ctx.x_shape).to(ctx.x_dtype)
