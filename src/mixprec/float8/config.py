@@ -20,6 +20,8 @@ from mixprec.float8.casts import (
     lowbit_format,
     recipe_casts,
 )
+from mixprec.lowbit.gemm import GemmOptions
+from mixprec.lowbit.history import TensorScaling
 from mixprec.lowbit.recipes import Recipe, get_recipe
 
 __all__ = [
@@ -101,9 +103,10 @@ class Float8Config:
             so the scales are the unpadded tensor's), which CUDA's ``torch._scaled_mm`` needs; the result is
             the same up to the order of accumulation.
 
-    A config that is dynamic tensorwise in all six casts runs :mod:`mixprec.float8`'s own fp8 GEMMs
-    (with delayed scaling, margins and ``torch._scaled_mm``); any other runs the :mod:`mixprec.lowbit`
-    recipe of :attr:`lowbit_recipe` (per-row scales, high-precision operands, emulated on a CPU).
+    Every config runs on the :mod:`mixprec.lowbit` engine: one that is dynamic tensorwise in all six casts
+    casts each tensor once with :attr:`tensor_scaling` (delayed scaling, margins); any other runs the
+    per-operand recipe of :attr:`lowbit_recipe` (per-row scales, high-precision operands). The CPU
+    runs torch's tensorwise fp8 kernel and emulates the rest (:data:`mixprec.lowbit.kernels.CPU_RULE`).
 
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an
@@ -184,6 +187,9 @@ class Float8Config:
         or None when every cast is dynamic tensorwise at its default dtype (mixprec.float8's own GEMMs)."""
         if _all_tensorwise({n: getattr(self, n) for n in _OPERANDS}):
             return None
+        return self._recipe_text()
+
+    def _recipe_text(self) -> str:
         fmt = {n: lowbit_format(getattr(self, n), self.round_scales_to_power_of_2) for n in _OPERANDS}
         return (
             f"fprop={fmt['cast_config_input']},{fmt['cast_config_weight']} "
@@ -192,11 +198,27 @@ class Float8Config:
         )
 
     @cached_property
-    def resolved_lowbit_recipe(self) -> Recipe | None:
-        """:attr:`lowbit_recipe` parsed into its :class:`~mixprec.lowbit.Recipe` (None for the tensorwise
-        casts), once per config: the config is frozen, so the forward never parses it again."""
-        text = self.lowbit_recipe
-        return None if text is None else get_recipe(text)
+    def resolved_lowbit_recipe(self) -> Recipe:
+        """The :class:`~mixprec.lowbit.Recipe` the engine runs (the tensorwise casts' too), resolved once
+        per config: the config is frozen, so the forward never parses it again."""
+        return get_recipe(self._recipe_text())
+
+    @cached_property
+    def tensor_scaling(self) -> TensorScaling | None:
+        """The engine's per-tensor scaling (delayed or dynamic, with the margin) for a config whose six
+        casts are dynamic tensorwise at their default dtypes; None for per-operand recipes."""
+        if self.lowbit_recipe is not None:
+            return None
+        return TensorScaling(self.delayed, self.margin, self.amax_compute_algo)
+
+    @cached_property
+    def gemm_options(self) -> tuple[GemmOptions, GemmOptions, GemmOptions]:
+        """The engine's fprop, dgrad, wgrad :class:`~mixprec.lowbit.gemm.GemmOptions`: torchao's
+        ``emulate`` (False: torch's kernel wherever it has one, the CPU's included), fast accumulation
+        and padding."""
+        return tuple(
+            GemmOptions(mm.emulate, mm.use_fast_accum, mm.pad_inner_dim) for mm in self.linear_mm_config
+        )
 
     @cached_property
     def linear_mm_config(self) -> LinearMMConfig:

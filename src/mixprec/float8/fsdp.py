@@ -42,7 +42,7 @@ from torch import nn
 
 from mixprec import formats
 from mixprec.float8.config import Float8Config
-from mixprec.float8.scaling import amax_of, amax_to_scale, to_float8
+from mixprec.lowbit.history import amax_of, amax_to_scale, to_float8
 
 __all__ = [
     "Float8AllGatherWeight",
@@ -147,6 +147,11 @@ class Float8AllGatherWeight(torch.Tensor):
             return nn.Parameter(self._tensor, requires_grad=self.requires_grad).__reduce_ex__(protocol)
         return self._tensor.__reduce_ex__(protocol)
 
+    @property
+    def cast_source(self) -> torch.Tensor:
+        """The wrapped weight, which the engine casts (:func:`mixprec.lowbit.gemm.LowbitLinearFunction`)."""
+        return self._tensor
+
     def __repr__(self) -> str:
         return f"Float8AllGatherWeight({self._tensor!r}, fp8 all-gather)"
 
@@ -185,7 +190,7 @@ class Float8GatheredWeight(torch.Tensor):
     """The all-gathered weight: e4m3 ``_data`` (N, K) with its float32 scalar ``_scale`` (and the weight's
     ``_amax``), presenting as a ``dtype`` tensor of the same shape whose values are ``_data / _scale``.
 
-    :class:`~mixprec.float8.matmul.Float8LinearFunction` takes ``_data`` and ``_scale`` as the weight's
+    :class:`~mixprec.lowbit.gemm.LowbitLinearFunction` takes ``_data`` and ``_scale`` as the weight's
     fp8 cast; any other op (not a view) sees the dequantized weight.
     """
 
@@ -213,6 +218,10 @@ class Float8GatheredWeight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride) -> Float8GatheredWeight:
         return Float8GatheredWeight(inner["_data"], inner["_scale"], inner["_amax"], meta["dtype"])
+
+    def tensorwise_cast(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(_data, _scale, _amax)``: the cast the engine uses as the weight's, gathered already."""
+        return self._data, self._scale, self._amax
 
     def dequantize(self) -> torch.Tensor:
         """``_data / _scale`` in this tensor's dtype, shape (N, K)."""

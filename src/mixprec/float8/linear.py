@@ -11,8 +11,8 @@ from torch import nn
 from mixprec.float8.casts import LinearMMConfig
 from mixprec.float8.config import Float8Config
 from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
-from mixprec.float8.matmul import GRAD_OUTPUT, INPUT, WEIGHT, Float8LinearFunction
 from mixprec.lowbit.gemm import LowbitLinearFunction
+from mixprec.lowbit.history import ROLES
 from mixprec.lowbit.swap import register_converted
 
 __all__ = [
@@ -24,10 +24,6 @@ __all__ = [
     "check_amax_history",
     "check_float8_state",
 ]
-
-#: The tensors of a linear layer that are cast to fp8, in the order of the rows of its amax buffers.
-ROLES = ("input", "weight", "grad_output")
-assert (INPUT, WEIGHT, GRAD_OUTPUT) == (0, 1, 2)
 
 
 class Float8Layer(nn.Module):
@@ -58,13 +54,11 @@ class Float8Layer(nn.Module):
         device_type = input.device.type
         if torch.is_autocast_enabled(device_type):
             input = input.to(torch.get_autocast_dtype(device_type))
-        recipe = self.config.resolved_lowbit_recipe  # parsed once per config, not per GEMM
-        if recipe is not None:
-            out = LowbitLinearFunction.apply(input, weight, recipe, None)
-        else:
-            out = Float8LinearFunction.apply(
-                input, weight, self.amax_history, self.fp8_stats, self.config, self.training
-            )
+        config = self.config  # its recipe, scaling and GEMM options are resolved once per config
+        out = LowbitLinearFunction.apply(
+            input, weight, config.resolved_lowbit_recipe, None, config.gemm_options,
+            config.tensor_scaling, self.amax_history, self.fp8_stats, self.training,
+        )  # fmt: skip
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out

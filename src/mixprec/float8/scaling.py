@@ -1,109 +1,13 @@
-"""The scaling math of fp8 training: amax, scale, saturating cast, amax history.
+"""The fp8 scaling math's old home: it is the engine's, in :mod:`mixprec.lowbit.history`."""
 
-Conventions (torchao's and Transformer Engine's): a *scale* multiplies a high-precision tensor into the
-fp8 range, ``x_fp8 = saturate(x * scale)``, and ``x ~ x_fp8 / scale``. The scale of a tensor whose
-absolute maximum is ``amax`` is ``format.max / amax / 2**margin``, so the largest value lands on the
-format's largest finite value (448 for e4m3fn, 57344 for e5m2, from :mod:`mixprec.formats`).
-
-Delayed scaling (Transformer Engine, ``DelayedScaling`` recipe)::
-
-    history: float32[L], newest first, zeros at the start
-    at each use of a tensor x:
-        amax   = max|x|
-        past   = max(history)  (or history[0] for amax_compute_algo="most_recent")
-        scale  = format.max / (past if past > 0 else amax) / 2**margin      # first use: dynamic
-        x_fp8  = saturate(x * scale)            # values beyond past * 2**margin saturate this step
-        if amax is finite: history = [min(amax, max(history) * 2**8), history[0], ..., history[L-2]]
-        else: scale = nan (the non-finite values reach the gradients, so a GradScaler skips the step)
-                and the history is left as it was
-        (an empty x has no amax: the history is left as it was)
-
-One step's influence is bounded: the amax pushed is at most :data:`AMAX_GROWTH_LIMIT` (2**8) times the
-history's largest entry (no bound while the history is all zeros). Transformer Engine pushes every
-finite amax (``amax_and_scale_update`` in ``common/recipe/delayed_scaling.cu``), so one outlier input of
-1e30 makes the scale ``448 / 1e30`` for ``amax_history_len`` steps: every ordinary value then rounds to
-zero in fp8 and the layer gets no gradient for that long. Under the bound the layer's usual values keep
-landing within e4m3's normal range (which spans about 2**15), so training goes on; a genuine jump of the
-amax is followed by a factor of 256 per step (the values beyond saturate meanwhile, as the jump's own
-step does under delayed scaling anyway).
-
-Everything is tensor math without host synchronisation (``torch.where``, no ``.item()``), so it runs
-under ``torch.compile`` and CUDA graphs.
-"""
-
-from __future__ import annotations
-
-import torch
-
-from mixprec import formats
+from mixprec.lowbit.history import (
+    AMAX_GROWTH_LIMIT,
+    EPS,
+    amax_of,
+    amax_to_scale,
+    delayed_scale,
+    push_amax,
+    to_float8,
+)
 
 __all__ = ["AMAX_GROWTH_LIMIT", "EPS", "amax_of", "amax_to_scale", "delayed_scale", "push_amax", "to_float8"]
-
-#: Smallest amax a scale is computed from (torchao's value), so an all-zero tensor gets a finite scale.
-EPS = 1e-12
-#: Most an amax pushed to a history may exceed the history's largest entry by (see the module doc).
-AMAX_GROWTH_LIMIT = 2.0**8
-
-
-@torch.no_grad()
-def amax_of(x: torch.Tensor) -> torch.Tensor:
-    """``max|x|`` as a float32 scalar tensor (nan if ``x`` has a nan, inf if it has an inf; 0 if empty)."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.max(torch.abs(x)).to(torch.float32)
-
-
-@torch.no_grad()
-def amax_to_scale(amax: torch.Tensor, fmt: formats.Format, margin: int = 0) -> torch.Tensor:
-    """``fmt.max / max(amax, EPS) / 2**margin`` as a float32 scalar tensor.
-
-    Computed in float64 and rounded once to float32, as torchao does (eager and compiled agree).
-    """
-    scale = (fmt.max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
-    return scale / 2.0**margin if margin else scale
-
-
-@torch.no_grad()
-def delayed_scale(
-    history: torch.Tensor, amax: torch.Tensor, fmt: formats.Format, margin: int, algo: str
-) -> torch.Tensor:
-    """The delayed-scaling scale for a tensor with current ``amax``, from ``history`` (see the module doc).
-
-    Args:
-        history: float32[L] amax history, newest first.
-        amax: float32 scalar, ``max|x|`` of the tensor about to be cast.
-        fmt: the fp8 format the tensor is cast to.
-        margin: the scale is divided by ``2**margin``.
-        algo: "max" (largest entry) or "most_recent" (``history[0]``).
-
-    Returns:
-        A float32 scalar: nan when ``amax`` is not finite, so the cast result is all nan.
-    """
-    past = history.max() if algo == "max" else history[0]
-    scale = amax_to_scale(torch.where(past > 0, past, amax), fmt, margin)
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-
-
-@torch.no_grad()
-def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
-    """Push ``amax`` to the front of ``history`` in place (oldest dropped); a non-finite amax is skipped,
-    and one larger than :data:`AMAX_GROWTH_LIMIT` times the history's largest entry is pushed as that."""
-    past = history.max()
-    bounded = torch.where(past > 0, torch.minimum(amax.to(history.dtype), past * AMAX_GROWTH_LIMIT), amax)
-    shifted = torch.cat([bounded.reshape(1).to(history.dtype), history[:-1]])
-    history.copy_(torch.where(torch.isfinite(amax), shifted, history))
-
-
-@torch.no_grad()
-def to_float8(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Format) -> torch.Tensor:
-    """``saturate(x * scale)`` in ``fmt``: multiplied in float32, clamped to ``±fmt.max``, cast.
-
-    Clamping first makes e5m2 (which has inf) saturate like e4m3fn; a nan stays nan.
-
-    Raises:
-        ValueError: for a format the installed torch has no dtype for.
-    """
-    if fmt.dtype is None:
-        raise ValueError(f"torch {torch.__version__} has no dtype for {fmt.name}")
-    scaled = x.to(torch.float32) * scale
-    return scaled.clamp(min=-fmt.max, max=fmt.max).to(fmt.dtype)

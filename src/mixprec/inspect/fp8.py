@@ -30,10 +30,10 @@ from mixprec import formats
 from mixprec._plots import new_figure, save_png
 from mixprec.float8.convert import ModuleFilter, skip_fqns
 from mixprec.float8.linear import Float8Linear
-from mixprec.float8.scaling import amax_of, amax_to_scale, delayed_scale, to_float8
 from mixprec.inspect._modules import check_model
 from mixprec.inspect.lowbit import LowbitOperandStats, capture_linears, check_fractions
 from mixprec.lowbit import FORMATS, Quantized
+from mixprec.lowbit.history import amax_of, amax_to_scale, delayed_scale, to_float8
 
 __all__ = ["Fp8LayerStats", "Fp8Report", "Fp8TensorStats", "fp8_report", "plot_fp8_report"]
 

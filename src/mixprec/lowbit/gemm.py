@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mixprec.lowbit import history as tensor_history
+from mixprec.lowbit.formats import get_format
+from mixprec.lowbit.history import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.lowbit.kernels import Kernel, select_kernel, to_blocked
 from mixprec.lowbit.quantize import Quantized, quantize
 from mixprec.lowbit.recipes import HP, Recipe
 
 __all__ = [
+    "GemmOptions",
     "LowbitLinearFunction",
     "device_capability",
     "emulated_mm",
@@ -37,6 +42,7 @@ __all__ = [
     "hadamard_16",
     "kernel_path",
     "lowbit_mm",
+    "scaled_mm",
 ]
 
 _HADAMARD_SIZE = 16
@@ -58,6 +64,31 @@ _V2_RECIPE = {
     "mx": "BlockWise1x32",
     "nv16": "BlockWise1x16",
 }
+
+
+@dataclass(frozen=True)
+class GemmOptions:
+    """One GEMM's settings (torchao's ``ScaledMMConfig``).
+
+    Attributes:
+        emulate: True emulates everywhere; False runs torch's kernel wherever the kernel table has one,
+            the CPU's included (:data:`mixprec.lowbit.kernels.CPU_RULE`, torchao's ``emulate=False``); None
+            (the default) runs the CUDA kernels and emulates on a CPU.
+        use_fast_accum: passed to the kernel (fp8's faster, less exact accumulation); emulation ignores it.
+        pad_inner_dim: zero-pad K of tensorwise / rowwise operands to a multiple of 16 after quantization
+            (the scales are the unpadded tensor's), which CUDA's kernels need; zeros add nothing.
+    """
+
+    emulate: bool | None = None
+    use_fast_accum: bool = False
+    pad_inner_dim: bool = False
+
+
+_DEFAULT_OPTIONS = GemmOptions()
+_DEFAULT_GEMMS = (_DEFAULT_OPTIONS,) * 3
+# A CUDA tensor of a build without CUDA (FakeTensorMode on a CPU build) has no device to ask; it is taken
+# as the capability torch's meta kernels model (Hopper), so shape-only runs decide as a GPU would.
+SHAPES_ONLY_CAPABILITY = (9, 0)
 
 
 def hadamard_16(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -100,16 +131,25 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except (AssertionError, RuntimeError):  # no CUDA in this build: only a fake tensor gets this far
+        if torch.cuda.is_available() or torch._guards.detect_fake_mode() is None:
+            raise
+        return SHAPES_ONLY_CAPABILITY
     return int(major), int(minor)
 
 
 def _select(
-    a: Quantized, b: Quantized, capability: tuple[int, int] | None = None
+    a: Quantized, b: Quantized, capability: tuple[int, int] | None = None, emulate: bool | None = None
 ) -> tuple[Kernel | None, str]:
     if a.data.device != b.data.device:
         return None, f"{a.fmt.name} x {b.fmt.name}: operands on {a.data.device} and {b.data.device}"
+    if emulate:
+        return None, f"{a.fmt.name} x {b.fmt.name}: emulate=True"
     cap = device_capability(a.data.device) if capability is None else capability
+    if cap is None and emulate is False and a.data.device.type == "cpu":
+        cap = "cpu"  # the CPU rule (kernels.CPU_RULE): torch's kernels asked for explicitly
     return select_kernel(a.fmt, b.fmt, _value_shape(a), _value_shape(b), cap)
 
 
@@ -127,19 +167,76 @@ def kernel_path(
     return (kernel.name if kernel is not None else None), reason
 
 
-def lowbit_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def lowbit_mm(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, options: GemmOptions | None = None
+) -> torch.Tensor:
     """``a @ b.T`` of two quantized (rows, K) matrices (quantized along K), (rows_a, rows_b) ``out_dtype``.
 
-    On the kernel ``kernel_path`` names, else ``emulated_mm`` (warning once per process for each
-    pair of formats, device and reason).
+    On the kernel ``kernel_path`` names (with ``options``, ``GemmOptions``), else
+    ``emulated_mm`` (warning once per process for each pair of formats, device and reason, unless
+    ``options.emulate`` asked for it).
     """
-    kernel, reason = _select(a, b)
+    options = options or _DEFAULT_OPTIONS
+    if options.pad_inner_dim:
+        a, b = _pad_inner(a), _pad_inner(b)
+    kernel, reason = _select(a, b, emulate=options.emulate)
     if kernel is not None and out_dtype not in _KERNEL_OUT_DTYPES:
         kernel, reason = None, f"{reason}; but the kernels write bf16/fp16/fp32, not {out_dtype}"
     if kernel is None:
-        _warn_once(a, b, reason)
+        if not options.emulate:
+            _warn_once(a, b, reason)
         return emulated_mm(a, b, out_dtype)
-    return _scaled(kernel, a, b, out_dtype)
+    return _scaled(kernel, a, b, out_dtype, options.use_fast_accum)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    emulate: bool = False,
+    use_fast_accum: bool = False,
+    pad_inner_dim: bool = False,
+) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` in ``out_dtype`` for tensorwise fp8 ``a`` (M, K) and ``b`` (K, N)
+    with float32 scalar scales (multipliers, as torchao's): :func:`lowbit_mm` of the two, torch's kernel
+    wherever it has one (``emulate=False``, the CPU's included), torchao's emulation otherwise."""
+    qa, qb = _tensorwise(a, a_scale, a.dtype), _tensorwise(b.t(), b_scale, b.dtype)
+    return lowbit_mm(qa, qb, out_dtype, GemmOptions(emulate, use_fast_accum, pad_inner_dim))
+
+
+def scaled_mm_accepts(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether :func:`scaled_mm` of fp8 ``a`` (M, K) @ ``b`` (K, N) runs torch's kernel (not emulated)."""
+    qa, qb = _tensorwise(a, torch.ones((), device=a.device), a.dtype), _tensorwise(b.t(), None, b.dtype)
+    return _select(qa, qb, emulate=False)[0] is not None
+
+
+_ELEMENT_FORMAT = {
+    torch.float8_e4m3fn: "fp8_tensorwise",
+    torch.float8_e5m2: "fp8_tensorwise_e5m2",
+    torch.float8_e4m3fnuz: "fp8_tensorwise_fnuz",
+    torch.float8_e5m2fnuz: "fp8_tensorwise_e5m2fnuz",
+}
+
+
+def _tensorwise(
+    data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, fmt: str = ""
+) -> Quantized:
+    """fp8 ``data`` (rows, K) with one float32 multiplier as a tensorwise :class:`Quantized` (along K)."""
+    scale = torch.ones((), device=data.device) if scale is None else scale
+    fmt_ = get_format(fmt or _ELEMENT_FORMAT[data.dtype])
+    return Quantized(data, scale.reshape(1, 1), None, fmt_, data.shape, dtype, -1)
+
+
+def _pad_inner(q: Quantized) -> Quantized:
+    """``q`` with K zero-padded to a multiple of 16, for a scale that does not depend on K's blocks."""
+    pad = -q.data.shape[1] % 16
+    if not pad or q.scale.shape[1] != 1:
+        return q
+    data = torch.nn.functional.pad(q.data.contiguous(), (0, pad))
+    return Quantized(data, q.scale, q.tensor_scale, q.fmt, data.shape, q.dtype, -1)
 
 
 def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -178,6 +275,10 @@ def _rows(q: Quantized) -> int:
 
 def _matrix(q: Quantized) -> torch.Tensor:
     """The (rows, K) matrix ``q`` quantized, dequantized to float32."""
+    if q.scale.shape == (1, 1) and q.fmt.scale in ("fp32", "pow2"):
+        # One multiplier: the same division as dequantize's, without its block indexing, which a
+        # shape-only (fake) CUDA tensor refuses on a build without CUDA.
+        return (q.values() / q.scale).narrow(0, 0, _rows(q)).narrow(1, 0, q.shape[q.axis])
     return q.dequantize(torch.float32).movedim(q.axis, -1).reshape(-1, q.shape[q.axis])
 
 
@@ -203,25 +304,33 @@ def _operand_scale(q: Quantized, kind: str, rhs: bool, rows: int) -> torch.Tenso
     return descale.contiguous().t() if rhs else descale.contiguous()  # 128x128: row-major (M/128, K/128)
 
 
-def _scaled(kernel: Kernel, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b.T`` on ``kernel``; the result trimmed to the operands' unpadded rows."""
+def _scaled(
+    kernel: Kernel, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False
+) -> torch.Tensor:
+    """``a @ b.T`` on ``kernel``; the result trimmed to the operands' unpadded rows.
+
+    The one call site of torch's scaled matmul in mixprec: A row-major, B.T column-major (cuBLASLt's
+    layout; a transposed view, as a tensorwise operand reused by another GEMM is, is copied).
+    """
     kind_a, kind_b = kernel.kinds
     scale_a = _operand_scale(a, kind_a, False, a.data.shape[0])
     scale_b = _operand_scale(b, kind_b, True, b.data.shape[0])
-    data_a, data_b = _kernel_data(a), _kernel_data(b)
+    data_a, data_b = _kernel_data(a).contiguous(), _kernel_data(b).contiguous()
     two_level = a.tensor_scale is not None or b.tensor_scale is not None
     dtype = torch.float32 if two_level else out_dtype
     if _SCALED_MM_V2 is not None and not kernel.legacy_api:
         out = _SCALED_MM_V2(
             data_a, data_b.t(), scale_a, _v2_recipe(kind_a), scale_b, _v2_recipe(kind_b),
             swizzle_a=_v2_swizzle(kind_a), swizzle_b=_v2_swizzle(kind_b), output_dtype=dtype,
+            use_fast_accum=fast_accum,
         )  # fmt: skip
     else:
-        out = torch._scaled_mm(data_a, data_b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+        accum = {"use_fast_accum": True} if fast_accum else {}  # torch's default is False
+        out = torch._scaled_mm(data_a, data_b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, **accum)
     if two_level:  # NVFP4's per-tensor scales, folded into the output: out * (t_a * t_b)
         scales = [t for t in (a.tensor_scale, b.tensor_scale) if t is not None]
         out = out * (scales[0] * scales[1] if len(scales) == 2 else scales[0])
-    return out[: _rows(a), : _rows(b)].to(out_dtype)
+    return out.narrow(0, 0, _rows(a)).narrow(1, 0, _rows(b)).to(out_dtype)
 
 
 def _kernel_data(q: Quantized) -> torch.Tensor:
@@ -240,17 +349,39 @@ def _v2_swizzle(kind: str) -> Any:
     return _F.SwizzleType.SWIZZLE_32_4_4 if kind in ("mx", "nv16") else _F.SwizzleType.NO_SWIZZLE
 
 
-def _gemm(a, a_fmt, b, b_fmt, out_dtype, sr_a=False, generator=None) -> torch.Tensor:
+def _gemm(a, a_fmt, b, b_fmt, out_dtype, sr_a=False, generator=None, options=None) -> torch.Tensor:
     """``a @ b.T`` for (rows, K) matrices, each operand quantized along K unless its format is hp."""
     if a_fmt == HP and b_fmt == HP:
         return torch.mm(a, b.t()).to(out_dtype)
     qa = quantize(a, a_fmt, stochastic=sr_a, generator=generator, pad=True) if a_fmt != HP else None
     qb = quantize(b, b_fmt, pad=True) if b_fmt != HP else None
-    if qa is not None and qb is not None:
-        return lowbit_mm(qa, qb, out_dtype)
+    if qa is not None and qb is not None:  # (three arguments where there are no options: lowbit's own)
+        return lowbit_mm(qa, qb, out_dtype) if options is None else lowbit_mm(qa, qb, out_dtype, options)
     a32 = _matrix(qa) if qa is not None else a.to(torch.float32)
     b32 = _matrix(qb) if qb is not None else b.to(torch.float32)
     return torch.mm(a32, b32.t()).to(out_dtype)
+
+
+def _scale_cast(role, x, fmt_name, scaling, history, stats, update) -> tuple[Quantized, torch.Tensor]:
+    """``x`` (rows, K) cast to the tensorwise format ``fmt_name`` with ``scaling``'s scale for ``role``,
+    and that scalar scale."""
+    fmt = get_format(fmt_name)
+    if not fmt.is_tensorwise:
+        raise ValueError(f"a TensorScaling layer needs tensorwise formats, got {fmt_name!r}")
+    scale = scaling.scale(role, x, fmt.elem, fmt.scale == "pow2", history, stats, update)
+    return _tensorwise(tensor_history.to_float8(x, scale, fmt.elem), scale, x.dtype, fmt_name), scale
+
+
+def _weight_cast(weight, fmt_name, scaling, history, stats, update) -> tuple[Quantized, torch.Tensor]:
+    """The weight (N, K) cast once for fprop and dgrad. A weight that arrives cast (FSDP2's fp8
+    all-gather: ``tensorwise_cast()`` -> data, scale, amax) is used as it is, one that wraps the tensor it
+    stands for (``cast_source``) is cast from that."""
+    if hasattr(weight, "tensorwise_cast"):
+        data, scale, amax = weight.tensorwise_cast()
+        stats[0, WEIGHT], stats[1, WEIGHT] = amax, scale
+        return _tensorwise(data, scale, weight.dtype, fmt_name), scale
+    source = getattr(weight, "cast_source", weight)
+    return _scale_cast(WEIGHT, source, fmt_name, scaling, history, stats, update)
 
 
 def gemm_operands(
@@ -306,37 +437,92 @@ def gemm_kernel_paths(
 class LowbitLinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with the three GEMMs quantized by ``recipe``; bias is added by the caller.
 
-    ``x`` (..., K) and ``weight`` (N, K) are saved in their own precision, and each backward GEMM quantizes
-    them along its own reduction axis (a rowwise or block format needs a different quantization per GEMM).
+    Per operand (``scaling`` None): ``x`` (..., K) and ``weight`` (N, K) are saved in their own precision,
+    and each backward GEMM quantizes them along its own reduction axis (a rowwise or block format needs a
+    different quantization per GEMM); the weight is first cast to ``x``'s dtype.
+
+    Per tensor (``scaling`` a :class:`~mixprec.lowbit.history.TensorScaling`, tensorwise formats only):
+    input, weight and grad_output are each cast once, from their own dtypes, with ``scaling``'s scale
+    (dynamic, or delayed from ``history`` float32[3, L], pushed when ``update``); a tensorwise cast serves
+    both GEMMs a tensor is in, so the fp8 input and weight are what backward keeps, as torchao's.
+    ``stats`` float32[2, 3] receives each role's last amax and scale.
+
+    After ``generator`` come, optionally and in this order, ``gemms`` (the fprop, dgrad, wgrad
+    :class:`GemmOptions`; None: the defaults), ``scaling``, ``history``, ``stats`` and ``update``.
     Autocast is off inside; the output has ``x``'s dtype, the gradients ``x``'s and ``weight``'s.
     ``generator`` feeds stochastic rounding (None: torch's global generator).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, generator: torch.Generator | None
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        recipe: Recipe,
+        generator: torch.Generator | None,
+        *options: Any,
     ) -> torch.Tensor:
+        gemms, scaling, history, stats, update = _unpack(options)
+        ctx.n_options = len(options)  # backward returns one gradient per argument given
+        ctx.recipe, ctx.generator, ctx.gemms, ctx.scaling = recipe, generator, gemms, scaling
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
-            w = weight.to(x.dtype)
-            out = _gemm(x2, recipe.fprop_x, w, recipe.fprop_w, x.dtype)
-        ctx.save_for_backward(x2, w)
-        ctx.recipe, ctx.generator = recipe, generator
-        ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
+            if scaling is None:
+                w = weight.to(x.dtype)
+                out = _gemm(x2, recipe.fprop_x, w, recipe.fprop_w, x.dtype, options=gemms and gemms[0])
+                ctx.save_for_backward(x2, w)
+            else:
+                qx, x_scale = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update)
+                qw, w_scale = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update)
+                out = lowbit_mm(qx, qw, x.dtype, gemms[0])
+                ctx.save_for_backward(qx.data, x_scale, qw.data, w_scale)  # a gathered weight's own cast
+                ctx.history, ctx.stats, ctx.update = history, stats, update
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, w = ctx.saved_tensors
-        recipe, gen = ctx.recipe, ctx.generator
-        grad_x = grad_w = None
         with torch.autocast(grad_out.device.type, enabled=False):
-            go = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
-            if ctx.needs_input_grad[0]:
-                grad_x = _gemm(go, recipe.dgrad_go, w.t(), recipe.dgrad_w, x2.dtype, recipe.sr, gen)
-                grad_x = grad_x.reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                ops = gemm_operands(x2, w, go, recipe)
-                (go_w, go_fmt), (x_w, x_fmt) = ops["wgrad_go"], ops["wgrad_x"]
-                grad_w = _gemm(go_w, go_fmt, x_w, x_fmt, x2.dtype, recipe.sr, gen).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None
+            if ctx.scaling is None:
+                grad_x, grad_w = _recipe_backward(ctx, grad_out)
+            else:
+                grad_x, grad_w = _tensorwise_backward(ctx, grad_out)
+        return grad_x, grad_w, None, None, *([None] * ctx.n_options)
+
+
+def _unpack(options: tuple) -> tuple:
+    """``(gemms, scaling, history, stats, update)`` from the optional arguments, defaults filled in."""
+    if len(options) > 5:
+        raise TypeError(f"LowbitLinearFunction takes at most 9 arguments, got {4 + len(options)}")
+    return (*options, *(None, None, None, None, True)[len(options) :])
+
+
+def _recipe_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    x2, w = ctx.saved_tensors
+    recipe, gen, (_, dgrad, wgrad) = ctx.recipe, ctx.generator, ctx.gemms or (None, None, None)
+    grad_x = grad_w = None
+    go = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
+    if ctx.needs_input_grad[0]:
+        grad_x = _gemm(go, recipe.dgrad_go, w.t(), recipe.dgrad_w, x2.dtype, recipe.sr, gen, dgrad)
+        grad_x = grad_x.reshape(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        ops = gemm_operands(x2, w, go, recipe)
+        (go_w, go_fmt), (x_w, x_fmt) = ops["wgrad_go"], ops["wgrad_x"]
+        grad_w = _gemm(go_w, go_fmt, x_w, x_fmt, x2.dtype, recipe.sr, gen, wgrad).to(ctx.w_dtype)
+    return grad_x, grad_w
+
+
+def _tensorwise_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    x8, x_scale, w8, w_scale = ctx.saved_tensors
+    recipe, (_, dgrad, wgrad) = ctx.recipe, ctx.gemms or _DEFAULT_GEMMS
+    grad_x = grad_w = None
+    go2 = grad_out.reshape(-1, grad_out.shape[-1])
+    qgo, _ = _scale_cast(GRAD_OUTPUT, go2, recipe.dgrad_go, ctx.scaling, ctx.history, ctx.stats, ctx.update)
+    if ctx.needs_input_grad[0]:
+        qw_t = _tensorwise(w8.t(), w_scale, ctx.w_dtype, recipe.dgrad_w)
+        grad_x = lowbit_mm(qgo, qw_t, grad_out.dtype, dgrad).reshape(ctx.x_shape).to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        qgo_t = _tensorwise(qgo.data.t(), qgo.scale, grad_out.dtype, recipe.wgrad_go)
+        qx_t = _tensorwise(x8.t(), x_scale, ctx.x_dtype, recipe.wgrad_x)
+        grad_w = lowbit_mm(qgo_t, qx_t, grad_out.dtype, wgrad).to(ctx.w_dtype)
+    return grad_x, grad_w

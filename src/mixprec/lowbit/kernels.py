@@ -28,9 +28,11 @@ import torch
 
 from mixprec.lowbit.formats import LowbitFormat
 
-__all__ = ["KERNELS", "Kernel", "operand_kind", "select_kernel", "to_blocked"]
+__all__ = ["CPU_RULE", "KERNELS", "Kernel", "operand_kind", "select_kernel", "to_blocked"]
 
 _FP8 = ("e4m3", "e5m2")
+# AMD MI300's fp8: tensorwise GEMMs in a ROCm build only (select_kernel refuses them elsewhere).
+_FNUZ = ("e4m3fnuz", "e5m2fnuz")
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,11 @@ class Kernel:
         elements: the (a, b) element-format pairs it accepts.
         majors: the compute-capability majors it runs on (None: any at or above ``min_capability``).
         min_capability: the lowest (major, minor) it runs on.
-        k_multiple: K (in values, unpacked for fp4) must be a multiple of this.
+        k_multiple: K (in values, unpacked for fp4) must be a multiple of this (and of 16 on CUDA, with N).
         legacy_api: use ``torch._scaled_mm`` even where ``torch.nn.functional.scaled_mm`` exists (see
             the table's comments for why).
         source: where torch states the constraint.
+        device: ``"cuda"`` (capability-gated) or ``"cpu"`` (see :data:`CPU_RULE`).
     """
 
     name: str
@@ -57,13 +60,18 @@ class Kernel:
     k_multiple: int
     legacy_api: bool
     source: str
+    device: str = "cuda"
 
-    def runs_on(self, capability: tuple[int, int]) -> bool:
+    def runs_on(self, capability: tuple[int, int] | str) -> bool:
+        if capability == "cpu" or self.device == "cpu":
+            return capability == self.device
         if capability < self.min_capability:
             return False
         return self.majors is None or capability[0] in self.majors
 
     def where(self) -> str:
+        if self.device == "cpu":
+            return "the CPU"
         if self.majors is None:
             return f"sm{self.min_capability[0]}{self.min_capability[1]}+"
         return "/".join(f"sm{m}x" for m in self.majors)
@@ -71,7 +79,7 @@ class Kernel:
 
 def _pairs(a: tuple[str, ...], b: tuple[str, ...], no_e5m2_pair: bool = True) -> frozenset[tuple[str, str]]:
     # cuBLASLt has no e5m2 x e5m2 GEMM (ScaledBlas.cpp: "Multiplication of two Float8_e5m2 matrices").
-    return frozenset((x, y) for x in a for y in b if not (no_e5m2_pair and x == y == "e5m2"))
+    return frozenset((x, y) for x in a for y in b if not (no_e5m2_pair and x[:4] == y[:4] == "e5m2"))
 
 
 _E4M3 = frozenset({("e4m3", "e4m3")})
@@ -80,10 +88,11 @@ _DEEPSEEK = "ScaledBlas.cpp _check_deepseek_support: 'only supported in CUDA for
 #: torch's scaled-matmul paths. Blockwise (DeepSeek) paths use ``torch._scaled_mm``: its scale layouts
 #: (outer-dim-major 1x128, row-major 128x128) are the same in every release that has them, while
 #: ``scaled_mm``'s v2 layouts for those recipes changed. MXFP4 too: v2 routes CUDA MXFP4 to MSLK/FBGEMM,
-#: which a build may lack, v1 to cuBLASLt.
+#: which a build may lack, v1 to cuBLASLt. Tensorwise fp8 too: it is torchao float8's call, so a
+#: Float8Linear's GEMMs are torchao's on every torch.
 KERNELS: tuple[Kernel, ...] = (
-    Kernel("fp8_tensorwise", ("tensor", "tensor"), _pairs(_FP8, _FP8), None, (8, 9), 16, False,
-           "scaled_mm_arch_allowed: compute capability >= 8.9"),
+    Kernel("fp8_tensorwise", ("tensor", "tensor"), _pairs(_FP8, _FP8) | _pairs(_FNUZ, _FNUZ), None,
+           (8, 9), 16, True, "scaled_mm_arch_allowed: compute capability >= 8.9; hipBLASLt for fnuz"),
     Kernel("fp8_rowwise", ("row", "row"), _E4M3, None, (8, 9), 16, False,
            "f8f8bf16_rowwise (CUTLASS) / cuBLAS 12.9: e4m3 x e4m3"),
     Kernel("fp8_blockwise_1x128_128x128", ("1x128", "128x128"), _E4M3, (9,), (9, 0), 128, True, _DEEPSEEK),
@@ -97,13 +106,21 @@ KERNELS: tuple[Kernel, ...] = (
            "cuBLASLt VEC16_UE4M3 block scaling, datacenter Blackwell (sm100/sm103)"),
 )  # fmt: skip
 
+#: The CPU rule, one for every layer: torch's only CPU scaled matmul is ``torch._scaled_mm``'s oneDNN
+#: kernel (torch >= 2.13), tensorwise OCP fp8 of any size. A GEMM runs it when its options ask for torch's
+#: kernels (``emulate=False``: torchao's float8 contract, which calls ``_scaled_mm`` on a CPU, so results
+#: stay bitwise torchao's); by default (``emulate=None``) a CPU emulates, as torchao's low-bit prototypes
+#: do. fnuz is never sent: oneDNN takes it on some CPUs and refuses it on others.
+CPU_RULE = Kernel("fp8_tensorwise_cpu", ("tensor", "tensor"), _pairs(_FP8, _FP8, False), None, (0, 0), 1,
+                  True, "aten/src/ATen/native/Blas.cpp _scaled_mm_cpu (oneDNN)", "cpu")  # fmt: skip
+
 
 def operand_kind(fmt: LowbitFormat) -> str | None:
     """The scaling kind of ``fmt`` as a GEMM operand (see the module doc), or None where no kernel has it."""
     block = fmt.block
     if fmt.scale in ("fp32", "pow2"):
         kinds = {(-1, -1): "tensor", (1, -1): "row", (1, 128): "1x128", (128, 128): "128x128"}
-        return kinds.get(block) if fmt.element in _FP8 else None
+        return kinds.get(block) if fmt.element in _FP8 + _FNUZ else None
     if fmt.scale == "e8m0":
         return "mx" if block == (1, 32) else None
     return "nv16" if block in ((1, 16), (16, 16)) and fmt.element == "e2m1" else None
@@ -121,35 +138,43 @@ def select_kernel(
     fmt_b: LowbitFormat,
     shape_a: tuple[int, int],
     shape_b: tuple[int, int],
-    capability: tuple[int, int] | None,
+    capability: tuple[int, int] | str | None,
 ) -> tuple[Kernel | None, str]:
     """The kernel for ``a @ b.T``, or None and why.
 
     Args:
         fmt_a, fmt_b: the operands' formats, each quantized along K.
         shape_a, shape_b: the stored (padded) matrices in values: (M, K) and (N, K), K unpacked for fp4.
-        capability: the CUDA compute capability, or None for a device without scaled-matmul kernels.
+        capability: the CUDA compute capability, ``"cpu"`` for the CPU's kernel (:data:`CPU_RULE`), or
+            None for a device without scaled-matmul kernels (a CPU by default).
     """
     pair = f"{fmt_a.name} x {fmt_b.name}"
     if capability is None:
         return None, f"{pair}: no scaled-matmul kernels on this device (emulated)"
+    if capability == "cpu" and "fnuz" in fmt_a.element + fmt_b.element:
+        return None, f"{pair}: fnuz fp8 is emulated on every CPU (oneDNN takes it on some CPUs only)"
     if "fnuz" in fmt_a.element + fmt_b.element and torch.version.hip is None:
         return None, f"{pair}: fnuz fp8 GEMMs run only in a ROCm build of torch (cuBLASLt has none)"
     kinds = (operand_kind(fmt_a), operand_kind(fmt_b))
     if None in kinds:
         return None, f"{pair}: no torch kernel takes {fmt_a.block}/{fmt_b.block} blocks with these scales"
     elements = (fmt_a.element, fmt_b.element)
-    candidates = [k for k in KERNELS if k.kinds == _promoted(kinds)]  # type: ignore[arg-type]
+    table = (CPU_RULE,) if capability == "cpu" else KERNELS
+    candidates = [k for k in table if k.kinds == _promoted(kinds)]  # type: ignore[arg-type]
     candidates = [k for k in candidates if elements in k.elements]
     if not candidates:
         return None, f"{pair}: no torch kernel pairs {kinds[0]} {elements[0]} with {kinds[1]} {elements[1]}"
     kernel = candidates[0]
-    cap = f"sm{capability[0]}{capability[1]}"
+    cap = "cpu" if capability == "cpu" else f"sm{capability[0]}{capability[1]}"
     if not kernel.runs_on(capability):
         return None, f"{pair}: the {kernel.name} kernel needs {kernel.where()}, this device is {cap}"
     (m, k), (n, kb) = shape_a, shape_b
     if k != kb:
         return None, f"{pair}: the operands' padded K differ ({k} vs {kb}; their blocks pad K differently)"
+    if 0 in (m, n, k):
+        return None, f"{pair}: an empty operand ({m}x{k} @ {k}x{n}), nothing for a kernel to do"
+    if kernel.device == "cpu":
+        return kernel, f"{pair}: {kernel.name} ({kernel.source})"
     if k % kernel.k_multiple or n % 16 or k % 16:
         return None, (
             f"{pair}: {kernel.name} needs K a multiple of {max(kernel.k_multiple, 16)} and N of 16 "
