@@ -127,8 +127,12 @@ class CastConfig:
         Raises:
             TypeError: for an object without ``scaling_type``, ``scaling_granularity`` and ``target_dtype``.
         """
-        names = ("scaling_type", "scaling_granularity", "target_dtype")
-        if not all(hasattr(value, n) for n in names):
+        # Spelled out (not all() over a tuple) so the type checker sees the three attributes afterwards.
+        if not (
+            hasattr(value, "scaling_type")
+            and hasattr(value, "scaling_granularity")
+            and hasattr(value, "target_dtype")
+        ):
             raise TypeError(f"{field} must be a mixprec.float8.CastConfig, got {type(value).__name__}")
         dtype = value.target_dtype if value.target_dtype is not None else default_dtype
         return cls(value.scaling_type, value.scaling_granularity, dtype)
@@ -140,7 +144,7 @@ class CastConfig:
     def short_str(self) -> str:
         """torchao's form: ``"dyn_ten_e4m3"``, ``"dyn_axs_e4m3"``, ``"dis_ten_e5m2"``; the fnuz dtypes are
         ``"e4m3fnuz"`` / ``"e5m2fnuz"`` (torchao, where its e4m3 is fnuz on MI300, writes ``"e4m3"``)."""
-        dtype = _DTYPE_NAMES.get(self.target_dtype, "default")
+        dtype = "default" if self.target_dtype is None else _DTYPE_NAMES[self.target_dtype]
         return f"{self.scaling_type.short_str()}_{self.scaling_granularity.short_str()}_{dtype}"
 
 
@@ -193,6 +197,10 @@ def lowbit_format(cast: CastConfig, pow2: bool) -> str:
     rounded down to powers of two when ``pow2`` (``fp8_rowwise_fnuz`` for an AXISWISE e4m3fnuz cast)."""
     if cast.disabled:
         return "hp"
+    if cast.target_dtype is None:
+        raise ValueError(
+            f"lowbit_format needs a cast with its target_dtype resolved (CastConfig.of), got {cast}"
+        )
     suffix = _FORMAT_SUFFIX[cast.target_dtype]
     if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
         return "fp8_tensorwise" + suffix + ("_pow2" if pow2 else "")

@@ -6,8 +6,10 @@ constructor, and an error names the field and what it accepts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -163,7 +165,7 @@ class Float8Config:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def from_recipe_name(cls, recipe_name: str, **overrides: object) -> Float8Config:
+    def from_recipe_name(cls, recipe_name: str, **overrides: Any) -> Float8Config:
         """torchao's ``Float8LinearConfig.from_recipe_name``: the config of a named recipe.
 
         ``"tensorwise"`` is the default config; the rowwise recipes set ``round_scales_to_power_of_2``.
@@ -177,7 +179,8 @@ class Float8Config:
             raise Float8UsageError(
                 f"recipe_name must be one of {', '.join(map(repr, RECIPE_NAMES))}; got {recipe_name!r}"
             )
-        fields = {"recipe": name, "round_scales_to_power_of_2": name != "tensorwise"}
+        # Any: the fields and overrides are checked by __post_init__, not by their static types.
+        fields: dict[str, Any] = {"recipe": name, "round_scales_to_power_of_2": name != "tensorwise"}
         return cls(**{**fields, **overrides})
 
     @property
@@ -216,9 +219,8 @@ class Float8Config:
         """The engine's fprop, dgrad, wgrad :class:`~mixprec.lowbit.gemm.GemmOptions`: torchao's
         ``emulate`` (False: torch's kernel wherever it has one, the CPU's included), fast accumulation
         and padding."""
-        return tuple(
-            GemmOptions(mm.emulate, mm.use_fast_accum, mm.pad_inner_dim) for mm in self.linear_mm_config
-        )
+        output, grad_input, grad_weight = self.linear_mm_config
+        return _gemm_options(output), _gemm_options(grad_input), _gemm_options(grad_weight)
 
     @cached_property
     def linear_mm_config(self) -> LinearMMConfig:
@@ -287,31 +289,36 @@ _GEMM_OPERANDS = (
 _GEMM_FIELDS = ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weight")
 
 
-def _resolve_operands(config: Float8Config) -> dict[str, object]:
+def _gemm_options(mm: ScaledMMConfig) -> GemmOptions:
+    return GemmOptions(mm.emulate, mm.use_fast_accum, mm.pad_inner_dim)
+
+
+def _resolve_operands(config: Float8Config) -> dict[str, CastConfig | Float8GemmConfig]:
     """The resolved cast and GEMM config fields of ``config``, validated as torchao validates them."""
     preset = recipe_casts(config.recipe)
-    out: dict[str, object] = {}
+    casts: dict[str, CastConfig] = {}
     for name in _SHORT.values():
         value = getattr(config, name)
-        out[name] = CastConfig.of(
+        casts[name] = CastConfig.of(
             preset.get(name, CastConfig()) if value is None else value, name, _DEFAULT_DTYPES[name]
         )
     for _, name, first in _SECOND_USE:
         value = getattr(config, name)
-        value = preset.get(name, out[first]) if value is None else value
-        out[name] = CastConfig.of(value, name, _DEFAULT_DTYPES[name])
+        value = preset.get(name, casts[first]) if value is None else value
+        casts[name] = CastConfig.of(value, name, _DEFAULT_DTYPES[name])
     for gemm, a, b in _GEMM_OPERANDS:
-        if out[a].disabled != out[b].disabled:
+        if casts[a].disabled != casts[b].disabled:
             raise Float8UsageError(
-                f"incompatible operand precision for {gemm}: {a} is {out[a].scaling_type.name} and {b} is "
-                f"{out[b].scaling_type.name}; a GEMM's two operands are both fp8 or both DISABLED"
+                f"incompatible operand precision for {gemm}: {a} is {casts[a].scaling_type.name} and {b} is "
+                f"{casts[b].scaling_type.name}; a GEMM's two operands are both fp8 or both DISABLED"
             )
     for _, second, first in _SECOND_USE:
-        if out[first].target_dtype != out[second].target_dtype:
+        if casts[first].target_dtype != casts[second].target_dtype:
             raise Float8UsageError(
                 f"{first.removeprefix('cast_config_')} must be cast to the same dtype in both matmuls it's "
-                f"used in: {first} has {out[first].target_dtype}, {second} {out[second].target_dtype}"
+                f"used in: {first} has {casts[first].target_dtype}, {second} {casts[second].target_dtype}"
             )
+    out: dict[str, CastConfig | Float8GemmConfig] = dict(casts)
     for name in _GEMM_FIELDS:
         out[name] = Float8GemmConfig.of(getattr(config, name), name)
     if not isinstance(config.pad_inner_dim, bool):
@@ -321,7 +328,7 @@ def _resolve_operands(config: Float8Config) -> dict[str, object]:
     return out
 
 
-def _check_fsdp_float8_all_gather(config: Float8Config, resolved: dict[str, object]) -> None:
+def _check_fsdp_float8_all_gather(config: Float8Config, resolved: Mapping[str, object]) -> None:
     # The fp8 all-gather casts each weight shard to e4m3 with the whole weight's current amax: it needs
     # mixprec.float8's own dynamic tensorwise casts.
     flag = config.enable_fsdp_float8_all_gather
@@ -335,7 +342,7 @@ def _check_fsdp_float8_all_gather(config: Float8Config, resolved: dict[str, obje
         )
 
 
-def _all_tensorwise(resolved: dict[str, object]) -> bool:
+def _all_tensorwise(resolved: Mapping[str, object]) -> bool:
     """Whether all six casts are dynamic tensorwise at their default dtypes."""
     return all(resolved[name] == CastConfig(target_dtype=dtype) for name, dtype in _DEFAULT_DTYPES.items())
 

@@ -129,7 +129,7 @@ def convert_to_float8_training(
     swaps = wanted
     if not any(hook is check_float8_state_hook for hook in _load_pre_hooks(model)):
         model.register_load_state_dict_pre_hook(check_float8_state_hook)
-    replacements: dict[int, Float8Linear] = {}
+    replacements: dict[int, Float8Layer] = {}
     for fqn, module in swaps:  # a module shared by several parents is swapped once, everywhere
         new = replacements.setdefault(id(module), _float8_module(module, config))
         parent_name, _, child = fqn.rpartition(".")
@@ -139,7 +139,10 @@ def convert_to_float8_training(
 
 def _float8_module(module: nn.Module, config: Float8Config) -> Float8Layer:
     """The fp8 layer replacing ``module``: a ``Conv1D`` keeps its (in, out) weight Parameter."""
-    return Float8Conv1D(module, config) if is_conv1d(module) else Float8Linear.from_linear(module, config)
+    if is_conv1d(module):
+        return Float8Conv1D(module, config)
+    assert isinstance(module, nn.Linear), "the swap collects only Conv1D and nn.Linear modules"
+    return Float8Linear.from_linear(module, config)
 
 
 def _load_pre_hooks(model: nn.Module) -> list[object]:

@@ -152,7 +152,7 @@ class Float8AllGatherWeight(torch.Tensor):
         """The wrapped weight, which the engine casts (:func:`mixprec.lowbit.gemm.LowbitLinearFunction`)."""
         return self._tensor
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # mypy 2.4 rejects even Tensor.__repr__'s own signature
         return f"Float8AllGatherWeight({self._tensor!r}, fp8 all-gather)"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -227,7 +227,7 @@ class Float8GatheredWeight(torch.Tensor):
         """``_data / _scale`` in this tensor's dtype, shape (N, K)."""
         return (self._data.to(torch.float32) / self._scale).to(self.dtype)
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # mypy 2.4 rejects even Tensor.__repr__'s own signature
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale})"
 
 
@@ -244,17 +244,17 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> int:
     """
     from torch.distributed.tensor import DTensor
 
-    by_mesh: dict[Any, list[DTensor]] = defaultdict(list)
+    # Each sharded parameter with its local shard (kept as the narrowed Float8AllGatherWeight).
+    by_mesh: dict[Any, list[tuple[DTensor, Float8AllGatherWeight]]] = defaultdict(list)
     for sub in module.modules():
         weight = getattr(sub, "weight", None)
         if isinstance(weight, DTensor) and isinstance(weight._local_tensor, Float8AllGatherWeight):
-            by_mesh[weight.device_mesh].append(weight)
+            by_mesh[weight.device_mesh].append((weight, weight._local_tensor))
     for mesh, params in by_mesh.items():
-        amaxes = _local_amaxes([param._local_tensor._tensor for param in params])
+        amaxes = _local_amaxes([shard._tensor for _, shard in params])
         for dim in range(mesh.ndim):
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-        for param, amax in zip(params, amaxes, strict=True):
-            shard = param._local_tensor
+        for (param, shard), amax in zip(params, amaxes, strict=True):
             shard._precomputed = (amax, weight_scale(amax, shard._config), weakref.ref(param), param._version)
     return sum(len(params) for params in by_mesh.values())
 

@@ -184,9 +184,13 @@ class Float8Conv1D(Float8Layer):
     Conv1D's (``out_features`` / ``in_features`` too). Buffers as :class:`Float8Linear`'s.
 
     Raises:
-        TypeError: for a ``conv1d`` without a 2-D ``weight`` (nx, nf) or a bad ``config``.
+        TypeError: for a ``conv1d`` without a 2-D ``weight`` (nx, nf), with a ``bias`` that is not a tensor
+            or None, or a bad ``config``.
         ValueError: for ``enable_fsdp_float8_all_gather=True``: the fp8 all-gather wraps (out, in) weights.
     """
+
+    weight: nn.Parameter
+    bias: torch.Tensor | None
 
     def __init__(self, conv1d: nn.Module, config: Float8Config | None = None) -> None:
         config = _check_config(config)
@@ -195,6 +199,9 @@ class Float8Conv1D(Float8Layer):
             raise TypeError(
                 f"conv1d must be a transformers Conv1D (a 2-D weight Parameter), got {conv1d!r:.80}"
             )
+        bias = conv1d.bias
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"conv1d.bias must be a tensor or None, got {type(bias).__name__}")
         if config.enable_fsdp_float8_all_gather:
             raise ValueError(
                 "Float8Conv1D does not take enable_fsdp_float8_all_gather=True: the fp8 all-gather wraps "
@@ -203,7 +210,7 @@ class Float8Conv1D(Float8Layer):
         super().__init__()
         self.config = config
         self.nx, self.nf = weight.shape
-        self.weight, self.bias = conv1d.weight, conv1d.bias
+        self.weight, self.bias = weight, bias
         self._add_buffers(weight.device)
         self.train(conv1d.training)
 
@@ -241,6 +248,7 @@ def check_amax_history(module: Float8Layer, value: object, key: str) -> None:
             shape (another ``amax_history_len``), or holding a negative, inf or nan entry (an inf amax
             gives every later scale 0, a nan every output nan).
     """
+    assert module.amax_history is not None, "only a delayed-scaling module has an amax history to check"
     expected = tuple(module.amax_history.shape)
     if not torch.is_tensor(value) or tuple(value.shape) != expected or not value.is_floating_point():
         got = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__

@@ -101,8 +101,9 @@ def convert_to_lowbit_training(
         else:
             kept[fqn] = f"{type(m).__name__} is a subclass of nn.Linear (name it in linear_types to convert)"
     refuse_reconversion(conflicts, "convert_to_lowbit_training", f"recipe {recipe}")
-    for fqn, module in wanted if generator is not None else ():
-        check_generator_device(generator, module.weight.device, f"the weight of {fqn or 'the model'!r}")
+    if generator is not None:
+        for fqn, module in wanted:
+            check_generator_device(generator, module.weight.device, f"the weight of {fqn or 'the model'!r}")
     if wanted and wanted[0][0] == "":
         children = [name for name, _ in model.named_children()]
         if children:
@@ -121,6 +122,7 @@ def _lowbit_module(module: nn.Module, recipe: Recipe, generator: torch.Generator
     """The low-bit layer replacing ``module``: a ``Conv1D`` keeps its (in, out) weight Parameter."""
     if is_conv1d(module):
         return LowbitConv1D(module, recipe, generator)
+    assert isinstance(module, nn.Linear), "the swap collects only Conv1D and nn.Linear modules"
     return LowbitLinear.from_linear(module, recipe, generator)
 
 
@@ -172,4 +174,6 @@ def load_sr_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None
             f"SR state for modules {sorted(state)}, but this model's generators are at {expected}"
         )
     for fqn in expected:
-        modules[fqn].generator.set_state(state[fqn])
+        generator = modules[fqn].generator
+        assert generator is not None, "sr_state_dict lists only modules with a generator"
+        generator.set_state(state[fqn])

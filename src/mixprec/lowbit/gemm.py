@@ -147,7 +147,7 @@ def _select(
         return None, f"{a.fmt.name} x {b.fmt.name}: operands on {a.data.device} and {b.data.device}"
     if emulate:
         return None, f"{a.fmt.name} x {b.fmt.name}: emulate=True"
-    cap = device_capability(a.data.device) if capability is None else capability
+    cap: tuple[int, int] | str | None = device_capability(a.data.device) if capability is None else capability
     if cap is None and emulate is False and a.data.device.type == "cpu":
         cap = "cpu"  # the CPU rule (kernels.CPU_RULE): torch's kernels asked for explicitly
     return select_kernel(a.fmt, b.fmt, _value_shape(a), _value_shape(b), cap)
@@ -325,7 +325,7 @@ def _scaled(
             use_fast_accum=fast_accum,
         )  # fmt: skip
     else:
-        accum = {"use_fast_accum": True} if fast_accum else {}  # torch's default is False
+        accum: dict[str, Any] = {"use_fast_accum": True} if fast_accum else {}  # torch's default is False
         out = torch._scaled_mm(data_a, data_b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, **accum)
     if two_level:  # NVFP4's per-tensor scales, folded into the output: out * (t_a * t_b)
         scales = [t for t in (a.tensor_scale, b.tensor_scale) if t is not None]
@@ -424,7 +424,7 @@ def gemm_kernel_paths(
     ``device="meta"`` tensors nothing is computed), or FakeTensorMode on a CUDA build.
     """
     ops = gemm_operands(x2, weight, grad_out, recipe)
-    paths = {}
+    paths: dict[str, tuple[str | None, str]] = {}
     for gemm, (name_a, name_b) in _GEMM_OPERANDS.items():
         (a, fmt_a), (b, fmt_b) = ops[name_a], ops[name_b]
         if HP in (fmt_a, fmt_b):

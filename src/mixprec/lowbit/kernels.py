@@ -65,6 +65,8 @@ class Kernel:
     def runs_on(self, capability: tuple[int, int] | str) -> bool:
         if capability == "cpu" or self.device == "cpu":
             return capability == self.device
+        if isinstance(capability, str):
+            raise TypeError(f"capability must be (major, minor) or 'cpu', got {capability!r}")
         if capability < self.min_capability:
             return False
         return self.majors is None or capability[0] in self.majors

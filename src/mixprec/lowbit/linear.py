@@ -95,9 +95,13 @@ class LowbitConv1D(nn.Module):
         recipe, generator: as :class:`LowbitLinear`'s.
 
     Raises:
-        TypeError: for a ``conv1d`` without a 2-D ``weight`` Parameter (nx, nf); ValueError / TypeError
+        TypeError: for a ``conv1d`` without a 2-D ``weight`` Parameter (nx, nf) or with a ``bias`` that
+            is not a tensor or None; ValueError / TypeError
             for a bad recipe or generator (as :meth:`LowbitLinear.from_linear`).
     """
+
+    weight: nn.Parameter
+    bias: torch.Tensor | None
 
     def __init__(
         self,
@@ -110,13 +114,16 @@ class LowbitConv1D(nn.Module):
             raise TypeError(
                 f"conv1d must be a transformers Conv1D (a 2-D weight Parameter), got {conv1d!r:.80}"
             )
+        bias = conv1d.bias
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"conv1d.bias must be a tensor or None, got {type(bias).__name__}")
         recipe, generator = _check(recipe, generator)
         if generator is not None:
             check_generator_device(generator, weight.device, "the layer's weight")
         super().__init__()
         self.recipe, self.generator = recipe, generator
         self.nx, self.nf = weight.shape
-        self.weight, self.bias = conv1d.weight, conv1d.bias
+        self.weight, self.bias = weight, bias
         self.train(conv1d.training)
 
     @property
@@ -174,11 +181,11 @@ def check_generator_device(generator: torch.Generator, device: torch.device, wha
     )
 
 
-def _check(recipe: object, generator: object) -> tuple[Recipe, torch.Generator | None]:
-    recipe = get_recipe(recipe)
+def _check(recipe: Recipe | str, generator: object) -> tuple[Recipe, torch.Generator | None]:
+    resolved = get_recipe(recipe)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    return recipe, generator
+    return resolved, generator
 
 
 register_converted(LowbitLinear, lambda m: f"LowbitLinear, recipe {m.recipe}")

@@ -21,6 +21,7 @@ has no round-up to balance it. Values beyond a given ``tensor_amax`` still satur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
@@ -180,10 +181,15 @@ def _check(x: object, axis: object, stochastic: object, generator: object, pad: 
 def _check_tensor_amax(tensor_amax: object, fmt: LowbitFormat) -> None:
     if not fmt.two_level:
         raise ValueError(f"tensor_amax is for two-level formats (nvfp4, nvfp4_2d); {fmt.name} has none")
-    ok = isinstance(tensor_amax, (int, float)) and not isinstance(tensor_amax, bool)
-    ok = ok or (isinstance(tensor_amax, torch.Tensor) and tensor_amax.numel() == 1)
-    if not ok or not 0 < float(tensor_amax) < float("inf"):
+    if not _one_number(tensor_amax) or not 0 < float(tensor_amax) < float("inf"):
         raise ValueError(f"tensor_amax must be one finite number > 0, got {tensor_amax!r}")
+
+
+def _one_number(x: object) -> TypeGuard[int | float | torch.Tensor]:
+    """A number (not a bool) or a one-element tensor: what float() reads as one value."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _describe(x: object) -> str:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from mixprec.lowbit.formats import FORMATS
 
@@ -108,7 +109,7 @@ class Recipe:
     def __str__(self) -> str:
         return self.name or self.full_str()
 
-    def with_(self, **changes: object) -> Recipe:
+    def with_(self, **changes: Any) -> Recipe:
         """A copy with fields changed (validated as the constructor does)."""
         known = {f.name for f in fields(self)}
         bad = sorted(set(changes) - known)
@@ -129,7 +130,9 @@ class Recipe:
         tokens = text.split()
         if not tokens:
             raise ValueError("empty recipe string; give a name or fprop=.. dgrad=.. wgrad=..")
-        base, changes = None, {}
+        # Any: each value's type is checked by __post_init__ (a str format or a bool switch), not statically.
+        base: Recipe | None = None
+        changes: dict[str, Any] = {}
         if "=" not in tokens[0]:
             base = get_recipe(tokens[0])
             tokens = tokens[1:]

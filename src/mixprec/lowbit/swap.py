@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -39,10 +40,12 @@ NonDynamicallyQuantizable = nn.modules.linear.NonDynamicallyQuantizableLinear
 
 # Converted module types -> a one-line description of a module's setting; each swap registers its own,
 # so a swap recognises the others' layers without importing them (float8 imports lowbit, not back).
-_CONVERTED: dict[type, Callable[[nn.Module], str]] = {}
+# Each describe takes modules of its own key class (converted_as checks isinstance before calling it).
+_CONVERTED: dict[type[nn.Module], Callable[[Any], str]] = {}
+_M = TypeVar("_M", bound=nn.Module)
 
 
-def register_converted(cls: type, describe: Callable[[nn.Module], str]) -> None:
+def register_converted(cls: type[_M], describe: Callable[[_M], str]) -> None:
     """Make modules of ``cls`` count as converted, ``describe(module)`` naming their setting."""
     _CONVERTED[cls] = describe
 
