@@ -175,3 +175,102 @@ def test_the_bench_names_a_bad_time_and_its_table_says_the_choice(capsys: pytest
     assert cli.main([*base, *tab, "--time", "1s"]) == 0
     out = capsys.readouterr().out
     assert "time budget 1 s: tabular-regression all 3 rounds" in out
+
+
+def _lm_after_one_round(
+    pace: float, budget_s: float = 300.0
+) -> tuple[Budget, Progress, list, list[str], int]:
+    """The default plan fitted to ``budget_s``; lm started and one round run, at ``pace`` x the estimate."""
+    clock = FakeClock()
+    notes: list[str] = []
+    budget = Budget(budget_s, 1.0, notes, clock=clock)
+    jobs = budget.first(_default_jobs())
+    progress = Progress(jobs, 1.0, bar=False, stream=io.StringIO(), clock=clock)
+    lm = [job for job in jobs if job.workload == "lm"]
+    for _ in lm:
+        progress.advance(3.5)
+    for job in lm:
+        progress.advance(job.preset.round_steps * job.preset.cost_ms / 1e3, measured=True)
+    clock.now = pace * progress.done
+    return budget, progress, lm, notes, _rounds(lm[0])
+
+
+def test_a_slow_pace_after_round_one_cuts_the_running_workload_and_says_so() -> None:
+    budget, progress, lm, notes, rounds = _lm_after_one_round(1.6)
+    count = len(notes)
+    kept = budget.cut_rounds(lm, 1, rounds, progress)
+    assert MIN_ROUNDS < kept < rounds
+    (note,) = notes[count:]
+    assert f"lm cut to {kept} of {rounds} rounds ({kept * lm[0].preset.round_steps} steps) after " in note
+    assert "ran at 1.60x the first estimate's pace" in note
+    assert (
+        f"every mode stops at round {kept}, its LR schedule (built for {rounds} rounds) truncated alike"
+        in note
+    )
+    # lm's kept rounds leave the later workloads their minimum at this pace, one more round would not
+    later = [job for job in progress.jobs if job.workload != "lm"]
+    per_round = sum(j.preset.round_steps * j.preset.cost_ms / 1e3 for j in lm) * 1.6
+    lm_eval = estimate_s(lm, 1.6) - sum(job_cost_s(j) + 3.5 for j in lm) * 1.6
+    later_min = estimate_s([budget_mod._at_least(j) for j in later], 1.6)
+    left = 300.0 - progress.clock()
+    assert (kept - 1) * per_round + lm_eval + later_min <= left + 1e-9
+    assert kept == rounds - 1 or kept * per_round + lm_eval + later_min > left
+
+
+def test_a_pace_that_fits_cuts_nothing() -> None:
+    budget, progress, lm, notes, rounds = _lm_after_one_round(1.0, budget_s=1e6)
+    count = len(notes)
+    assert budget.cut_rounds(lm, 1, rounds, progress) == rounds and len(notes) == count
+    budget, progress, lm, notes, rounds = _lm_after_one_round(0.8)  # faster than estimated
+    count = len(notes)
+    assert budget.cut_rounds(lm, 1, rounds, progress) == rounds and len(notes) == count
+
+
+def test_the_cut_never_goes_below_the_rounds_already_run() -> None:
+    budget, progress, lm, notes, rounds = _lm_after_one_round(50.0)
+    assert budget.cut_rounds(lm, 1, rounds, progress) == MIN_ROUNDS  # far too slow: the minimum
+    assert "still overruns the budget" in notes[-1]
+    assert budget.cut_rounds(lm, rounds - 1, rounds, progress) == rounds - 1
+    assert budget.cut_rounds(lm, rounds, rounds, progress) == rounds  # all run: nothing to cut
+
+
+def _tabular(steps: int) -> list:
+    return make_plan(
+        ["tabular-regression"], ["fp32", "bf16-true"], size="tiny", steps=steps, device="cpu", threads=1
+    ).jobs
+
+
+def test_run_workload_without_a_budget_runs_all_rounds() -> None:
+    jobs = _tabular(8)
+    results, failures = schedule.run_workload(
+        jobs, False, Progress(jobs, 1.0, bar=False, stream=io.StringIO())
+    )
+    assert not failures and len(results) == len(jobs)
+    assert all(r.steps == 8 and {h["round"] for h in r.history} == set(range(8)) for r in results)
+
+
+def test_a_budget_cut_stops_every_mode_at_the_same_round() -> None:
+    jobs = _tabular(8)
+    holder: list[Progress] = []
+
+    def clock() -> float:  # the rounds run 20x slower than estimated
+        return 20.0 * holder[0].done if holder else 0.0
+
+    notes: list[str] = []
+    budget = Budget(1.0, 1.0, notes, clock=clock)
+    progress = Progress(jobs, 1.0, bar=False, stream=io.StringIO(), clock=clock)
+    holder.append(progress)
+    calls = []
+
+    def cut(running: list, done: int, rounds: int) -> int:
+        calls.append((done, rounds))
+        return budget.cut_rounds(running, done, rounds, progress)
+
+    total = progress.total
+    results, failures = schedule.run_workload(jobs, False, progress, cut=cut)
+    assert not failures and calls[0] == (1, 8) and all(rounds == MIN_ROUNDS for _, rounds in calls[1:])
+    assert [r.steps for r in results] == [MIN_ROUNDS] * len(jobs)  # the records say the steps trained
+    assert all({h["round"] for h in r.history} == set(range(MIN_ROUNDS)) for r in results)
+    (note,) = [n for n in notes if " cut to " in n]
+    assert note.startswith(f"time budget 1 s: tabular-regression cut to {MIN_ROUNDS} of 8 rounds")
+    assert progress.total < total and all(job.total_steps == MIN_ROUNDS for job in progress.jobs)

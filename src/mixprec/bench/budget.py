@@ -5,8 +5,10 @@ The estimate (:func:`mixprec.bench.progress.estimate_s`) is linear in the traini
 rounds would overrun the budget, every workload keeps the same fraction of its rounds (at least
 :data:`MIN_ROUNDS`, never more than the preset's), the largest fraction that fits. Before each workload
 starts the choice is made again for the workloads still to run, from the time left and the pace the
-rounds so far ran at (a run that has started keeps its steps: its learning-rate schedule is built for
-them). Each choice is a line in the table's notes, saying what was chosen and why.
+rounds so far ran at. After each round the running workload may be cut too (:meth:`Budget.cut_rounds`):
+to the most rounds that leave the later workloads :data:`MIN_ROUNDS` each; every mode stops at the same
+round, its learning-rate schedule (built for the planned steps) truncated alike. Each choice and each cut
+is a line in the table's notes, saying what was chosen and why.
 """
 
 from __future__ import annotations
@@ -161,6 +163,43 @@ class Budget:
         progress.replan(remaining, chosen)
         return chosen
 
+    def cut_rounds(self, jobs: Sequence[Job], round_done: int, rounds: int, progress: Progress) -> int:
+        """The rounds the running workload's ``jobs`` should end at, after ``round_done`` of ``rounds``.
+
+        At the pace the rounds so far ran at (as :meth:`rechoose` measures it), the largest count, at least
+        ``round_done`` and :data:`MIN_ROUNDS` (or ``rounds`` if fewer), that leaves the workloads after
+        this one (in ``progress.jobs``) :data:`MIN_ROUNDS` each within the time left. A cut is a note.
+        """
+        if not jobs or round_done >= rounds or not progress.done or not progress.measured:
+            return rounds
+        elapsed = self.clock() - self.started
+        factor = progress.factor * (progress.clock() - progress.started) / progress.done
+        order = list(dict.fromkeys(job.workload for job in progress.jobs))
+        running = jobs[0].workload
+        after = order[order.index(running) + 1 :] if running in order else []
+        later = [_at_least(job) for job in progress.jobs if job.workload in after]
+        per_round = sum(job.preset.round_steps * job.preset.cost_ms / 1e3 for job in jobs) * factor
+        evaluation = sum(EVAL_S.get(job.workload, 0.2) for job in jobs) * factor
+        room = self.budget_s - elapsed - evaluation - estimate_s(later, factor)
+        floor = max(round_done, min(MIN_ROUNDS, rounds))
+        extra = math.floor(max(room, 0.0) / per_round) if per_round > 0 else rounds
+        kept = min(rounds, max(floor, round_done + extra))
+        if kept == rounds:
+            return rounds
+        steps = kept * jobs[0].preset.round_steps
+        pace = (
+            f"the rounds ran at {factor / self.factor:.2f}x the first estimate's pace"
+            if self.factor
+            else f"the rounds ran at {factor:.2f}x the reference's time"
+        )
+        overrun = "" if round_done + extra >= floor else f"; at {kept} rounds it still overruns the budget"
+        self.notes.append(
+            f"time budget {format_duration(self.budget_s)}: {running} cut to {kept} of {rounds} rounds "
+            f"({steps} steps) after {format_duration(elapsed)}: {pace}; every mode stops at round {kept}, "
+            f"its LR schedule (built for {rounds} rounds) truncated alike{overrun}"
+        )
+        return kept
+
     def _note(
         self,
         before: Sequence[Job],
@@ -179,6 +218,12 @@ class Budget:
         label = "" if total else "left "
         text = describe(before, after, budget_s, estimate_s(after, factor), why)
         self.notes.append(text.replace("time budget ", f"time budget {label}", 1))
+
+
+def _at_least(job: Job) -> Job:
+    """``job`` at :data:`MIN_ROUNDS` rounds (or all its rounds, if fewer): what a later workload keeps."""
+    steps = min(MIN_ROUNDS * job.preset.round_steps, job.total_steps)
+    return job if steps == job.total_steps else dataclasses.replace(job, steps=steps)
 
 
 def _key(job: Job) -> tuple[str, str, int]:

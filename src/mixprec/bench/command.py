@@ -273,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             on_workload_done=lambda r: _save(r, args, len(plan.jobs)),
             rechoose=None if budget is None else (lambda jobs: budget.rechoose(jobs, progress)),
+            cut=None
+            if budget is None
+            else (lambda jobs, done, rounds: budget.cut_rounds(jobs, done, rounds, progress)),
         )
     finally:
         progress.close()

@@ -6,11 +6,14 @@ For one workload, every mode's run is started at once (each in a worker process 
 always first or last; then round ``r + 1``. A load that comes and goes during the bench thus lands on
 all modes of the workload, in time slices of a few steps, and ``mixprec.bench.stats`` pairs each
 mode's rounds with fp32's. Workloads run one after another; the results of each are handed to
-``on_workload_done`` as soon as it ends, so that they are saved before the next one starts.
+``on_workload_done`` as soon as it ends, so that they are saved before the next one starts. A time
+budget may shorten the running workload after any round (``cut``): every mode then stops at the same
+round, so the modes stay comparable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,6 +26,9 @@ from mixprec.bench.workers import make_worker
 Done = Callable[[list[RunResult]], object]  # the return value, if any, is ignored
 #: Called with the runs not started yet before each workload after the first; returns them re-chosen.
 Rechoose = Callable[[list[Job]], list[Job]]
+#: Called after each round but the last with the workload's runs, the rounds run and the rounds planned;
+#: returns the rounds to run (never fewer than those run, never more than planned).
+Cut = Callable[[list[Job], int, int], int]
 
 
 def group_by_workload(jobs: Sequence[Job]) -> list[list[Job]]:
@@ -49,17 +55,21 @@ def _failure(job: Job, exc: BaseException) -> str:
 
 
 def run_workload(
-    jobs: Sequence[Job], isolated: bool, progress: Progress
+    jobs: Sequence[Job], isolated: bool, progress: Progress, cut: Cut | None = None
 ) -> tuple[list[RunResult], list[str]]:
-    """Run one workload's jobs in interleaved rounds; returns results (in ``jobs`` order) and failures."""
+    """Run one workload's jobs in interleaved rounds; returns results (in ``jobs`` order) and failures.
+
+    ``cut`` (the time budget's) may lower the rounds after each round; every run then stops at that
+    round and is evaluated on the steps it trained (its result's ``steps``)."""
     failures: list[str] = []
     workers = {job: make_worker(job, isolated) for job in jobs}
+    shown = {job: job for job in jobs}  # the job as the progress knows it (its steps cut, after a cut)
     try:
         for worker in workers.values():
             worker.start()
         active = []
         for job, worker in workers.items():
-            progress.where(job, phase="starting")
+            progress.where(shown[job], phase="starting")
             try:
                 worker.wait_ready(progress.heartbeat)
                 active.append(job)
@@ -68,18 +78,25 @@ def run_workload(
             progress.advance(START_S)
         size = jobs[0].preset.round_steps
         rounds = math.ceil(jobs[0].total_steps / size)
-        for round_index in range(rounds):
+        round_index = 0
+        while round_index < rounds:
             for job in rotation(list(active), round_index):
-                progress.where(job, round_index, rounds)
+                progress.where(shown[job], round_index, rounds)
                 try:
                     workers[job].steps(size, round_index, progress.heartbeat)
                 except Exception as exc:
                     failures.append(_failure(job, exc))
                     active.remove(job)
                 progress.advance(size * job.preset.cost_ms / 1e3, measured=True)
+            round_index += 1
+            if cut is not None and active and round_index < rounds:
+                kept = min(rounds, max(round_index, cut([shown[job] for job in active], round_index, rounds)))
+                if kept < rounds:
+                    rounds = kept
+                    _cut_progress(shown, active, rounds * size, progress)
         results = []
         for job in active:
-            progress.where(job, phase="evaluating")
+            progress.where(shown[job], phase="evaluating")
             try:
                 results.append(workers[job].finish(progress.heartbeat))
             except Exception as exc:
@@ -91,17 +108,27 @@ def run_workload(
             worker.close()
 
 
+def _cut_progress(shown: dict[Job, Job], active: list[Job], steps: int, progress: Progress) -> None:
+    """The progress follows a cut: its total loses the rounds that will not run."""
+    for job in active:
+        old = shown[job]
+        shown[job] = dataclasses.replace(old, steps=min(steps, old.total_steps))
+        if old in progress.jobs:
+            progress.replan([old], [shown[job]])
+
+
 def run_plan(
     jobs: Sequence[Job],
     isolated: bool,
     progress: Progress,
     on_workload_done: Done | None = None,
     rechoose: Rechoose | None = None,
+    cut: Cut | None = None,
 ) -> tuple[list[RunResult], list[str]]:
     """Every workload in turn (see ``run_workload``); returns all results and failure messages.
 
     ``rechoose`` (the time budget's) may change the steps of the runs not started yet, before each
-    workload after the first."""
+    workload after the first; ``cut`` (the budget's too) may lower the rounds of the running one."""
     results: list[RunResult] = []
     failures: list[str] = []
     groups = group_by_workload(jobs)
@@ -110,7 +137,7 @@ def run_plan(
             remaining = [job for group in groups[index:] for job in group]
             groups[index:] = group_by_workload(rechoose(remaining))
         group = groups[index]
-        done, failed = run_workload(group, isolated, progress)
+        done, failed = run_workload(group, isolated, progress, cut)
         results += done
         failures += failed
         if on_workload_done is not None and done:
