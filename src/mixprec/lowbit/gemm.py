@@ -18,6 +18,7 @@ exactly before quantization; it spreads an outlier over 16 values. The signs are
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from dataclasses import dataclass
@@ -270,7 +271,8 @@ def _value_shape(q: Quantized) -> tuple[int, int]:
 
 def _rows(q: Quantized) -> int:
     """The rows of the matrix ``q`` quantized, before padding."""
-    return q.shape.numel() // q.shape[q.axis] if q.shape[q.axis] else 0
+    axis = q.axis % len(q.shape)
+    return math.prod(size for i, size in enumerate(q.shape) if i != axis)  # K == 0 keeps its rows
 
 
 def _matrix(q: Quantized) -> torch.Tensor:
