@@ -18,7 +18,6 @@ exactly before quantization; it spreads an outlier over 16 values. The signs are
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from dataclasses import dataclass
@@ -271,8 +270,11 @@ def _value_shape(q: Quantized) -> tuple[int, int]:
 
 def _rows(q: Quantized) -> int:
     """The rows of the matrix ``q`` quantized, before padding."""
-    axis = q.axis % len(q.shape)
-    return math.prod(size for i, size in enumerate(q.shape) if i != axis)  # K == 0 keeps its rows
+    axis, rows = q.axis % len(q.shape), 1
+    for i, size in enumerate(q.shape):  # a loop, not a generator: torch.compile traces this (fullgraph)
+        if i != axis:
+            rows *= size
+    return rows  # K == 0 keeps its rows
 
 
 def _matrix(q: Quantized) -> torch.Tensor:
