@@ -108,7 +108,7 @@ class Float8Config:
     Every config runs on the :mod:`mixprec.lowbit` engine: one that is dynamic tensorwise in all six casts
     casts each tensor once with :attr:`tensor_scaling` (delayed scaling, margins); any other runs the
     per-operand recipe of :attr:`lowbit_recipe` (per-row scales, high-precision operands). The CPU
-    runs torch's tensorwise fp8 kernel and emulates the rest (:data:`mixprec.lowbit.kernels.CPU_RULE`).
+    runs torch's tensorwise fp8 kernel and emulates the rest (``mixprec.lowbit.kernels.CPU_RULE``).
 
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an

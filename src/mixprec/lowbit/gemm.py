@@ -72,7 +72,7 @@ class GemmOptions:
 
     Attributes:
         emulate: True emulates everywhere; False runs torch's kernel wherever the kernel table has one,
-            the CPU's included (:data:`mixprec.lowbit.kernels.CPU_RULE`, torchao's ``emulate=False``); None
+            the CPU's included (``mixprec.lowbit.kernels.CPU_RULE``, torchao's ``emulate=False``); None
             (the default) runs the CUDA kernels and emulates on a CPU.
         use_fast_accum: passed to the kernel (fp8's faster, less exact accumulation); emulation ignores it.
         pad_inner_dim: zero-pad K of tensorwise / rowwise operands to a multiple of 16 after quantization
@@ -201,7 +201,7 @@ def scaled_mm(
     pad_inner_dim: bool = False,
 ) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale)`` in ``out_dtype`` for tensorwise fp8 ``a`` (M, K) and ``b`` (K, N)
-    with float32 scalar scales (multipliers, as torchao's): :func:`lowbit_mm` of the two, torch's kernel
+    with float32 scalar scales (multipliers, as torchao's): :func:`~mixprec.lowbit.lowbit_mm` of the two, torch's kernel
     wherever it has one (``emulate=False``, the CPU's included), torchao's emulation otherwise."""
     qa, qb = _tensorwise(a, a_scale, a.dtype), _tensorwise(b.t(), b_scale, b.dtype)
     return lowbit_mm(qa, qb, out_dtype, GemmOptions(emulate, use_fast_accum, pad_inner_dim))
