@@ -201,8 +201,9 @@ def scaled_mm(
     pad_inner_dim: bool = False,
 ) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale)`` in ``out_dtype`` for tensorwise fp8 ``a`` (M, K) and ``b`` (K, N)
-    with float32 scalar scales (multipliers, as torchao's): :func:`~mixprec.lowbit.lowbit_mm` of the two, torch's kernel
-    wherever it has one (``emulate=False``, the CPU's included), torchao's emulation otherwise."""
+    with float32 scalar scales (multipliers, as torchao's): :func:`~mixprec.lowbit.lowbit_mm` of the two,
+    torch's kernel wherever it has one (``emulate=False``, the CPU's included), torchao's emulation
+    otherwise."""
     qa, qb = _tensorwise(a, a_scale, a.dtype), _tensorwise(b.t(), b_scale, b.dtype)
     return lowbit_mm(qa, qb, out_dtype, GemmOptions(emulate, use_fast_accum, pad_inner_dim))
 
