@@ -35,8 +35,7 @@ import mixprec
 from mixprec.float8 import Float8Config, convert_to_float8_training
 from mixprec.float8.config import RECIPE_NAMES, SCALINGS
 from mixprec.float8.linear import Float8Linear
-from mixprec.float8.matmul import Float8LinearFunction
-from mixprec.lowbit import RECIPES, get_recipe
+from mixprec.lowbit import RECIPES
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.optim import METHODS
 
@@ -92,11 +91,10 @@ def _float8_step(layer: Float8Linear, x: torch.Tensor) -> Callable[[], None]:
     """What ``Float8Linear.forward`` + backward run, with the Function called directly."""
 
     def step() -> None:
-        if layer.config.lowbit_recipe is not None:
-            fn, args = LowbitLinearFunction, (x, layer.weight, get_recipe(layer.config.lowbit_recipe), None)
-        else:
-            fn = Float8LinearFunction
-            args = (x, layer.weight, layer.amax_history, layer.fp8_stats, layer.config, True)
+        config = layer.config  # the same arguments Float8Linear.forward passes (one engine since issue 31)
+        fn = LowbitLinearFunction
+        args = (x, layer.weight, config.resolved_lowbit_recipe, None, config.gemm_options,
+                config.tensor_scaling, layer.amax_history, layer.fp8_stats, True)  # fmt: skip
         ctx = Ctx((True, True) + (False,) * (len(args) - 2))
         out = fn.forward(ctx, *args)
         fn.backward(ctx, torch.randn_like(out))
