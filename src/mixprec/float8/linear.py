@@ -13,6 +13,7 @@ from mixprec.float8.config import Float8Config
 from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.history import ROLES
+from mixprec.lowbit.linear import Conv1DShape
 from mixprec.lowbit.swap import register_converted
 
 __all__ = [
@@ -174,7 +175,7 @@ class Float8Linear(Float8Layer, nn.Linear):
         return f"{super().extra_repr()}, cast_configs={casts}, fp8={self.config.short_str()}"
 
 
-class Float8Conv1D(Float8Layer):
+class Float8Conv1D(Conv1DShape, Float8Layer):
     """``transformers``' ``Conv1D`` (``y = x @ weight + bias``, ``weight`` (in, out): GPT-2's linear layers)
     with :class:`Float8Linear`'s fp8 GEMMs, run over ``weight.t()``.
 
@@ -213,14 +214,6 @@ class Float8Conv1D(Float8Layer):
         self.weight, self.bias = weight, bias
         self._add_buffers(weight.device)
         self.train(conv1d.training)
-
-    @property
-    def in_features(self) -> int:
-        return self.nx
-
-    @property
-    def out_features(self) -> int:
-        return self.nf
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._fp8_linear(input, self.weight.t(), self.bias)

@@ -81,7 +81,22 @@ class LowbitLinear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
-class LowbitConv1D(nn.Module):
+class Conv1DShape:
+    """``in_features`` / ``out_features`` of a converted transformers ``Conv1D`` (weight ``(nx, nf)``)."""
+
+    nx: int
+    nf: int
+
+    @property
+    def in_features(self) -> int:
+        return self.nx
+
+    @property
+    def out_features(self) -> int:
+        return self.nf
+
+
+class LowbitConv1D(Conv1DShape, nn.Module):
     """``transformers``' ``Conv1D`` (``y = x @ weight + bias``, ``weight`` (in, out): GPT-2's linear layers)
     with :class:`LowbitLinear`'s GEMMs, run over ``weight.t()``.
 
@@ -125,14 +140,6 @@ class LowbitConv1D(nn.Module):
         self.nx, self.nf = weight.shape
         self.weight, self.bias = weight, bias
         self.train(conv1d.training)
-
-    @property
-    def in_features(self) -> int:
-        return self.nx
-
-    @property
-    def out_features(self) -> int:
-        return self.nf
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _lowbit_linear(input, self.weight.t(), self.bias, self.recipe, self.generator)
