@@ -30,17 +30,7 @@ from mixprec.float8.linear import (
     check_float8_state,
     describe_config,
 )
-from mixprec.lowbit.swap import (
-    ModuleFilter,
-    NonDynamicallyQuantizable,
-    check_filter,
-    converted_as,
-    filter_says,
-    is_conv1d,
-    is_converted,
-    refuse_reconversion,
-    warn_if_unconverted,
-)
+from mixprec.lowbit.swap import ModuleFilter, is_conv1d, swap_linears
 
 __all__ = [
     "ModuleFilter",
@@ -96,45 +86,31 @@ def convert_to_float8_training(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = _check_config(config)
-    check_filter(module_filter_fn)
-    wanted, same, conflicts, kept = [], 0, [], {}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        linear = isinstance(module, nn.Linear) and not isinstance(module, NonDynamicallyQuantizable)
-        if not (linear or is_conv1d(module) or is_converted(module)):
-            continue
-        if not filter_says(module_filter_fn, module, fqn):
-            continue
-        if isinstance(module, Float8Layer):
-            same += module.config == config
-            if module.config != config:
-                conflicts.append((fqn, converted_as(module)))
-        elif is_converted(module):
-            conflicts.append((fqn, converted_as(module)))
-        elif is_conv1d(module) and config.enable_fsdp_float8_all_gather:
-            kept[fqn] = "transformers Conv1D is not converted with enable_fsdp_float8_all_gather=True"
-        elif is_conv1d(module) or type(module) is nn.Linear:
-            wanted.append((fqn, module))
-        else:  # a subclass's own parameters, buffers and forward would be lost in a Float8Linear
-            kept[fqn] = f"{type(module).__name__} is a subclass of nn.Linear (exact nn.Linear only convert)"
-    refuse_reconversion(conflicts, "convert_to_float8_training", describe_config(config))
-    if wanted and wanted[0][0] == "":
-        children = [name for name, _ in model.named_children()]
-        if children:  # torchao refuses these too: the swapped module would lose them
-            raise Float8UsageError(
-                f"Does not support a root nn.Linear with children: cannot convert a root "
-                f"{type(model).__name__} with child modules {children} (they would be dropped)"
-            )
-        return _float8_module(model, config)
-    warn_if_unconverted("convert_to_float8_training", len(wanted) + same, model, kept)
-    swaps = wanted
-    if not any(hook is check_float8_state_hook for hook in _load_pre_hooks(model)):
-        model.register_load_state_dict_pre_hook(check_float8_state_hook)
-    replacements: dict[int, Float8Layer] = {}
-    for fqn, module in swaps:  # a module shared by several parents is swapped once, everywhere
-        new = replacements.setdefault(id(module), _float8_module(module, config))
-        parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, new)
-    return model
+
+    def kept_because(module: nn.Module) -> str | None:
+        if is_conv1d(module) and config.enable_fsdp_float8_all_gather:
+            return "transformers Conv1D is not converted with enable_fsdp_float8_all_gather=True"
+        if is_conv1d(module) or type(module) is nn.Linear:
+            return None
+        # a subclass's own parameters, buffers and forward would be lost in a Float8Linear
+        return f"{type(module).__name__} is a subclass of nn.Linear (exact nn.Linear only convert)"
+
+    def prepare(model: nn.Module) -> None:
+        if not any(hook is check_float8_state_hook for hook in _load_pre_hooks(model)):
+            model.register_load_state_dict_pre_hook(check_float8_state_hook)
+
+    return swap_linears(
+        model,
+        "convert_to_float8_training",
+        describe_config(config),
+        module_filter_fn=module_filter_fn,
+        own=(Float8Layer,),
+        same=lambda module: module.config == config,
+        kept_because=kept_because,
+        make=lambda module: _float8_module(module, config),
+        prepare=prepare,
+        root_error=Float8UsageError,
+    )
 
 
 def _float8_module(module: nn.Module, config: Float8Config) -> Float8Layer:

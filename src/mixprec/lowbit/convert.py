@@ -7,17 +7,7 @@ from torch import nn
 
 from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear, _check, check_generator_device
 from mixprec.lowbit.recipes import Recipe
-from mixprec.lowbit.swap import (
-    ModuleFilter,
-    NonDynamicallyQuantizable,
-    check_filter,
-    converted_as,
-    filter_says,
-    is_conv1d,
-    is_converted,
-    refuse_reconversion,
-    warn_if_unconverted,
-)
+from mixprec.lowbit.swap import ModuleFilter, is_conv1d, swap_linears
 
 __all__ = [
     "ModuleFilter",
@@ -78,44 +68,31 @@ def convert_to_lowbit_training(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     recipe, generator = _check(recipe, generator)
-    check_filter(module_filter_fn)
     if not isinstance(linear_types, tuple) or not all(
         isinstance(t, type) and issubclass(t, nn.Linear) for t in linear_types
     ):
         raise TypeError(f"linear_types must be a tuple of nn.Linear subclasses, got {linear_types!r}")
-    wanted, same, conflicts, kept = [], 0, [], {}
-    for fqn, m in model.named_modules(remove_duplicate=False):
-        linear = isinstance(m, nn.Linear) and not isinstance(m, NonDynamicallyQuantizable)
-        if not (linear or is_conv1d(m) or is_converted(m)):
-            continue
-        if not filter_says(module_filter_fn, m, fqn):
-            continue
-        if isinstance(m, (LowbitLinear, LowbitConv1D)):
-            same += m.recipe == recipe
-            if m.recipe != recipe:
-                conflicts.append((fqn, converted_as(m)))
-        elif is_converted(m):
-            conflicts.append((fqn, converted_as(m)))
-        elif type(m) in linear_types or is_conv1d(m):
-            wanted.append((fqn, m))
-        else:
-            kept[fqn] = f"{type(m).__name__} is a subclass of nn.Linear (name it in linear_types to convert)"
-    refuse_reconversion(conflicts, "convert_to_lowbit_training", f"recipe {recipe}")
-    if generator is not None:
-        for fqn, module in wanted:
+
+    def kept_because(module: nn.Module) -> str | None:
+        if type(module) in linear_types or is_conv1d(module):
+            return None
+        return f"{type(module).__name__} is a subclass of nn.Linear (name it in linear_types to convert)"
+
+    def check(wanted: list[tuple[str, nn.Module]]) -> None:
+        for fqn, module in wanted if generator is not None else ():
             check_generator_device(generator, module.weight.device, f"the weight of {fqn or 'the model'!r}")
-    if wanted and wanted[0][0] == "":
-        children = [name for name, _ in model.named_children()]
-        if children:
-            raise ValueError(f"cannot convert a root {type(model).__name__} with child modules {children}")
-        return _lowbit_module(model, recipe, generator)
-    warn_if_unconverted("convert_to_lowbit_training", len(wanted) + same, model, kept)
-    replacements: dict[int, nn.Module] = {}
-    for fqn, module in wanted:  # a module shared by several parents is swapped once, everywhere
-        new = replacements.setdefault(id(module), _lowbit_module(module, recipe, generator))
-        parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, new)
-    return model
+
+    return swap_linears(
+        model,
+        "convert_to_lowbit_training",
+        f"recipe {recipe}",
+        module_filter_fn=module_filter_fn,
+        own=(LowbitLinear, LowbitConv1D),
+        same=lambda module: module.recipe == recipe,
+        kept_because=kept_because,
+        make=lambda module: _lowbit_module(module, recipe, generator),
+        check=check,
+    )
 
 
 def _lowbit_module(module: nn.Module, recipe: Recipe, generator: torch.Generator | None) -> nn.Module:

@@ -1,5 +1,6 @@
-"""The contract every module swap keeps (``convert_to_lowbit_training``, ``convert_to_float8_training``,
-``Plan.apply``): one filter check, one answer to a second conversion, and a word when nothing converts.
+"""The one module swap (:func:`swap_linears`, behind ``convert_to_lowbit_training`` and
+``convert_to_float8_training``) and the contract every swap keeps (``Plan.apply`` too): one filter
+check, one answer to a second conversion, and a word when nothing converts.
 
 - ``module_filter_fn(module, fqn)`` must be callable with two arguments and return a ``bool``: a truthy
   string or ``None`` is a bug in the filter, refused with a ``TypeError`` (torchao's float8 refuses it too),
@@ -28,6 +29,7 @@ __all__ = [
     "is_converted",
     "refuse_reconversion",
     "register_converted",
+    "swap_linears",
     "warn_if_unconverted",
 ]
 
@@ -131,7 +133,9 @@ def refuse_reconversion(conflicts: Iterable[tuple[str, str]], api: str, new: str
     )
 
 
-def warn_if_unconverted(api: str, converted: int, model: nn.Module, linear_maps: dict[str, str]) -> None:
+def warn_if_unconverted(
+    api: str, converted: int, model: nn.Module, linear_maps: dict[str, str], stacklevel: int = 3
+) -> None:
     """Warn when a swap left layers that compute a linear map, or converted nothing.
 
     Args:
@@ -140,17 +144,106 @@ def warn_if_unconverted(api: str, converted: int, model: nn.Module, linear_maps:
         model: the model, for the message when there is nothing linear in it.
         linear_maps: ``fqn -> why it was kept`` for each module that computes a linear map but was not
             converted (a subclass of ``nn.Linear``, a ``Conv1D`` the swap cannot take, ...).
+        stacklevel: ``warnings.warn``'s, so the warning points at the user's call.
     """
     if linear_maps:
         warnings.warn(
             f"{api} kept layers that compute a linear map as they are: "
             + "; ".join(f"{fqn or 'the model itself'!r}: {why}" for fqn, why in linear_maps.items()),
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     elif converted == 0:
         warnings.warn(
             f"{api} converted nothing: {type(model).__name__} has no nn.Linear the filter accepts",
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
+
+
+def swap_linears(
+    model: nn.Module,
+    api: str,
+    setting: str,
+    *,
+    module_filter_fn: ModuleFilter | None,
+    own: tuple[type[nn.Module], ...],
+    same: Callable[[Any], bool],
+    kept_because: Callable[[nn.Module], str | None],
+    make: Callable[[nn.Module], nn.Module],
+    check: Callable[[list[tuple[str, nn.Module]]], None] | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
+    root_error: type[Exception] = ValueError,
+) -> nn.Module:
+    """Swap, in place, each linear layer of ``model`` (itself included) the filter accepts for ``make(it)``.
+
+    The candidates are ``nn.Linear`` modules (not attention's ``out_proj``), ``transformers`` ``Conv1D``
+    modules and layers some swap already converted; the filter is asked about each (with its qualified name,
+    ``""`` for ``model`` itself). Everything is checked before anything changes, in this order: layers of
+    ``own`` type that are not ``same`` and layers converted by another swap are refused
+    (:func:`refuse_reconversion`), then ``check(wanted)`` runs. A module shared by several parents is
+    swapped once, everywhere.
+
+    Args:
+        model: the model to convert.
+        api, setting: the caller's name and the setting it asks for, for messages.
+        module_filter_fn: ``(module, fqn) -> bool`` (see :func:`check_filter`), or None for all.
+        own: the caller's converted types; one of them that is ``same(module)`` is left as it is (a second
+            call is a no-op).
+        same: whether a module of ``own`` type already has the asked setting.
+        kept_because: why a candidate is kept as it is (a string for the warning), or None to convert it.
+        make: the new module for a candidate, sharing its parameter objects.
+        check: called with the ``(fqn, module)`` list to convert, to refuse it before any swap.
+        prepare: called with ``model`` just before the swaps (not when ``model`` itself is the one swapped).
+        root_error: the error for a root ``nn.Linear`` with child modules (they would be dropped).
+
+    Returns:
+        ``model``, or ``make(model)`` when ``model`` itself is the one layer to convert.
+
+    Raises:
+        TypeError: for a filter that is not callable as ``(module, fqn)`` or returns a non-bool.
+        ValueError: for a layer converted with another setting (layers and both settings named).
+        root_error: for a root ``nn.Linear`` with children. Nothing is converted when it raises.
+
+    Warns:
+        UserWarning: naming the linear layers kept as they are, or saying that nothing was converted.
+    """
+    check_filter(module_filter_fn)
+    wanted: list[tuple[str, nn.Module]] = []
+    conflicts: list[tuple[str, str]] = []
+    kept: dict[str, str] = {}
+    same_count = 0
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        linear = isinstance(module, nn.Linear) and not isinstance(module, NonDynamicallyQuantizable)
+        if not (linear or is_conv1d(module) or is_converted(module)):
+            continue
+        if not filter_says(module_filter_fn, module, fqn):
+            continue
+        if isinstance(module, own) and same(module):
+            same_count += 1
+        elif is_converted(module):
+            conflicts.append((fqn, converted_as(module)))
+        elif (why := kept_because(module)) is not None:
+            kept[fqn] = why
+        else:
+            wanted.append((fqn, module))
+    refuse_reconversion(conflicts, api, setting)
+    if check is not None:
+        check(wanted)
+    if wanted and wanted[0][0] == "":
+        children = [name for name, _ in model.named_children()]
+        if children:  # torchao refuses these too: the swapped module would lose them
+            raise root_error(
+                f"Does not support a root nn.Linear with children: cannot convert a root "
+                f"{type(model).__name__} with child modules {children} (they would be dropped)"
+            )
+        return make(model)
+    warn_if_unconverted(api, len(wanted) + same_count, model, kept, stacklevel=4)
+    if prepare is not None:
+        prepare(model)
+    replacements: dict[int, nn.Module] = {}
+    for fqn, module in wanted:
+        new = replacements.setdefault(id(module), make(module))
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    return model
