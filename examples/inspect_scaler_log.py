@@ -30,7 +30,7 @@ def main(out: Path) -> None:
     print(f"skipped steps: {log.skipped_steps}")
 
     report = underflow_report(
-        model, x, loss_fn=lambda y: (y - x[:, :1]).square().mean(), scale=scaler.get_scale()
+        model, x, loss_fn=lambda m, b: (m(b) - b[:, :1]).square().mean(), scale=scaler.get_scale()
     )
     print(report)
     for path in write_report(out / "run.jsonl", out / "report"):

@@ -43,10 +43,15 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         _warn(spec.name, self.modules[spec.name])
-        return importlib.import_module(self.modules[spec.name])
+        module = importlib.import_module(self.modules[spec.name])
+        spec.loader_state = module.__spec__  # the import system overwrites ``__spec__``; put back below
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing: the new module ran when it was imported."""
+        """Nothing to run (the new module ran when it was imported): only its own spec goes back, so that
+        it still names itself."""
+        assert module.__spec__ is not None
+        module.__spec__ = module.__spec__.loader_state
 
 
 def install(package: str, modules: Mapping[str, str], names: Mapping[str, str]) -> Callable[[str], Any]:

@@ -24,8 +24,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Outlier(), nn.Linear(32, 8))
 
 
-def _loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().pow(2).mean()
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().pow(2).mean()
 
 
 def test_figures_match_a_hand_computation() -> None:
@@ -105,7 +105,7 @@ def test_the_thresholds_take_lowbit_reports_names_and_the_old_ones_still_work() 
 
 def test_model_without_linear_layers_is_refused() -> None:
     with pytest.raises(ValueError, match="nn.Linear"):
-        fp8_report(nn.Sequential(nn.ReLU()), torch.randn(2, 3), loss_fn=lambda out: out.sum())
+        fp8_report(nn.Sequential(nn.ReLU()), torch.randn(2, 3), loss_fn=lambda m, x: m(x).sum())
 
 
 def test_plot_writes_a_png(tmp_path) -> None:

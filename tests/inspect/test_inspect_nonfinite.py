@@ -91,7 +91,7 @@ def test_residual_branch_blames_the_branch_not_the_add(inputs):
 
 
 def test_loss_overflow_is_outside_the_model(inputs):
-    report = find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda y: (y * 70000).sum())
+    report = find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda m, x: (m(x) * 70000).sum())
     assert report.module == OUTSIDE and report.phase == "forward"
     assert ".float()" in str(report)
 
@@ -105,7 +105,9 @@ def test_nonfinite_input_data_is_reported_as_such(inputs):
 
 
 def test_nan_that_fp32_also_gives_is_not_blamed_on_precision(inputs):
-    report = find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda y: (y.float() - 100).sqrt().sum())
+    report = find_nonfinite(
+        demo.healthy_model(), inputs, loss_fn=lambda m, x: (m(x).float() - 100).sqrt().sum()
+    )
     assert report.op == "sqrt" and report.value == "nan" and report.finite_in_fp32 is False
     assert "not a precision problem" in str(report)
 
@@ -130,7 +132,7 @@ def test_bad_arguments_name_the_value(inputs):
     with pytest.raises(TypeError, match="nn.Module"):
         find_nonfinite(lambda x: x, inputs)
     with pytest.raises(ValueError, match=r"one-element tensor, got \(8, 1\)"):
-        find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda y: y)
+        find_nonfinite(demo.healthy_model(), inputs, loss_fn=lambda m, x: m(x))
     with pytest.raises(ValueError, match="conflicts"):
         find_nonfinite(demo.healthy_model(), inputs, dtype=torch.bfloat16, policy=FP16)
 

@@ -68,7 +68,7 @@ def test_restored_after_an_exception_in_loss_fn():
     model = _with_old_grads(demo.healthy_model())
     before = snapshot(model)
 
-    def broken(output):
+    def broken(model, x):
         raise KeyError("boom")
 
     with pytest.raises(KeyError):

@@ -104,7 +104,7 @@ def test_shared_module_counts_both_calls():
         def forward(self, x):
             return self.fc(self.fc(x)).sum(dim=1, keepdim=True)
 
-    report = underflow_report(Twice(), torch.randn(2, 4), loss_fn=lambda y: y.sum())
+    report = underflow_report(Twice(), torch.randn(2, 4), loss_fn=lambda m, x: m(x).sum())
     assert report.activations["fc"].count == 2 * 2 * 4
     assert isinstance(report, UnderflowReport)
 

@@ -173,8 +173,8 @@ def _model() -> dict[str, Any]:
     }
 
 
-def _loss(out: torch.Tensor) -> torch.Tensor:
-    return out.sum()
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).sum()
 
 
 def inspect_cases() -> list[Case]:
@@ -200,7 +200,7 @@ def inspect_cases() -> list[Case]:
         ("find_nonfinite(policy=3)", lambda c: fn(c["model"], c["x"], policy=3), ("policy",)),
         (
             "find_nonfinite(loss_fn -> float)",
-            lambda c: fn(c["model"], c["x"], loss_fn=lambda o: 1.0),
+            lambda c: fn(c["model"], c["x"], loss_fn=lambda m, x: 1.0),
             ("loss_fn",),
         ),
         ("grad_amax(3)", lambda c: mi.grad_amax(3), ("source",)),

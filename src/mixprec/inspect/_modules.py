@@ -7,13 +7,19 @@ observed on the diagnostic's thread.
 
 from __future__ import annotations
 
+import inspect
 import threading
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.inspect._restore import Handles, tensors_in
+
+#: ``loss_fn(model, batch) -> scalar tensor``: the loss every report and the planner take.
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 #: Label for ops that run outside every module of the model (in ``loss_fn``, or in user code).
 OUTSIDE = "(outside the model)"
@@ -90,3 +96,47 @@ def check_loss(loss: Any) -> torch.Tensor:
     if not loss.requires_grad:
         raise ValueError("loss_fn returned a tensor that does not require grad; nothing to backpropagate")
     return loss
+
+
+def model_loss(loss_fn: object, api: str) -> LossFn:
+    """``loss_fn`` in the one dialect: ``loss_fn(model, batch) -> scalar tensor``, as the planner takes.
+
+    A function of one required positional argument is the old ``loss_fn(output)`` form: it is wrapped as
+    ``lambda model, batch: loss_fn(model(batch))`` with a DeprecationWarning (accepted for one release).
+
+    Raises:
+        TypeError: for a ``loss_fn`` that is not callable (``api`` names the caller).
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{api}: loss_fn must be callable loss_fn(model, batch) -> scalar tensor, got {loss_fn!r:.60}"
+        )
+    if _required_positional(loss_fn) != 1:
+        return loss_fn
+    warnings.warn(
+        f"{api}: loss_fn(output) is deprecated; pass loss_fn(model, batch) -> loss, as plan_precision takes "
+        "(for example lambda model, x: criterion(model(x), y)); the one-argument form goes in the next "
+        "release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return of_output(loss_fn)
+
+
+def of_output(loss_fn: Callable[[Any], torch.Tensor]) -> LossFn:
+    """``loss_fn(model, batch)`` from a loss of the model's output (``model(batch)``, as :func:`call_model`
+    calls it)."""
+    return lambda model, batch: loss_fn(call_model(model, batch))
+
+
+def _required_positional(fn: Callable[..., Any]) -> int | None:
+    """How many positional arguments ``fn`` needs (None when Python cannot read its signature or it takes
+    ``*args``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty)

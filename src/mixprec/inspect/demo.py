@@ -85,18 +85,18 @@ def backward_overflow_model() -> DemoNet:
     return model
 
 
-def scaled_loss(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``loss_fn(output) = scale * mean(output^2)`` in float32 (a loss multiplied by a loss scale)."""
+def scaled_loss(scale: float) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``loss_fn(model, x) = scale * mean(model(x)^2)`` in float32 (a loss multiplied by a loss scale)."""
 
-    def loss_fn(output: torch.Tensor) -> torch.Tensor:
-        return output.float().square().mean() * scale
+    def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).float().square().mean() * scale
 
     return loss_fn
 
 
-def tiny_loss(output: torch.Tensor) -> torch.Tensor:
+def tiny_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A loss with gradients of 1e-10 to 4e-5: mostly subnormal or zero in float16 unless scaled."""
-    return output.float().square().mean() * 1e-4
+    return model(x).float().square().mean() * 1e-4
 
 
 class OutlierMLP(nn.Module):

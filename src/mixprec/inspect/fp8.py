@@ -18,7 +18,6 @@ ready filter for :func:`mixprec.float8.convert_to_float8_training`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from mixprec import formats
 from mixprec._plots import new_figure, save_png
 from mixprec.float8.convert import ModuleFilter, skip_fqns
 from mixprec.float8.linear import Float8Linear
-from mixprec.inspect._modules import check_model
+from mixprec.inspect._modules import LossFn, check_model, model_loss
 from mixprec.inspect.lowbit import LowbitOperandStats, capture_linears, check_fractions
 from mixprec.lowbit import FORMATS, Quantized
 from mixprec.lowbit.history import amax_of, amax_to_scale, delayed_scale, to_float8
@@ -178,7 +177,7 @@ def fp8_report(
     model: nn.Module,
     inputs: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: LossFn,
     max_flushed: float = 0.01,
     max_saturated: float = 0.001,
     max_error: float = 0.1,
@@ -189,7 +188,8 @@ def fp8_report(
     Args:
         model: the model (plain or converted); it is handed back exactly as it was.
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
-        loss_fn: ``loss_fn(output) -> scalar tensor``.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once with ``inputs`` as the batch; the
+            old ``loss_fn(output)`` form is accepted with a DeprecationWarning.
         max_flushed: a layer whose tensors flush more than this fraction of non-zero values is kept in bf16.
         max_saturated: ... or saturate more than this fraction of values.
         max_error: ... or lose more than this relative L2 error in the round trip.
@@ -206,6 +206,7 @@ def fp8_report(
             or a loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
+    loss_fn = model_loss(loss_fn, "fp8_report")
     max_flushed, max_saturated = _thresholds(renamed, max_flushed, max_saturated)
     check_fractions(max_flushed=max_flushed, max_saturated=max_saturated, max_error=max_error)
     layers = {}

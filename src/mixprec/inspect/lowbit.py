@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from mixprec import formats
-from mixprec.inspect._modules import call_model, check_loss, check_model
+from mixprec.inspect._modules import LossFn, check_loss, check_model, model_loss
 from mixprec.inspect._restore import preserved
 from mixprec.lowbit import HP, OPERANDS, Quantized, Recipe, get_recipe, quantize
 from mixprec.lowbit.gemm import gemm_operands
@@ -172,7 +172,7 @@ def lowbit_report(
     model: nn.Module,
     inputs: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: LossFn,
     recipe: Recipe | str,
     max_error: float = 0.2,
     max_flushed: float = 0.5,
@@ -184,7 +184,9 @@ def lowbit_report(
     Args:
         model: the model (plain or converted); it is handed back exactly as it was.
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
-        loss_fn: ``loss_fn(output) -> scalar tensor``.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once with ``inputs`` as the batch (as
+            :func:`mixprec.plan.plan_precision` calls it); the old ``loss_fn(output)`` form is accepted
+            with a DeprecationWarning.
         recipe: a :class:`~mixprec.lowbit.Recipe` or recipe string.
         max_error, max_flushed, max_saturated: thresholds in [0, 1] over which a layer is kept out. The
             defaults are for 4-bit formats too: e2m1 flushes every value below 1/24 of its block's amax,
@@ -198,6 +200,7 @@ def lowbit_report(
             loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
+    loss_fn = model_loss(loss_fn, "lowbit_report")
     recipe = get_recipe(recipe)
     check_fractions(max_error=max_error, max_flushed=max_flushed, max_saturated=max_saturated)
     if (
@@ -223,11 +226,10 @@ def saturation_point(elem: formats.Format) -> float:
     return elem.max + 2.0 ** (math.floor(math.log2(elem.max)) - elem.mantissa_bits - 1)
 
 
-def capture_linears(
-    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]
-) -> dict[str, dict[str, Any]]:
-    """One forward and backward of ``model``; per ``nn.Linear`` reached, by qualified name, in model order:
-    ``{"module", "x" (M, in) float32, "w" (out, in) float32, "go" (M, out) float32 if a gradient came}``.
+def capture_linears(model: nn.Module, inputs: Any, loss_fn: LossFn) -> dict[str, dict[str, Any]]:
+    """One forward and backward of ``loss_fn(model, inputs)``; per ``nn.Linear`` reached, by qualified
+    name, in model order: ``{"module", "x" (M, in) float32, "w" (out, in) float32, "go" (M, out) float32
+    if a gradient came}``.
 
     A layer called twice is captured at its first call. The model is handed back as it was (hooks removed;
     parameters, buffers, grads, modes, torch's RNG and the stochastic-rounding generators of its
@@ -248,7 +250,7 @@ def capture_linears(
             for name, module in linears:
                 handles.add(module.register_forward_hook(_capture(name, seen, handles)))
             with torch.enable_grad():
-                check_loss(loss_fn(call_model(model, inputs))).backward()
+                check_loss(loss_fn(model, inputs)).backward()
     finally:
         for generator, state in states:
             generator.set_state(state)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.autocast import autocast
-from mixprec.inspect._modules import ModuleTracker, call_model, check_loss, check_model, device_type_of
+from mixprec.inspect._modules import (
+    LossFn,
+    ModuleTracker,
+    call_model,
+    check_loss,
+    check_model,
+    device_type_of,
+    model_loss,
+)
 from mixprec.inspect._restore import preserved
 from mixprec.inspect._watch import Watch, all_finite
 from mixprec.inspect.nonfinite_report import NonfiniteReport
@@ -22,7 +29,7 @@ def find_nonfinite(
     model: nn.Module,
     inputs: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     dtype: torch.dtype | None = None,
     device_type: str | None = None,
     policy: Policy | str | None = None,
@@ -37,8 +44,9 @@ def find_nonfinite(
         model: the model to inspect (run in whatever train/eval mode it is in).
         inputs: a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a dict
             (``model(**inputs)``).
-        loss_fn: ``loss_fn(output) -> scalar tensor``, computed inside the region (close over the
-            targets); with it, a backward runs too.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once inside the region with ``inputs``
+            as the batch; with it, a backward runs too (without it, one forward ``model(inputs)``). The old
+            ``loss_fn(output)`` form is accepted with a DeprecationWarning.
         dtype: the autocast dtype; default: the policy's compute dtype, else float16.
         device_type: autocast's device type; default: that of the model's first parameter.
         policy: a :class:`~mixprec.Policy` or policy string for the region.
@@ -53,8 +61,8 @@ def find_nonfinite(
         ValueError: if ``loss_fn`` returns something other than a one-element tensor that requires grad.
     """
     check_model(model)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (output -> scalar tensor) or None, got {loss_fn!r:.60}")
+    if loss_fn is not None:
+        loss_fn = model_loss(loss_fn, "find_nonfinite")
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     elif policy is not None and not isinstance(policy, Policy):
@@ -68,8 +76,9 @@ def find_nonfinite(
         try:
             with torch.set_grad_enabled(loss_fn is not None):
                 with region, watch:
-                    output = call_model(model, inputs)
-                    loss = loss_fn(output) if loss_fn is not None else None
+                    loss = loss_fn(model, inputs) if loss_fn is not None else None
+                    if loss_fn is None:
+                        call_model(model, inputs)
                 if loss is not None and watch.forward is None:
                     check_loss(loss).backward()
             finding = watch.forward or watch.backward

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mixprec import formats
-from mixprec.inspect._modules import call_model, check_loss, check_model
+from mixprec.inspect._modules import LossFn, check_loss, check_model, model_loss
 from mixprec.inspect._restore import Handles, preserved, tensors_in
 from mixprec.inspect.summaries import GradStats, Log2Histogram
 from mixprec.inspect.underflow_report import UnderflowReport
@@ -56,7 +56,7 @@ def underflow_report(
     model: nn.Module,
     inputs: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: LossFn,
     dtype: torch.dtype | str = torch.float16,
     scale: float = 1.0,
     target: float = 1e-3,
@@ -70,7 +70,8 @@ def underflow_report(
     Args:
         model: the model (float32 parameters for a meaningful measurement).
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
-        loss_fn: ``loss_fn(output) -> scalar tensor``, the unscaled loss.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, the unscaled loss, called once with ``inputs``
+            as the batch; the old ``loss_fn(output)`` form is accepted with a DeprecationWarning.
         dtype: the format the gradients would be cast to (a torch dtype or a format name like "e5m2").
         scale: the loss scale to judge at.
         target: the underflow fraction the recommended scale must stay under.
@@ -85,8 +86,7 @@ def underflow_report(
             a loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable loss_fn(output) -> scalar tensor, got {loss_fn!r}")
+    loss_fn = model_loss(loss_fn, "underflow_report")
     for name, value in (("scale", scale), ("target", target), ("margin", margin)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
@@ -103,7 +103,7 @@ def underflow_report(
             if next(module.children(), None) is None:
                 handles.add(module.register_forward_hook(collector.hook_outputs(name, handles)))
         with torch.enable_grad():
-            check_loss(loss_fn(call_model(model, inputs))).backward()
+            check_loss(loss_fn(model, inputs)).backward()
         handles.remove_all()
         seen: set[int] = set()
         for name, module in model.named_modules():

@@ -243,6 +243,7 @@ class Diagnoser:
                 each is re-run until one reports, and the sentence names it.
         """
         from mixprec.inspect import find_nonfinite  # only a diagnosis pays for importing inspect
+        from mixprec.inspect._modules import call_model
 
         get_loss = loss_of if loss_fn is None else loss_fn
         batches = [inputs] if not window else list(window)
@@ -251,7 +252,9 @@ class Diagnoser:
             report = find_nonfinite(
                 model,
                 batch,
-                loss_fn=lambda output: _require_loss(get_loss(output)).float() * scale,
+                loss_fn=lambda model, batch: (
+                    _require_loss(get_loss(call_model(model, batch))).float() * scale
+                ),
                 dtype=region.fast_dtype,
                 device_type=region.device_type,
                 policy=region.policy,
