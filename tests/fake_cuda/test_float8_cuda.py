@@ -22,7 +22,6 @@ from torch import nn
 from fake_cuda.harness import Recorder, direct_autograd, fake_cuda
 from mixprec.float8 import Float8Config, Float8Linear, convert_to_float8_training
 from mixprec.float8.config import RECIPE_NAMES, SCALINGS
-from mixprec.float8.matmul import Float8LinearFunction
 from mixprec.lowbit import gemm
 from mixprec.lowbit.gemm import LowbitLinearFunction
 
@@ -61,7 +60,7 @@ def _legacy_api(api: str):
 def _step(model: nn.Module, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One forward (the module's own, its function applied directly) and the function's backward."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with direct_autograd(Float8LinearFunction, LowbitLinearFunction) as calls:
+    with direct_autograd(LowbitLinearFunction) as calls:
         out = model(x)
     (call,) = calls
     grads = call.backward(torch.randn_like(call.output))

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fake_cuda.harness import direct_autograd
 from mixprec.float8 import Float8Config, Float8Linear, fsdp
 from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
-from mixprec.float8.matmul import Float8LinearFunction
+from mixprec.lowbit.gemm import LowbitLinearFunction
 
 pytestmark = pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (fake tier)")
 
@@ -77,7 +77,7 @@ def test_post_all_gather_rebuilds_the_weight_the_fp8_gemm_takes(fake_hopper) -> 
     # the layer's forward takes the gathered e4m3 bytes as the weight's cast, straight into _scaled_mm
     layer.weight = torch.nn.Parameter(gathered, requires_grad=False)
     x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
-    with direct_autograd(Float8LinearFunction) as calls:
+    with direct_autograd(LowbitLinearFunction) as calls:
         out = layer(x)
     (call,) = calls
     assert out.shape == (16, N) and out.dtype == torch.bfloat16

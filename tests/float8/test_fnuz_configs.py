@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mixprec.float8 as mf
-from mixprec.float8 import matmul
+from mixprec.lowbit import gemm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -100,17 +100,17 @@ def test_fnuz_on_cuda_without_rocm_is_emulated_not_sent_to_scaled_mm(dtype, monk
     with FakeTensorMode():
         a, b = _fake_cuda_pair(dtype)
         e4a, e4b = _fake_cuda_pair(torch.float8_e4m3fn)
-        assert not matmul._scaled_mm_accepts(a, b)
-        assert not matmul._scaled_mm_accepts(e4a, b) and not matmul._scaled_mm_accepts(a, e4b)
-        assert matmul._scaled_mm_accepts(e4a, e4b)  # the OCP dtypes still take cuBLASLt
-        out = matmul.scaled_mm(
+        assert not gemm.scaled_mm_accepts(a, b)
+        assert not gemm.scaled_mm_accepts(e4a, b) and not gemm.scaled_mm_accepts(a, e4b)
+        assert gemm.scaled_mm_accepts(e4a, e4b)  # the OCP dtypes still take cuBLASLt
+        out = gemm.scaled_mm(
             a, torch.ones((), device="cuda"), b, torch.ones((), device="cuda"), torch.bfloat16
         )
         assert out.shape == (32, 16) and out.device.type == "cuda" and out.dtype == torch.bfloat16
     monkeypatch.setattr(torch.version, "hip", "6.2")
     with FakeTensorMode():
         a, b = _fake_cuda_pair(E4)
-        assert matmul._scaled_mm_accepts(a, b)  # ROCm: hipBLASLt has the fnuz GEMM
+        assert gemm.scaled_mm_accepts(a, b)  # ROCm: hipBLASLt has the fnuz GEMM
 
 
 def test_fnuz_on_the_cpu_is_emulated_and_matches_the_reference() -> None:
@@ -118,14 +118,14 @@ def test_fnuz_on_the_cpu_is_emulated_and_matches_the_reference() -> None:
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(32, 64, generator=g) * 10).to(E4)
     b = (torch.randn(64, 16, generator=g) * 10).to(E4)
-    assert not matmul._scaled_mm_accepts(a, b)
-    assert not matmul._scaled_mm_accepts(a.to(torch.float32).to(torch.float8_e4m3fn), b)
-    assert matmul._scaled_mm_accepts(
+    assert not gemm.scaled_mm_accepts(a, b)
+    assert not gemm.scaled_mm_accepts(a.to(torch.float32).to(torch.float8_e4m3fn), b)
+    assert gemm.scaled_mm_accepts(
         a.to(torch.float32).to(torch.float8_e4m3fn), b.to(torch.float32).to(torch.float8_e4m3fn)
     )
     scale_a, scale_b = torch.tensor(2.0), torch.tensor(0.5)
-    fast = matmul.scaled_mm(a, scale_a, b, scale_b, torch.float32)
-    emulated = matmul.scaled_mm(a, scale_a, b, scale_b, torch.float32, emulate=True)
+    fast = gemm.scaled_mm(a, scale_a, b, scale_b, torch.float32)
+    emulated = gemm.scaled_mm(a, scale_a, b, scale_b, torch.float32, emulate=True)
     reference = (a.double() / 2.0) @ (b.double() / 0.5)
     torch.testing.assert_close(fast.double(), reference, rtol=1e-6, atol=1e-4)
     assert torch.equal(fast, emulated)

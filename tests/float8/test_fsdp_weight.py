@@ -29,7 +29,7 @@ from mixprec.float8.fsdp import (
     precompute_float8_dynamic_scale_for_fsdp,
     weight_scale,
 )
-from mixprec.float8.scaling import amax_of, to_float8
+from mixprec.lowbit.history import amax_of, to_float8
 
 FLAG = Float8Config(enable_fsdp_float8_all_gather=True)
 

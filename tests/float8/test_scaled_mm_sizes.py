@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mixprec.float8 import matmul
+from mixprec.lowbit import gemm
 
 E4M3 = torch.float8_e4m3fn
 
@@ -38,7 +38,7 @@ def test_cuda_shapes_sent_to_scaled_mm_are_the_ones_torch_takes(m, k, n, monkeyp
     monkeypatch.setattr(torch.version, "hip", None)
     with FakeTensorMode():
         a, b = _pair(m, k, n)
-        assert matmul._scaled_mm_accepts(a, b) == _torch_accepts(a, b), (m, k, n)
+        assert gemm.scaled_mm_accepts(a, b) == _torch_accepts(a, b), (m, k, n)
 
 
 def test_100_rows_reach_scaled_mm_on_cuda(monkeypatch) -> None:
@@ -55,9 +55,9 @@ def test_100_rows_reach_scaled_mm_on_cuda(monkeypatch) -> None:
     with FakeTensorMode():
         one = torch.ones((), device="cuda")
         a, b = _pair(100, 64, 48)
-        out = matmul.scaled_mm(a, one, b, one, torch.bfloat16)
+        out = gemm.scaled_mm(a, one, b, one, torch.bfloat16)
         assert out.shape == (100, 48) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
         # wgrad's reduction dim is the 100 rows: torch refuses it, mixprec emulates it (in tests/fake_cuda)
         grad_out = torch.empty(100, 48, device="cuda", dtype=torch.float8_e5m2)
-        assert not matmul._scaled_mm_accepts(grad_out.t(), a)
+        assert not gemm.scaled_mm_accepts(grad_out.t(), a)
     assert calls == [((100, 64), (64, 48))]

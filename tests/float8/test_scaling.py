@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from mixprec import formats
 from mixprec.float8 import Float8Config, Float8Linear
-from mixprec.float8.scaling import amax_to_scale, delayed_scale, push_amax, to_float8
+from mixprec.lowbit.history import amax_to_scale, delayed_scale, push_amax, to_float8
 
 E4M3, E5M2 = formats.FP8_E4M3FN, formats.FP8_E5M2
 

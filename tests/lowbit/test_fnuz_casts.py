@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mixprec import formats, lowbit
-from mixprec.float8.scaling import amax_to_scale, to_float8
 from mixprec.lowbit import quantize
+from mixprec.lowbit.history import amax_to_scale, to_float8
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

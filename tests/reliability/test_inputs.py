@@ -19,7 +19,7 @@ from torch import nn
 import mixprec
 from mixprec import formats
 from mixprec.float8 import Float8Config, Float8Linear, convert_to_float8_training
-from mixprec.float8.scaling import to_float8
+from mixprec.lowbit.history import to_float8
 
 SPELLINGS = {
     torch.float32: ("fp32", "float32", "f32", "float", "torch.float32", " FP32 "),

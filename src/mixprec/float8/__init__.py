@@ -44,7 +44,7 @@ from mixprec.float8.convert import (
 )
 from mixprec.float8.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from mixprec.float8.linear import Float8Conv1D, Float8Linear
-from mixprec.float8.matmul import scaled_mm
+from mixprec.lowbit.gemm import scaled_mm
 
 __all__ = [
     "CastConfig",

@@ -1,0 +1,60 @@
+"""``mixprec.float8.matmul`` and ``mixprec.float8.scaling`` (the fp8 stack's own GEMM and scaling before the
+one engine) still import for a release, as the engine's objects, with a DeprecationWarning; nothing in
+mixprec imports them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+OLD = {
+    "mixprec.float8.matmul": {
+        "Float8LinearFunction": "mixprec.lowbit.gemm.LowbitLinearFunction",
+        "scaled_mm": "mixprec.lowbit.gemm.scaled_mm",
+        "_scaled_mm_accepts": "mixprec.lowbit.gemm.scaled_mm_accepts",
+        "GRAD_OUTPUT": "mixprec.lowbit.history.GRAD_OUTPUT",
+    },
+    "mixprec.float8.scaling": {
+        "amax_to_scale": "mixprec.lowbit.history.amax_to_scale",
+        "delayed_scale": "mixprec.lowbit.history.delayed_scale",
+        "push_amax": "mixprec.lowbit.history.push_amax",
+        "to_float8": "mixprec.lowbit.history.to_float8",
+        "EPS": "mixprec.lowbit.history.EPS",
+    },
+}
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("old", sorted(OLD))
+def test_an_old_module_warns_and_holds_the_engines_objects(old: str) -> None:
+    checks = "; ".join(
+        f"assert old.{name} is importlib.import_module({new.rpartition('.')[0]!r}).{new.rpartition('.')[2]}"
+        for name, new in OLD[old].items()
+    )
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        "messages = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
+        f"assert any(m.startswith({old + ' moved to mixprec.lowbit'!r}) for m in messages), messages\n"
+        f"{checks}\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_mixprec_itself_imports_neither() -> None:
+    code = (
+        "import mixprec, mixprec.float8, mixprec.lowbit, mixprec.inspect, mixprec.plan, sys\n"
+        "assert not {'mixprec.float8.matmul', 'mixprec.float8.scaling'} & set(sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
