@@ -190,19 +190,9 @@ class Float8Conv1D(Conv1DShape, Float8Layer):
         ValueError: for ``enable_fsdp_float8_all_gather=True``: the fp8 all-gather wraps (out, in) weights.
     """
 
-    weight: nn.Parameter
-    bias: torch.Tensor | None
-
     def __init__(self, conv1d: nn.Module, config: Float8Config | None = None) -> None:
         config = _check_config(config)
-        weight = getattr(conv1d, "weight", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            raise TypeError(
-                f"conv1d must be a transformers Conv1D (a 2-D weight Parameter), got {conv1d!r:.80}"
-            )
-        bias = conv1d.bias
-        if bias is not None and not isinstance(bias, torch.Tensor):
-            raise TypeError(f"conv1d.bias must be a tensor or None, got {type(bias).__name__}")
+        weight, bias = self.parameters_of(conv1d)
         if config.enable_fsdp_float8_all_gather:
             raise ValueError(
                 "Float8Conv1D does not take enable_fsdp_float8_all_gather=True: the fp8 all-gather wraps "
@@ -210,8 +200,7 @@ class Float8Conv1D(Conv1DShape, Float8Layer):
             )
         super().__init__()
         self.config = config
-        self.nx, self.nf = weight.shape
-        self.weight, self.bias = weight, bias
+        self._hold(weight, bias)
         self._add_buffers(weight.device)
         self.train(conv1d.training)
 

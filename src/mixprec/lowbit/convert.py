@@ -79,8 +79,12 @@ def convert_to_lowbit_training(
         return f"{type(module).__name__} is a subclass of nn.Linear (name it in linear_types to convert)"
 
     def check(wanted: list[tuple[str, nn.Module]]) -> None:
-        for fqn, module in wanted if generator is not None else ():
-            check_generator_device(generator, module.weight.device, f"the weight of {fqn or 'the model'!r}")
+        if generator is None:
+            return
+        for fqn, module in wanted:
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor), "swap_linears collects only layers with a weight"
+            check_generator_device(generator, weight.device, f"the weight of {fqn or 'the model'!r}")
 
     return swap_linears(
         model,

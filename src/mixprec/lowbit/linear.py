@@ -86,6 +86,31 @@ class Conv1DShape:
 
     nx: int
     nf: int
+    weight: nn.Parameter
+    bias: torch.Tensor | None
+
+    @staticmethod
+    def parameters_of(conv1d: nn.Module) -> tuple[nn.Parameter, torch.Tensor | None]:
+        """``conv1d``'s own ``weight`` (nx, nf) and ``bias`` objects, checked before a layer is built.
+
+        Raises:
+            TypeError: for a ``conv1d`` without a 2-D ``weight`` Parameter or with a ``bias`` that is not a
+                tensor or None.
+        """
+        weight = getattr(conv1d, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise TypeError(
+                f"conv1d must be a transformers Conv1D (a 2-D weight Parameter), got {conv1d!r:.80}"
+            )
+        bias = getattr(conv1d, "bias", None)
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"conv1d.bias must be a tensor or None, got {type(bias).__name__}")
+        return weight, bias
+
+    def _hold(self, weight: nn.Parameter, bias: torch.Tensor | None) -> None:
+        """Hold the Conv1D's own Parameter objects (registered by ``nn.Module``'s ``__setattr__``)."""
+        self.nx, self.nf = weight.shape
+        self.weight, self.bias = weight, bias
 
     @property
     def in_features(self) -> int:
@@ -115,30 +140,19 @@ class LowbitConv1D(Conv1DShape, nn.Module):
             for a bad recipe or generator (as :meth:`LowbitLinear.from_linear`).
     """
 
-    weight: nn.Parameter
-    bias: torch.Tensor | None
-
     def __init__(
         self,
         conv1d: nn.Module,
         recipe: Recipe | str = "fp8_rowwise",
         generator: torch.Generator | None = None,
     ) -> None:
-        weight = getattr(conv1d, "weight", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            raise TypeError(
-                f"conv1d must be a transformers Conv1D (a 2-D weight Parameter), got {conv1d!r:.80}"
-            )
-        bias = conv1d.bias
-        if bias is not None and not isinstance(bias, torch.Tensor):
-            raise TypeError(f"conv1d.bias must be a tensor or None, got {type(bias).__name__}")
+        weight, bias = self.parameters_of(conv1d)
         recipe, generator = _check(recipe, generator)
         if generator is not None:
             check_generator_device(generator, weight.device, "the layer's weight")
         super().__init__()
         self.recipe, self.generator = recipe, generator
-        self.nx, self.nf = weight.shape
-        self.weight, self.bias = weight, bias
+        self._hold(weight, bias)
         self.train(conv1d.training)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
