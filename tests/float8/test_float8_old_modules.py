@@ -1,6 +1,6 @@
 """``mixprec.float8.matmul`` and ``mixprec.float8.scaling`` (the fp8 stack's own GEMM and scaling before the
-one engine) still import for a release, as the engine's objects, with a DeprecationWarning; nothing in
-mixprec imports them."""
+one engine) and ``mixprec.float8.casts`` (now in ``config.py``) still import for a release, as the objects
+they moved to, with a DeprecationWarning; nothing in mixprec imports them."""
 
 from __future__ import annotations
 
@@ -49,10 +49,29 @@ def test_an_old_module_warns_and_holds_the_engines_objects(old: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_mixprec_itself_imports_neither() -> None:
+def test_casts_is_config() -> None:
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from mixprec.float8.casts import CastConfig, ScalingType, recipe_casts\n"
+        "import mixprec.float8.config as config\n"
+        "assert CastConfig is config.CastConfig and ScalingType is config.ScalingType\n"
+        "assert recipe_casts is config.recipe_casts\n"
+        "messages = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
+        "assert messages == ['mixprec.float8.casts moved to mixprec.float8.config; the old name is "
+        "deprecated and will be removed in the next release'], messages\n"
+        "assert {w.filename for w in seen} == {'<string>'}, [w.filename for w in seen]\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_mixprec_itself_imports_none() -> None:
     code = (
         "import mixprec, mixprec.float8, mixprec.lowbit, mixprec.inspect, mixprec.plan, sys\n"
-        "assert not {'mixprec.float8.matmul', 'mixprec.float8.scaling'} & set(sys.modules)\n"
+        "old = {'mixprec.float8.matmul', 'mixprec.float8.scaling', 'mixprec.float8.casts'}\n"
+        "assert not old & set(sys.modules)\n"
     )
     result = subprocess.run(
         [sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True

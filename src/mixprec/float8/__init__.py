@@ -25,16 +25,18 @@ Example::
 The per-layer fp8 diagnostics are :func:`mixprec.inspect.fp8_report`.
 """
 
-from mixprec.float8.casts import (
+from mixprec._moved import install
+from mixprec.float8.config import (
     CastConfig,
+    Float8Config,
     Float8GemmConfig,
+    Float8LinearConfig,
     Float8UsageError,
     LinearMMConfig,
     ScaledMMConfig,
     ScalingGranularity,
     ScalingType,
 )
-from mixprec.float8.config import Float8Config, Float8LinearConfig
 from mixprec.float8.convert import (
     ModuleFilter,
     convert_to_float8_training,
@@ -66,3 +68,7 @@ __all__ = [
     "skip_fqns",
     "sync_float8_amax_history",
 ]
+
+#: ``mixprec.float8.casts``, torchao's per-operand vocabulary, is in ``config.py`` now (as in torchao), for
+#: one release (see :mod:`mixprec._moved`).
+__getattr__ = install(__name__, {"casts": "mixprec.float8.config"}, {})

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.float8.casts import Float8UsageError
-from mixprec.float8.config import Float8Config
+from mixprec.float8.config import Float8Config, Float8UsageError
 from mixprec.float8.linear import (
     Float8Conv1D,
     Float8Layer,

@@ -8,8 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from mixprec.float8.casts import LinearMMConfig
-from mixprec.float8.config import Float8Config
+from mixprec.float8.config import Float8Config, LinearMMConfig
 from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.history import ROLES
