@@ -4,6 +4,7 @@ is listed there with its reason, nothing listed is missing from the code, and th
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -104,3 +105,13 @@ def test_the_planner_sits_on_lowbit_and_inspect_and_nothing_below_imports_it():
     }
     assert ("inspect", "plan") not in edges
     assert {a for a, b in edges if b == "plan"} <= {"cli", "bench", "integrations"}
+
+
+def test_the_documented_file_tree_is_the_codes():
+    spec = importlib.util.spec_from_file_location("file_tree", ROOT / "docs" / "file_tree.py")
+    assert spec is not None and spec.loader is not None
+    file_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(file_tree)
+    assert file_tree.documented() == file_tree.block(), "run: python docs/file_tree.py --write"
+    listed = [line.split()[0] for line in file_tree.tree().splitlines() if line.split()[0].endswith(".py")]
+    assert len(listed) == len(list((ROOT / "src" / "mixprec").rglob("*.py")))  # every file, once
