@@ -69,6 +69,6 @@ __all__ = [
     "sync_float8_amax_history",
 ]
 
-#: ``mixprec.float8.casts``, torchao's per-operand vocabulary, is in ``config.py`` now (as in torchao), for
-#: one release (see :mod:`mixprec._moved`).
+# ``mixprec.float8.casts``, torchao's per-operand vocabulary, is in ``config.py`` now (as in torchao), for
+# one release (see :mod:`mixprec._moved`).
 __getattr__ = install(__name__, {"casts": "mixprec.float8.config"}, {})

@@ -4,7 +4,7 @@
 Every old path stays importable for one release and warns with its new location: ``mixprec.master.<name>``
 for the names this package exported, and each old submodule (``mixprec.master.compensated``, ``.optimizer``,
 ``.recipes``, ...), which is the moved module itself. The submodules resolve through
-:mod:`mixprec._moved`'s finder rather than files at the old paths, so that edits made elsewhere to the old
+``mixprec._moved``'s finder rather than files at the old paths, so that edits made elsewhere to the old
 files still merge into the moved ones by rename detection.
 """
 
