@@ -22,7 +22,7 @@ import pytest
 from mixprec import cli
 from mixprec._files import PAUSE_ENV, TruncatedFile, jsonl_text, read_jsonl, write_atomic
 from mixprec.bench.report import RECORD_KEYS
-from mixprec.inspect.report import incomplete
+from mixprec.bench.results import incomplete
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_END = b"IEND\xaeB`\x82"

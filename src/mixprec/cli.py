@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "bench": ("mixprec.bench.command", "HELP", "add_arguments", "run"),
-    "report": ("mixprec.inspect.cli", "REPORT_HELP", "add_report_arguments", "run_report"),
+    "report": ("mixprec.bench.report_command", "REPORT_HELP", "add_report_arguments", "run_report"),
     "inspect": ("mixprec.inspect.cli", "INSPECT_HELP", "add_inspect_arguments", "run_inspect"),
     "plan": ("mixprec.plan.command", "HELP", "add_arguments", "run"),
 }

@@ -17,8 +17,9 @@ from typing import Any
 
 from mixprec._files import TruncatedFile
 from mixprec.bench.report import write_json, write_log
+from mixprec.bench.results import incomplete, load_bench_json, write_report
 from mixprec.inspect import ScalerLog
-from mixprec.inspect.report import incomplete, load_bench_json, load_log, write_report
+from mixprec.inspect.report import load_log
 
 from .battery import Case
 

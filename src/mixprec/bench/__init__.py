@@ -4,6 +4,7 @@ from mixprec.bench import lowbit_modes as _lowbit_modes  # noqa: F401  (register
 from mixprec.bench.jobs import Plan, make_plan
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES, ModeSpec, TrainMode, register
 from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log
+from mixprec.bench.results import incomplete, write_report
 from mixprec.bench.runner import Job, RunFailed, RunResult, Trainer, run_job
 from mixprec.bench.schedule import run_plan
 from mixprec.bench.stats import Timing, timings
@@ -26,6 +27,7 @@ __all__ = [
     "Trainer",
     "WorkloadSpec",
     "format_table",
+    "incomplete",
     "make_plan",
     "make_records",
     "register",
@@ -34,4 +36,5 @@ __all__ = [
     "timings",
     "write_json",
     "write_log",
+    "write_report",
 ]

@@ -10,7 +10,8 @@
 * :class:`ScalerLog`, :func:`nonfinite_params`, :func:`grad_amax`: an opt-in per-step scaler log and the
   parameters behind a skipped step;
 * :func:`plot_gradient_histogram`, :func:`plot_scale_history`, :func:`plot_underflow`, :func:`write_report`:
-  pictures and the ``mixprec report`` summary.
+  pictures and a run log's report (bench's files are :func:`mixprec.bench.write_report`'s, behind
+  ``mixprec report``).
 
 Nothing here is hooked or active unless one of these runs. The precision planner moved to
 :mod:`mixprec.plan`; its old names here (``plan_precision``, ``PrecisionPlan``, ``Replan`` and the modules

@@ -1,7 +1,10 @@
-"""``mixprec report`` and ``mixprec inspect``: argument parsing and the runs behind them.
+"""``mixprec inspect``: argument parsing and the run behind it.
 
-Each command is ``*_HELP``, ``add_*_arguments(parser)`` + ``run_*(args) -> int``, the names
-``mixprec.cli``'s ``SUBCOMMANDS`` table points to, plus a standalone ``*_main(argv) -> int``.
+``INSPECT_HELP``, ``add_inspect_arguments(parser)`` + ``run_inspect(args) -> int`` are the names
+``mixprec.cli``'s ``SUBCOMMANDS`` table points to, plus a standalone ``inspect_main(argv) -> int``.
+``mixprec report`` moved to :mod:`mixprec.bench.report_command` (it reads bench's files); its old names
+here (``REPORT_HELP``, ``add_report_arguments``, ``run_report``, ``report_main``) still work for one
+release, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -11,48 +14,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-REPORT_HELP = (
-    "turn a run log (JSONL from ScalerLog or `mixprec bench --log`) into PNGs and a Markdown summary"
-)
+from mixprec._moved import install
+
 INSPECT_HELP = "show mixprec's precision diagnostics end to end on small models built to fail"
-
-
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``mixprec report`` options on ``parser``."""
-    parser.add_argument(
-        "log",
-        metavar="LOG",
-        help="JSON Lines run log, `mixprec bench --json` file, or a `mixprec bench` results folder",
-    )
-    parser.add_argument(
-        "--out",
-        metavar="DIR",
-        help="output directory (default: LOG without suffix + '_report'; for a folder: FOLDER/report)",
-    )
-
-
-def run_report(args: argparse.Namespace) -> int:
-    """Write the report; print the paths and the summary. Returns the exit code: 0, 1 when what it read
-    is an unfinished run (the report covers what it holds) or matplotlib is missing, 2 for a truncated
-    or unreadable file (nothing written)."""
-    from mixprec.inspect.report import incomplete, write_report
-
-    log = Path(args.log)
-    default = log / "report" if log.is_dir() else log.with_name(log.stem + "_report")
-    out = Path(args.out) if args.out else default
-    try:
-        written = write_report(log, out)
-    except ImportError as exc:  # matplotlib missing: not a usage error
-        print(f"mixprec report: {exc}", file=sys.stderr)
-        return 1
-    print(written[-1].read_text())
-    for path in written:
-        print(f"wrote {path}")
-    unfinished = incomplete(log)
-    if unfinished:
-        print(f"mixprec report: {unfinished}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,11 +63,16 @@ def _main(
         return 2
 
 
-def report_main(args: list[str] | None = None) -> int:
-    """``mixprec report LOG [--out DIR]``; returns the exit code (2: bad or missing log, 1: no matplotlib)."""
-    return _main(args, "mixprec report", REPORT_HELP, add_report_arguments, run_report)
-
-
 def inspect_main(args: list[str] | None = None) -> int:
     """``mixprec inspect [--out DIR] [--steps N]``; returns the exit code."""
     return _main(args, "mixprec inspect", INSPECT_HELP, add_inspect_arguments, run_inspect)
+
+
+#: ``mixprec report``'s old place, for one release (see :mod:`mixprec._moved`; bench is imported only then).
+__getattr__ = install(
+    __name__,
+    {},
+    dict.fromkeys(
+        ("REPORT_HELP", "add_report_arguments", "run_report", "report_main"), "mixprec.bench.report_command"
+    ),
+)

@@ -1,20 +1,17 @@
-"""`write_report`: turn a run log or a bench result into PNGs and a short Markdown summary.
+"""`write_report`: turn a run log into PNGs and a short Markdown summary.
 
-Reads three kinds of file:
-
-* the JSON Lines :class:`ScalerLog` writes (``step, scale, skipped, grad_amax, loss`` ...): the loss scale
-  over steps (and loss, grad amax), the gradient histogram when logged;
-* the JSON Lines of ``mixprec bench --log`` (``step, round, workload, mode, loss, scale, skipped,
-  step_time_ms``): one run per ``(workload, mode)``; the loss of each workload's modes against fp32, the
-  step times, and the loss scale of the runs that scale;
-* the JSON list of ``mixprec bench --json`` (one record per run): the step-time picture (per-round
-  medians) and a table of speedups with their intervals.
+Reads the JSON Lines :class:`ScalerLog` writes (``step, scale, skipped, grad_amax, loss`` ...): the loss
+scale over steps (and loss, grad amax), the gradient histogram when logged. Bench's files (``mixprec bench
+--json``, ``--log``, a results folder) are :func:`mixprec.bench.write_report`'s, which builds on the
+helpers here; given one, :func:`write_report` and :func:`incomplete` still hand it over for one release,
+with a ``DeprecationWarning`` (bench is imported only then, so inspect does not import bench).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,48 +22,22 @@ from mixprec.inspect.plots import group_runs, plot_gradient_histogram, plot_scal
 from mixprec.inspect.summaries import Log2Histogram
 from mixprec.inspect.underflow_report import format_scale
 
-__all__ = ["incomplete", "load_log", "summarize", "write_report"]
+__all__ = [
+    "ACCEPTED",
+    "histogram_images",
+    "incomplete",
+    "load_log",
+    "log_images",
+    "summarize",
+    "write_report",
+    "write_summary",
+]
 
 
 ACCEPTED = (
     "`mixprec report` reads a JSON Lines step log (ScalerLog, `mixprec bench --log FILE`) or the JSON "
     "list `mixprec bench --json FILE` writes"
 )
-BENCH_KEYS = ("workload", "mode", "step_time_ms")
-BENCH_FILE, BENCH_LOG = "bench.json", "steps.jsonl"  # in a `mixprec bench` results folder
-UNFINISHED = "the bench was interrupted or some runs failed; the rest of this report covers what it holds"
-
-
-def load_bench_json(path: str | Path) -> list[dict[str, Any]] | None:
-    """The records of a ``mixprec bench --json`` file, or None when ``path`` holds something else.
-
-    Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        ValueError: the JSON list is cut off (``TruncatedFile``, a ValueError), or a JSON list whose items
-            are not bench records (naming the keys they lack).
-    """
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    if not text.lstrip().startswith("["):
-        return None
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.pos >= len(text.rstrip()) or not text.rstrip().endswith("]"):
-            raise TruncatedFile(
-                f"{path}: truncated: the JSON list is cut off after {len(text)} characters (the program "
-                "writing it was stopped mid-write, or the file was copied incompletely)"
-            ) from exc
-        raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno}); {ACCEPTED}") from exc
-    for index, record in enumerate(records):
-        missing = [k for k in BENCH_KEYS if not isinstance(record, dict) or k not in record]
-        if missing:
-            raise ValueError(
-                f"{path}: item {index} of the JSON list lacks {', '.join(missing)}, so it is not "
-                f"`mixprec bench --json` output; {ACCEPTED}"
-            )
-    if not records:
-        raise ValueError(f"{path}: the JSON list is empty; {ACCEPTED}")
-    return records
 
 
 def load_log(path: str | Path) -> list[dict[str, Any]]:
@@ -95,31 +66,44 @@ def load_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def incomplete(path: str | Path) -> str | None:
-    """Why ``path`` (a bench JSON, a JSON Lines log, or a results folder) holds an unfinished run, or None.
+    """Why the run log at ``path`` holds an unfinished run, or None: it has no end-of-log trailer (its
+    writer was stopped before closing it, or is still writing).
 
-    A bench JSON holds fewer records than its ``runs_planned``; a log has no end-of-log trailer (its
-    writer was stopped, or is still writing), or its trailer counts fewer runs than were planned.
+    Given a bench file (a results folder, a ``mixprec bench --json`` list, or a log whose trailer counts
+    planned runs), deprecated: it returns :func:`mixprec.bench.incomplete`'s answer, with a
+    ``DeprecationWarning``.
     """
     path = Path(path)
-    if path.is_dir():
-        reasons = [incomplete(f) for f in (path / BENCH_FILE, path / BENCH_LOG) if f.exists()]
-        return "; ".join(r for r in reasons if r) or None
-    bench = load_bench_json(path)
-    if bench is not None:
-        planned = bench[0].get("runs_planned")
-        if isinstance(planned, int) and len(bench) < planned:
-            return f"{path}: incomplete: {len(bench)} of {planned} planned runs ({UNFINISHED})"
-        return None
+    if path.is_dir() or _is_json_list(path):
+        return _moved_to_bench("incomplete")(path)
     records, trailer = read_jsonl(path)
     if trailer is None:
         return (
             f"{path}: incomplete: no end-of-log record after {len(records)} records (the program writing "
             "it was stopped before closing the log, or is still running)"
         )
-    runs, planned = trailer.get("runs"), trailer.get("runs_planned")
-    if isinstance(runs, int) and isinstance(planned, int) and runs < planned:
-        return f"{path}: incomplete: {runs} of {planned} planned runs ({UNFINISHED})"
+    if "runs_planned" in trailer:  # only bench's log counts runs
+        return _moved_to_bench("incomplete")(path)
     return None
+
+
+def _is_json_list(path: Path) -> bool:
+    """Whether ``path`` holds a JSON list, as ``mixprec bench --json`` writes (a run log holds objects)."""
+    with path.open(encoding="utf-8", errors="replace") as stream:
+        return stream.read(4096).lstrip().startswith("[")
+
+
+def _moved_to_bench(name: str) -> Any:
+    """Bench's ``name``, for a bench file given to inspect's: warns, then imports bench (only here)."""
+    warnings.warn(
+        f"mixprec.inspect.{name} of a bench file (results folder, `mixprec bench --json` or --log) is "
+        f"deprecated: call mixprec.bench.{name} (this path goes in the next release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    import mixprec.bench
+
+    return getattr(mixprec.bench, name)
 
 
 def _run_row(label: str, run: Sequence[Mapping[str, Any]]) -> str:
@@ -170,90 +154,64 @@ def summarize(records: Sequence[Mapping[str, Any]], images: Sequence[Path] = ())
 
 
 def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write the pictures and ``summary.md`` for a run log, a ``mixprec bench --json`` file, or a
-    ``mixprec bench`` results folder (its ``bench.json`` and, when present, ``steps.jsonl``).
+    """Write the pictures and ``summary.md`` for a :class:`ScalerLog` run log.
 
-    An unfinished run (see ``incomplete``) is reported on what it holds, and its summary says so
-    first.
+    An unfinished run (see :func:`incomplete`) is reported on what it holds, and its summary says so
+    first. Bench's files are :func:`mixprec.bench.write_report`'s; given one (a results folder, a
+    ``mixprec bench --json`` list or a ``--log``), deprecated: it writes what that writes, with a
+    ``DeprecationWarning``.
 
     Args:
-        log: a JSON Lines run log, the JSON list of ``mixprec bench --json``, or a results folder.
+        log: a JSON Lines run log.
         out_dir: the directory to write into (created if missing).
 
     Returns:
         The files written, the Markdown summary last.
 
     Raises:
-        FileNotFoundError: ``log`` does not exist (for a folder: it has no ``bench.json``).
-        ValueError: a file is cut off (``TruncatedFile``, a ValueError), or it is none of the accepted
-            kinds (the message says which file is wanted).
+        FileNotFoundError: ``log`` does not exist.
+        ValueError: the log is cut off (``TruncatedFile``, a ValueError), or it is not a run log (the
+            message says which file is wanted).
         ImportError: matplotlib is missing.
     """
     log = Path(log)
-    if log.is_dir():
-        return _write_folder_report(log, Path(out_dir))
-    bench = load_bench_json(log)
-    records = None if bench is not None else load_log(log)
+    if log.is_dir() or _is_json_list(log):
+        return _moved_to_bench("write_report")(log, out_dir)
+    records = load_log(log)
+    if any(r.get("workload") is not None and r.get("mode") is not None for r in records):  # bench's log
+        return _moved_to_bench("write_report")(log, out_dir)
     note = incomplete(log)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if bench is not None:
-        from mixprec.bench.plots import plot_bench_records
-        from mixprec.bench.report import bench_summary
-
-        images = [plot_bench_records(bench, out_dir / "step_time.png")]
-        return [*images, _write_summary(out_dir, bench_summary(bench, log.name, images), note)]
-    images = _log_images(records, out_dir, log.name)  # type: ignore[arg-type]
-    return [*images, _write_summary(out_dir, summarize(records, images), note)]  # type: ignore[arg-type]
+    images = log_images(records, out_dir, log.name)
+    return [*images, write_summary(out_dir, summarize(records, images), note)]
 
 
-def _write_summary(out_dir: Path, text: str, note: str | None) -> Path:
+def write_summary(out_dir: Path, text: str, note: str | None = None) -> Path:
+    """Write ``text`` as ``out_dir/summary.md``, with ``note`` (why the run is unfinished) under its title."""
     if note:
         title, _, rest = text.partition("\n")
         text = f"{title}\n\n**{note}.**\n{rest}"
     return write_atomic(out_dir / "summary.md", text)
 
 
-def _write_folder_report(folder: Path, out_dir: Path) -> list[Path]:
-    """A results folder: the bench records' table and step times, plus the log's loss pictures."""
-    from mixprec.bench.plots import plot_bench_records
-    from mixprec.bench.report import bench_summary
-
-    if not (folder / BENCH_FILE).exists():
-        raise FileNotFoundError(
-            f"{folder} is a directory without {BENCH_FILE}, so not a `mixprec bench` results folder; "
-            f"{ACCEPTED}, or such a folder"
-        )
-    bench = load_bench_json(folder / BENCH_FILE)
-    if bench is None:
-        raise ValueError(f"{folder / BENCH_FILE}: not a JSON list; {ACCEPTED}")
-    records = load_log(folder / BENCH_LOG) if (folder / BENCH_LOG).exists() else []
-    note = incomplete(folder)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    images = [p for p in _log_images(records, out_dir, BENCH_LOG) if p.name != "step_time.png"]
-    images.insert(0, plot_bench_records(bench, out_dir / "step_time.png"))
-    return [*images, _write_summary(out_dir, bench_summary(bench, folder.name, images), note)]
+def log_images(records: Sequence[Mapping[str, Any]], out_dir: Path, name: str) -> list[Path]:
+    """A run log's pictures: ``scale_history.png``, and ``grad_histogram.png`` when histograms were logged."""
+    scale = plot_scale_history(records, out_dir / "scale_history.png", title=f"{name}: loss scale")
+    return [scale, *histogram_images(records, out_dir)]
 
 
-def _log_images(records: list[dict[str, Any]], out_dir: Path, name: str) -> list[Path]:
-    if not records:
-        return []
-    is_bench_log = any(r.get("workload") is not None and r.get("mode") is not None for r in records)
-    if is_bench_log:
-        from mixprec.bench.plots import plot_bench_log
-
-        images = plot_bench_log(records, out_dir, name)
-    else:
-        images = [plot_scale_history(records, out_dir / "scale_history.png", title=f"{name}: loss scale")]
+def histogram_images(records: Sequence[Mapping[str, Any]], out_dir: Path) -> list[Path]:
+    """``grad_histogram.png`` of the last logged gradient histogram against the format ranges, or nothing."""
     with_histogram = [r for r in records if r.get("grad_log2_hist")]
-    if with_histogram:
-        last = with_histogram[-1]
-        images.append(
-            plot_gradient_histogram(
-                {"parameter gradients": Log2Histogram.from_dict(last["grad_log2_hist"])},
-                out_dir / "grad_histogram.png",
-                scale=last.get("scale") or 1.0,
-                title=f"parameter gradients at step {last['step']} against format ranges",
-            )
+    if not with_histogram:
+        return []
+    last = with_histogram[-1]
+    return [
+        plot_gradient_histogram(
+            {"parameter gradients": Log2Histogram.from_dict(last["grad_log2_hist"])},
+            out_dir / "grad_histogram.png",
+            scale=last.get("scale") or 1.0,
+            title=f"parameter gradients at step {last['step']} against format ranges",
         )
-    return images
+    ]
