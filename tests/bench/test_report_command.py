@@ -150,12 +150,18 @@ def test_inspect_write_report_of_a_bench_file_warns_and_writes_the_same(kind, tm
     assert (incomplete(path) is not None) == (kind == "folder")  # 1 of 2 planned runs in bench.json
 
 
-def test_the_report_command_moved_to_bench_and_the_old_names_warn():
+def test_the_report_command_and_readers_moved_to_bench_and_the_old_names_warn():
     import mixprec.inspect.cli as old
 
     for name in ("REPORT_HELP", "add_report_arguments", "run_report", "report_main"):
         with pytest.warns(DeprecationWarning, match=f"moved to mixprec.bench.report_command.{name}"):
             assert getattr(old, name) is getattr(cli, name)
+    import mixprec.bench.results
+    import mixprec.inspect.report as old_report
+
+    for name in ("BENCH_FILE", "BENCH_KEYS", "BENCH_LOG", "UNFINISHED", "load_bench_json"):
+        with pytest.warns(DeprecationWarning, match=f"moved to mixprec.bench.results.{name}"):
+            assert getattr(old_report, name) is getattr(mixprec.bench.results, name)
     from mixprec import cli as top_cli
 
     assert top_cli.SUBCOMMANDS["report"] == (

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec._files import TruncatedFile, read_jsonl, write_atomic
+from mixprec._moved import install
 from mixprec.inspect.plots import group_runs, plot_gradient_histogram, plot_scale_history
 from mixprec.inspect.summaries import Log2Histogram
 from mixprec.inspect.underflow_report import format_scale
@@ -156,8 +157,8 @@ def summarize(records: Sequence[Mapping[str, Any]], images: Sequence[Path] = ())
 def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
     """Write the pictures and ``summary.md`` for a :class:`ScalerLog` run log.
 
-    An unfinished run (see :func:`incomplete`) is reported on what it holds, and its summary says so
-    first. Bench's files are :func:`mixprec.bench.write_report`'s; given one (a results folder, a
+    An unfinished run (see ``mixprec.inspect.report.incomplete``) is reported on what it holds, and its
+    summary says so first. Bench's files are :func:`mixprec.bench.write_report`'s; given one (a results folder, a
     ``mixprec bench --json`` list or a ``--log``), deprecated: it writes what that writes, with a
     ``DeprecationWarning``.
 
@@ -215,3 +216,13 @@ def histogram_images(records: Sequence[Mapping[str, Any]], out_dir: Path) -> lis
             title=f"parameter gradients at step {last['step']} against format ranges",
         )
     ]
+
+
+#: Bench's readers' old place here, for one release (see :mod:`mixprec._moved`; bench is imported only then).
+__getattr__ = install(
+    __name__,
+    {},
+    dict.fromkeys(
+        ("BENCH_FILE", "BENCH_KEYS", "BENCH_LOG", "UNFINISHED", "load_bench_json"), "mixprec.bench.results"
+    ),
+)
