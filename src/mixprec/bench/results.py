@@ -1,6 +1,7 @@
-"""Read bench's files back and report on them: the JSON list of ``mixprec bench --json``, a ``mixprec
-bench`` results folder (``bench.json`` and, when present, ``steps.jsonl``) and the JSON Lines of ``mixprec
-bench --log``.
+"""Read bench's files back and report on them: ``--json`` lists, ``--log`` logs and results folders.
+
+The files are the JSON list of ``mixprec bench --json``, the JSON Lines of ``mixprec bench --log`` and a
+``mixprec bench`` results folder (``bench.json`` and, when present, ``steps.jsonl``).
 
 * :func:`load_bench_json`: the records of a ``--json`` file;
 * :func:`incomplete`: why a bench file (or a run log) holds an unfinished run;

@@ -158,9 +158,9 @@ def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
     """Write the pictures and ``summary.md`` for a :class:`ScalerLog` run log.
 
     An unfinished run (see ``mixprec.inspect.report.incomplete``) is reported on what it holds, and its
-    summary says so first. Bench's files are :func:`mixprec.bench.write_report`'s; given one (a results folder, a
-    ``mixprec bench --json`` list or a ``--log``), deprecated: it writes what that writes, with a
-    ``DeprecationWarning``.
+    summary says so first. Bench's files are :func:`mixprec.bench.write_report`'s; given one (a results
+    folder, a ``mixprec bench --json`` list or a ``--log``), deprecated: it writes what that writes, with
+    a ``DeprecationWarning``.
 
     Args:
         log: a JSON Lines run log.
