@@ -26,8 +26,19 @@ OLD = {
 }
 
 
-def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def _run_importing(statement: str, then: str) -> None:
+    """Run ``statement`` in a fresh interpreter recording every warning as ``seen`` (the
+    DeprecationWarnings' texts as ``messages``), then the checks ``then``; fail with its stderr."""
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    {statement}\n"
+        "messages = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
+        f"{then}"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("old", sorted(OLD))
@@ -36,35 +47,23 @@ def test_an_old_module_warns_and_holds_the_engines_objects(old: str) -> None:
         f"assert old.{name} is importlib.import_module({new.rpartition('.')[0]!r}).{new.rpartition('.')[2]}"
         for name, new in OLD[old].items()
     )
-    code = (
-        "import importlib, warnings\n"
-        "with warnings.catch_warnings(record=True) as seen:\n"
-        "    warnings.simplefilter('always')\n"
-        f"    old = importlib.import_module({old!r})\n"
-        "messages = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
+    _run_importing(
+        f"old = importlib.import_module({old!r})",
         f"assert any(m.startswith({old + ' moved to mixprec.lowbit'!r}) for m in messages), messages\n"
-        f"{checks}\n"
+        f"{checks}\n",
     )
-    result = _run(code)
-    assert result.returncode == 0, result.stderr
 
 
 def test_casts_is_config() -> None:
-    code = (
-        "import warnings\n"
-        "with warnings.catch_warnings(record=True) as seen:\n"
-        "    warnings.simplefilter('always')\n"
-        "    from mixprec.float8.casts import CastConfig, ScalingType, recipe_casts\n"
+    _run_importing(
+        "from mixprec.float8.casts import CastConfig, ScalingType, recipe_casts",
         "import mixprec.float8.config as config\n"
         "assert CastConfig is config.CastConfig and ScalingType is config.ScalingType\n"
         "assert recipe_casts is config.recipe_casts\n"
-        "messages = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
         "assert messages == ['mixprec.float8.casts moved to mixprec.float8.config; the old name is "
         "deprecated and will be removed in the next release'], messages\n"
-        "assert {w.filename for w in seen} == {'<string>'}, [w.filename for w in seen]\n"
+        "assert {w.filename for w in seen} == {'<string>'}, [w.filename for w in seen]\n",
     )
-    result = _run(code)
-    assert result.returncode == 0, result.stderr
 
 
 def test_mixprec_itself_imports_none() -> None:
