@@ -87,14 +87,17 @@ def test_every_recipe_trains_close_to_fp32_and_checkpoints_load_both_ways(recipe
 
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "nvfp4"])
-def test_under_mixprec_autocast_the_gemm_sees_bf16_operands(recipe) -> None:
+def test_under_mixprec_autocast_the_gemm_sees_the_bf16_input_and_the_fp32_master_weight(recipe) -> None:
+    # The input is cast to bf16 as F.linear's would be; the weight goes to its low-bit format straight
+    # from fp32 (one rounding, as torchao and Transformer Engine do), not through bf16 first.
     model = convert_to_lowbit_training(_mlp(), recipe, generator=torch.Generator().manual_seed(0))
     x = torch.randn(16, 64)
     with mixprec.autocast("cpu", dtype=torch.bfloat16):
         out = model[0](x)
         model(x).float().sum().backward()
     assert out.dtype == torch.bfloat16
-    layer = LowbitLinear.from_linear(_mlp()[0].to(torch.bfloat16), recipe)
+    layer = LowbitLinear.from_linear(_mlp()[0], recipe)
+    assert layer.weight.dtype == torch.float32
     assert torch.equal(out, layer(x.to(torch.bfloat16)))
     assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in model.parameters())
 

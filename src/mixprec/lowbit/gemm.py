@@ -357,13 +357,14 @@ def _v2_swizzle(kind: str) -> Any:
 def _gemm(a, a_fmt, b, b_fmt, out_dtype, sr_a=False, generator=None, options=None) -> torch.Tensor:
     """``a @ b.T`` for (rows, K) matrices, each operand quantized along K unless its format is hp."""
     if a_fmt == HP and b_fmt == HP:
-        return torch.mm(a, b.t()).to(out_dtype)
+        return torch.mm(a.to(out_dtype), b.to(out_dtype).t())
     qa = quantize(a, a_fmt, stochastic=sr_a, generator=generator, pad=True) if a_fmt != HP else None
     qb = quantize(b, b_fmt, pad=True) if b_fmt != HP else None
     if qa is not None and qb is not None:  # (three arguments where there are no options: lowbit's own)
         return lowbit_mm(qa, qb, out_dtype) if options is None else lowbit_mm(qa, qb, out_dtype, options)
-    a32 = _matrix(qa) if qa is not None else a.to(torch.float32)
-    b32 = _matrix(qb) if qb is not None else b.to(torch.float32)
+    # a high-precision operand enters in the output dtype (a float32 master weight as a bf16 GEMM sees it)
+    a32 = _matrix(qa) if qa is not None else a.to(out_dtype).to(torch.float32)
+    b32 = _matrix(qb) if qb is not None else b.to(out_dtype).to(torch.float32)
     return torch.mm(a32, b32.t()).to(out_dtype)
 
 
@@ -444,7 +445,9 @@ class LowbitLinearFunction(torch.autograd.Function):
 
     Per operand (``scaling`` None): ``x`` (..., K) and ``weight`` (N, K) are saved in their own precision,
     and each backward GEMM quantizes them along its own reduction axis (a rowwise or block format needs a
-    different quantization per GEMM); the weight is first cast to ``x``'s dtype.
+    different quantization per GEMM). A quantized weight is cast from its own dtype (an fp32 master under
+    bf16 autocast is rounded once, to the low-bit format, as torchao's float8 and Transformer Engine
+    round it); a high-precision operand enters its GEMM in the output dtype.
 
     Per tensor (``scaling`` a :class:`~mixprec.lowbit.history.TensorScaling`, tensorwise formats only):
     input, weight and grad_output are each cast once, from their own dtypes, with ``scaling``'s scale
@@ -473,10 +476,9 @@ class LowbitLinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
-            if scaling is None:
-                w = weight.to(x.dtype)
-                out = _gemm(x2, recipe.fprop_x, w, recipe.fprop_w, x.dtype, options=gemms and gemms[0])
-                ctx.save_for_backward(x2, w)
+            if scaling is None:  # the weight is quantized from its own dtype, as torchao and TE do
+                out = _gemm(x2, recipe.fprop_x, weight, recipe.fprop_w, x.dtype, options=gemms and gemms[0])
+                ctx.save_for_backward(x2, weight)
             else:
                 qx, x_scale = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update)
                 qw, w_scale = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update)
