@@ -353,20 +353,29 @@ def fake_cuda(capability: tuple[int, int] = (9, 0), device_check: bool = True) -
 
 @contextlib.contextmanager
 def module_apply_in_place() -> Iterator[None]:
-    """``nn.Module._apply`` (``.to``, ``.half()``, a model cast) as it runs on real tensors: each parameter
-    keeps its identity and gets ``param.data = fn(param)``. torch swaps a FakeTensor parameter for a new
-    one instead, which fails ("Couldn't swap Linear.weight"), so a model cannot be cast under fake mode."""
+    """``nn.Module._apply`` (``.half()``, ``.to(dtype)``, a model cast) as it runs on real tensors: each
+    parameter keeps its identity and gets ``param.data = fn(param)``. torch swaps a FakeTensor parameter for
+    a new one instead, which fails ("Couldn't swap Linear.weight"), so a model cannot be cast under fake
+    mode. A FakeTensor keeps its device outside its data, so a move between devices is refused here:
+    build such a module where it runs (``with torch.device("cuda")``)."""
 
     def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
         if recurse:
             for child in self.children():
                 apply(child, fn)
         with torch.no_grad():
-            for param in self._parameters.values():
-                if param is not None:
-                    param.data = fn(param)
-                    if param.grad is not None:
-                        param.grad = fn(param.grad)
+            for name, param in self._parameters.items():
+                if param is None:
+                    continue
+                new = fn(param)
+                if new.device != param.device:
+                    raise RuntimeError(
+                        f"module_apply_in_place cannot move {type(self).__name__}.{name} from {param.device} "
+                        f"to {new.device}: build the module on its device (with torch.device(...))"
+                    )
+                param.data = new
+                if param.grad is not None:
+                    param.grad = fn(param.grad)
             for key, buffer in self._buffers.items():
                 if buffer is not None:
                     self._buffers[key] = fn(buffer)
