@@ -172,19 +172,15 @@ def step_counters(states: list[dict[str, Any]], device: torch.device) -> list[to
 
     ``device`` is where the step reads it: a param's device for torch's fused kernels (which a GPU refuses
     a host counter: torch's fused and capturable Adam keep theirs there too), the host for a step that
-    computes its bias corrections on the host (as torch's foreach Adam does, with no device sync). A missing
-    counter starts at 0 there (no host-to-device copy); one found elsewhere, made by another path or loaded
-    from a state_dict (torch leaves a loaded counter where it was saved), or a number (old state dicts),
-    is moved or converted once and stays.
+    computes its bias corrections on the host (as torch's foreach Adam does, with no device sync). A counter
+    found elsewhere, made by another path or loaded from a state_dict (torch leaves a loaded counter where
+    it was saved, in its default dtype), is moved once and stays.
     """
     counters = []
     for state in states:
-        step = state.get("step", 0.0)
-        if not torch.is_tensor(step):
-            step = torch.full((), float(step), dtype=torch.float32, device=device)
-        elif step.device != device or step.dtype != torch.float32:
-            step = step.to(device=device, dtype=torch.float32)
-        state["step"] = step
+        step = state["step"]
+        if step.device != device or step.dtype != torch.float32:
+            step = state["step"] = step.to(device=device, dtype=torch.float32)
         counters.append(step)
     if counters:
         torch._foreach_add_(counters, 1.0)
