@@ -7,6 +7,7 @@ collection). The test modules import only what a CPU build has, so collecting th
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=_NO_CUDA))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_FAILED] = report.failed
+    return report
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
+@contextmanager
+def _checked(request: pytest.FixtureRequest, capability: tuple[int, int]):
+    """:func:`fake_cuda` whose device check fails the test once: a mismatch that made the test fail is not
+    reported again at teardown (only one the code under test caught is)."""
+    with fake_cuda(capability) as recorder:
+        yield recorder
+        if request.node.stash.get(_CALL_FAILED, False):
+            recorder.device_errors.clear()
+
+
 @pytest.fixture(params=CAPABILITIES, ids=lambda c: f"sm{c[0]}{c[1]}")
 def capability(request: pytest.FixtureRequest) -> tuple[int, int]:
     """Each compute capability mixprec's CUDA branches distinguish."""
@@ -36,14 +58,15 @@ def capability(request: pytest.FixtureRequest) -> tuple[int, int]:
 
 
 @pytest.fixture
-def fake(capability: tuple[int, int]):
-    """A fake CUDA mode at ``capability`` with a :class:`Recorder` inside it; yields the recorder."""
-    with fake_cuda(capability) as recorder:
+def fake(request: pytest.FixtureRequest, capability: tuple[int, int]):
+    """A fake CUDA mode at ``capability`` with a :class:`Recorder` inside it (device check on); yields the
+    recorder."""
+    with _checked(request, capability) as recorder:
         yield recorder
 
 
 @pytest.fixture
-def fake_hopper():
+def fake_hopper(request: pytest.FixtureRequest):
     """The fake CUDA mode at sm90 only, for paths the capability does not change."""
-    with fake_cuda((9, 0)) as recorder:
+    with _checked(request, (9, 0)) as recorder:
         yield recorder

@@ -20,7 +20,19 @@ records:
   ``_to_copy``, so it counts as one ``h2d``;
 - ``bad_generator``: a random op whose ``generator=`` lives on another device type than its output;
 - ``scaled_mm``: every ``_scaled_mm`` / ``_scaled_mm_v2`` / ``_scaled_grouped_mm`` call, its operands'
-  shapes, strides and dtypes, its scales' shapes and dtypes, and the error the meta kernel raised, if any.
+  shapes, strides and dtypes, its scales' shapes and dtypes, and the error the meta kernel raised, if any;
+- ``device_mismatch``: an op mixing CPU and CUDA tensors that the real CUDA kernel refuses. The recorder
+  raises it at once (a ``RuntimeError``, as the GPU would) and also keeps it in
+  :attr:`Recorder.device_errors`, which :meth:`Recorder.reset` leaves alone: :func:`fake_cuda` fails on
+  exit when one was raised and swallowed (a ``try``/``except`` in the code under test). The rules, from
+  torch's ``native_functions.yaml`` and the kernels' own checks, are data in ``fake_cuda/devices.py``: every
+  tensor argument on one device (``torch._fused_adamw_``'s ``state_steps``, ``grad_scale``, ``found_inf``
+  included; a tensor ``lr`` may be on the host), except that a TensorIterator op (``mul``, ``add_``,
+  ``where``, ...) takes a 0-dim CPU tensor as an input (never as its output), a ``_foreach_*`` op does so
+  per index (its slow path), ``_foreach_mul`` / ``_foreach_div`` take a CPU scalar tensor but
+  ``_foreach_add`` does not, ``_foreach_addcdiv`` / ``_foreach_addcmul`` want their ``scalars`` tensor on
+  the host, indices may be anywhere, and explicit copies (``copy_``, ``_to_copy``, ``_foreach_copy_``) cross
+  devices. ``fake_cuda(device_check=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -37,10 +49,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fake_cuda import devices
+
 __all__ = [
     "CAPABILITIES",
     "Applied",
     "Ctx",
+    "DeviceMismatch",
     "Event",
     "FakeCudaGenerator",
     "FakeCudaMode",
@@ -48,6 +63,7 @@ __all__ = [
     "cuda_patched",
     "direct_autograd",
     "fake_cuda",
+    "module_apply_in_place",
 ]
 
 #: Ada (sm89), Hopper (sm90), datacenter Blackwell (sm100), consumer Blackwell (sm120).
@@ -115,16 +131,24 @@ def _target_device(bound: dict[str, Any]) -> str:
     return first.device.type if first is not None else "cpu"
 
 
+class DeviceMismatch(RuntimeError):
+    """An op mixing host and CUDA tensors that the real CUDA kernel refuses (see ``fake_cuda/devices.py``)."""
+
+
 class Recorder(TorchDispatchMode):
-    """Records host syncs, host<->device copies, foreign generators and scaled GEMMs (see the module doc).
+    """Records host syncs, host<->device copies, foreign generators and scaled GEMMs, and refuses ops that mix
+    devices as a GPU would (see the module doc).
 
     ``events`` is every record in call order; :meth:`count` and :meth:`of` filter them; :meth:`reset`
-    clears them (e.g. after a first call whose one-time copies are allowed).
+    clears them (e.g. after a first call whose one-time copies are allowed). ``device_errors`` keeps every
+    ``device_mismatch`` event until cleared by hand; ``check_devices`` turns the check on and off.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, check_devices: bool = True) -> None:
         super().__init__()
         self.events: list[Event] = []
+        self.device_errors: list[Event] = []
+        self.check_devices = check_devices
 
     def reset(self) -> None:
         self.events.clear()
@@ -155,6 +179,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         bound = _bind(func, args, kwargs)
+        if self.check_devices:
+            self._devices(func, bound)
         if func in _SYNC:
             if args[0].device.type == "cuda":  # only a device tensor makes the host wait
                 self.events.append(Event("sync", str(func), {}))
@@ -170,6 +196,17 @@ class Recorder(TorchDispatchMode):
         if name in _SCALED_MM:
             return self._scaled_mm(func, bound, args, kwargs)
         return func(*args, **kwargs)
+
+    def _devices(self, func: Any, bound: dict[str, Any]) -> None:
+        """Raises (and keeps) a :class:`DeviceMismatch` where the CUDA kernel would refuse the devices."""
+        problem = devices.mismatch(func, bound)
+        if problem is None:
+            return
+        shapes = {k: _describe(v) for k, v in bound.items() if isinstance(v, torch.Tensor)}
+        event = Event("device_mismatch", str(func), {"error": problem, "tensors": shapes})
+        self.events.append(event)
+        self.device_errors.append(event)
+        raise DeviceMismatch(f"{func}: {problem} (fake-CUDA device check; a GPU refuses this call)")
 
     def _copies(self, func: Any, name: str, bound: dict[str, Any]) -> None:
         """Records an explicit or implicit copy between the host and a CUDA device."""
@@ -291,13 +328,15 @@ class FakeCudaMode(FakeTensorMode):
 
 
 @contextlib.contextmanager
-def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[Recorder]:
+def fake_cuda(capability: tuple[int, int] = (9, 0), device_check: bool = True) -> Iterator[Recorder]:
     """A fake mode with ``torch.cuda`` patched, and a :class:`Recorder` pushed inside it.
 
     ``torch.Generator`` is :class:`FakeCudaGenerator` inside (a CUDA generator needs a driver), and
-    FakeTensor's ``tolist`` counts one sync (see :func:`_counted_tolist`).
+    FakeTensor's ``tolist`` counts one sync (see :func:`_counted_tolist`). With ``device_check`` an op a GPU
+    would refuse for its devices raises :class:`DeviceMismatch`, and leaving the block normally after one
+    was raised and caught raises ``AssertionError`` (clear ``recorder.device_errors`` to accept them).
     """
-    recorder = Recorder()
+    recorder = Recorder(check_devices=device_check)
     tolist = _counted_tolist(recorder, FakeTensor.tolist)
     with (
         cuda_patched(capability),
@@ -307,6 +346,43 @@ def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[Recorder]:
         recorder,
     ):
         yield recorder
+    if recorder.device_errors:
+        lines = "\n".join(f"  {e.op}: {e.detail['error']}" for e in recorder.device_errors)
+        raise AssertionError(f"ops a GPU refuses for their devices ran here (and were caught):\n{lines}")
+
+
+@contextlib.contextmanager
+def module_apply_in_place() -> Iterator[None]:
+    """``nn.Module._apply`` (``.half()``, ``.to(dtype)``, a model cast) as it runs on real tensors: each
+    parameter keeps its identity and gets ``param.data = fn(param)``. torch swaps a FakeTensor parameter for
+    a new one instead, which fails ("Couldn't swap Linear.weight"), so a model cannot be cast under fake
+    mode. A FakeTensor keeps its device outside its data, so a move between devices is refused here:
+    build such a module where it runs (``with torch.device("cuda")``)."""
+
+    def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        if recurse:
+            for child in self.children():
+                apply(child, fn)
+        with torch.no_grad():
+            for name, param in self._parameters.items():
+                if param is None:
+                    continue
+                new = fn(param)
+                if new.device != param.device:
+                    raise RuntimeError(
+                        f"module_apply_in_place cannot move {type(self).__name__}.{name} from {param.device} "
+                        f"to {new.device}: build the module on its device (with torch.device(...))"
+                    )
+                param.data = new
+                if param.grad is not None:
+                    param.grad = fn(param.grad)
+            for key, buffer in self._buffers.items():
+                if buffer is not None:
+                    self._buffers[key] = fn(buffer)
+        return self
+
+    with mock.patch.object(torch.nn.Module, "_apply", apply):
+        yield
 
 
 class Ctx:

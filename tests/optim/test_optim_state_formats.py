@@ -142,6 +142,27 @@ def test_state_format_needs_adam_and_no_state_dtype():
         MixedPrecisionOptimizer(inner, state_format="bf16")
 
 
+_FLAGS = [{}, {"foreach": True}, {"foreach": False}, {"fused": True}, {"capturable": True}]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("maker", ["kahan", "masters"])
+def test_the_inner_optimizers_flags_do_not_change_the_lowbit_step(fmt, maker):
+    """Every foreach/fused/capturable flag torch accepts is taken, and the low-bit step (one fused pass
+    whatever they say) is bit for bit the same under each."""
+    runs = []
+    for flags in _FLAGS:
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=3e-3, **flags)
+        if maker == "kahan":
+            opt = CompensatedOptimizer(inner, "kahan", state_format=fmt)
+        else:
+            opt = MixedPrecisionOptimizer(inner, scaler=None, state_format=fmt)
+        _train(model, opt, 3)
+        runs.append(_tensors(model, opt))
+    assert all(_bitwise(runs[0], run) for run in runs[1:])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_first_step_of_fp32_masters_is_torchs_fused_adamw(fmt):
     """From zero state the step uses the moments before they are stored: torch's fused AdamW exactly."""

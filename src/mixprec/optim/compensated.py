@@ -22,7 +22,11 @@ Two paths, chosen per optimizer:
   per-parameter optimizers; one that couples parameters needs ``scratch_numel=None``), its state stays fp32.
 
 Either path works through at most ``scratch_numel`` weights at a time, so no fp32 temporary ever spans
-the whole model.
+the whole model. Adam's ``step`` counter lives where the step reads it, as torch places it: on the
+weight's device for the fused pass and low-bit states (torch's fused kernel reads it there, as in torch's
+fused and capturable Adam), on the host for the foreach path (its bias corrections are host numbers, as
+in torch's foreach Adam); a counter found elsewhere (loaded from a state_dict) moves once
+(``updates.step_counters``).
 
 With ``skip_nonfinite`` (the default) a step is skipped, state and weights untouched, when a gradient is
 inf/nan or (Adam) its square would overflow the second moment; the fused Adam path checks inside its pass
@@ -84,7 +88,8 @@ class CompensatedOptimizer(OptimizerWrapper):
             optimizer state; False steps whatever comes, as torch does.
         state_format: None (the moments as ``state_dtype`` says) or ``"bf16"``, ``"int8"``, ``"fp8"``: Adam's
             moments stored in that low-bit format (``mixprec.optim.state_formats``), stepped chunk by
-            chunk (``mixprec.optim.lowbit_adam``); needs ``torch.optim.Adam``/``AdamW`` and
+            chunk (``mixprec.optim.lowbit_adam``); needs ``torch.optim.Adam``/``AdamW`` (with any
+            foreach/fused/capturable flag: the step is one fused pass whatever they say) and
             ``state_dtype=None``.
 
     Attributes:
@@ -124,13 +129,17 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.state_format = state_format
         self.skipped_steps = 0
         self.last_step_skipped = False
-        self.algorithm = updates.fast_algorithm(optimizer)
+        self.algorithm = self._fast_algorithm()
         self.model_params: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
         self.workspace = Workspace(min(CHUNK, scratch_numel or CHUNK), min(FOLD, scratch_numel or FOLD))
         for group in optimizer.param_groups:
             self._adopt(group["params"])
+
+    def _fast_algorithm(self) -> str | None:
+        """``updates.fast_algorithm`` of the inner optimizer; a low-bit state takes capturable Adam too."""
+        return updates.fast_algorithm(self.optimizer, capturable=self.state_format is not None)
 
     def _adopt(self, params: list[torch.Tensor]) -> None:
         if self.state_format is not None:
@@ -155,7 +164,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             check_lowbit_params(params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1]["params"])
-        self.algorithm = updates.fast_algorithm(self.optimizer)
+        self.algorithm = self._fast_algorithm()
 
     def _follow_groups(self) -> None:
         """Adopt low-precision params put into ``param_groups`` by hand (compensation buffers, a check)."""
@@ -169,7 +178,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         _check_unique(held, "param_groups")
         _check_params(self.optimizer, self.method, new)
         self._adopt(new)
-        self.algorithm = updates.fast_algorithm(self.optimizer)
+        self.algorithm = self._fast_algorithm()
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """One step of the inner optimizer's algorithm, applied with this wrapper's rounding method."""
@@ -179,7 +188,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         if self.state_format is not None and self.algorithm != "adam":
             raise ValueError(
                 f"state_format={self.state_format!r} steps Adam/AdamW only; a param group added since "
-                "makes the optimizer unsupported (amsgrad, differentiable, capturable or tensor options)"
+                "makes the optimizer unsupported (amsgrad, differentiable or tensor options)"
             )
         with torch.no_grad():
             stepped = self._step_shards()
@@ -429,10 +438,10 @@ def _check_state_format(optimizer: Optimizer, state_format: Any, state_dtype: An
             f"state_format={state_format!r} sets the moments' storage; state_dtype must stay None, "
             f"got {state_dtype!r}"
         )
-    if updates.fast_algorithm(optimizer) != "adam":
+    if updates.fast_algorithm(optimizer, capturable=True) != "adam":
         raise ValueError(
             f"state_format={state_format!r} needs torch.optim.Adam or AdamW (without amsgrad, "
-            f"differentiable, capturable, tensor hyperparameters), got {type(optimizer).__name__}"
+            f"differentiable, tensor hyperparameters), got {type(optimizer).__name__}"
         )
 
 

@@ -50,6 +50,7 @@ import torch
 
 from mixprec.optim.guard import grads_of, largest_norms
 from mixprec.optim.rounding import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits, views
+from mixprec.optim.updates import step_counters
 
 __all__ = ["AdamUnit", "adam_step", "grads_fit"]
 
@@ -215,16 +216,17 @@ def grads_fit(units: list[AdamUnit]) -> bool:
 
 
 def _prepare(unit: AdamUnit) -> None:
-    """Create missing state in torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``) and count the step."""
+    """Create missing state in torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``) and count the step;
+    the counters on the params' device, where the fused kernel reads them (``updates.step_counters``)."""
     for state, param in zip(unit.states, unit.params, strict=True):
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=_F32)
+            state["step"] = torch.zeros((), dtype=_F32, device=param.device)
             for key, dtype in zip(("exp_avg", "exp_avg_sq"), unit.moment_dtypes, strict=True):
                 state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
         for key, dtype in zip(("exp_avg", "exp_avg_sq"), unit.moment_dtypes, strict=True):
             if state[key].dtype != dtype:  # state loaded from elsewhere: continue in this state dtype
                 state[key] = state[key].to(dtype)
-    torch._foreach_add_([state["step"] for state in unit.states], 1.0)  # torch: step_t += 1 first
+    step_counters(unit.states, unit.params[0].device)  # torch: step_t += 1 first
 
 
 def _update(unit: AdamUnit, chunk: _Chunk, workspace: Workspace) -> None:

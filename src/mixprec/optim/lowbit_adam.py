@@ -30,6 +30,7 @@ from mixprec.optim import state_formats as sf
 from mixprec.optim.fused_adam import _round_stochastic, _segments
 from mixprec.optim.rounding import Workspace
 from mixprec.optim.sharding import local_grads
+from mixprec.optim.updates import step_counters
 
 __all__ = ["check_lowbit_params", "lowbit_adam_step", "step_groups"]
 
@@ -74,12 +75,13 @@ def step_groups(
 
 
 def _prepare(fmt: str, states: list[dict[str, Any]], params: list[torch.Tensor]) -> None:
-    """Create missing state (torch's ``step`` plus the format's moments) and count the step."""
+    """Create missing state (torch's ``step`` plus the format's moments) and count the step; the counters
+    on the params' device, where the fused kernel reads them (``updates.step_counters``)."""
     for state, param in zip(states, params, strict=True):
         if not state:  # a fresh state has one block grid (no ORIGINS key), from the tensor's start
-            state["step"] = torch.tensor(0.0, dtype=_F32)
+            state["step"] = torch.zeros((), dtype=_F32, device=param.device)
             state.update(sf.new_moments(fmt, param))
-    torch._foreach_add_([s["step"] for s in states], 1.0)  # torch: step_t += 1 first
+    step_counters(states, params[0].device)  # torch: step_t += 1 first
 
 
 def lowbit_adam_step(

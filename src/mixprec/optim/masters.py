@@ -70,8 +70,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             O3 / "bf16-true").
         state_format: None (the inner optimizer's own state and step) or ``"bf16"``, ``"int8"``, ``"fp8"``:
             Adam's moments stored in that low-bit format (``mixprec.optim.state_formats``) and the masters
-            stepped chunk by chunk through torch's fused kernel (``mixprec.optim.lowbit_adam``); needs a
-            fresh ``torch.optim.Adam``/``AdamW``.
+            stepped chunk by chunk through torch's fused kernel (``mixprec.optim.lowbit_adam``, the step
+            counters on the masters' device); needs a fresh ``torch.optim.Adam``/``AdamW`` (any
+            foreach/fused/capturable flag).
 
     Raises:
         TypeError: ``optimizer`` is not an Optimizer or is already a MixedPrecisionOptimizer;
@@ -361,10 +362,10 @@ def _check_state_format(optimizer: Optimizer, state_format: Any) -> None:
             f"state_format={state_format!r}: give it to the CompensatedOptimizer inside "
             "(CompensatedOptimizer(..., state_format=...)), which steps the state"
         )
-    if updates.fast_algorithm(optimizer) != "adam":
+    if updates.fast_algorithm(optimizer, capturable=True) != "adam":
         raise ValueError(
             f"state_format={state_format!r} needs torch.optim.Adam or AdamW (without amsgrad, "
-            f"differentiable, capturable, tensor hyperparameters), got {type(optimizer).__name__}"
+            f"differentiable, tensor hyperparameters), got {type(optimizer).__name__}"
         )
     if any(optimizer.state.values()):
         raise ValueError(f"state_format={state_format!r}: wrap the optimizer before its first step")

@@ -45,6 +45,7 @@ __all__ = [
     "grads_fit",
     "moment_dtypes",
     "round_into",
+    "step_counters",
     "step_group",
 ]
 
@@ -61,17 +62,20 @@ _LOW = (torch.float16, torch.bfloat16)
 BF16_HALF_ULP = 2.0**-8
 
 
-def fast_algorithm(optimizer: torch.optim.Optimizer) -> str | None:
+def fast_algorithm(optimizer: torch.optim.Optimizer, *, capturable: bool = False) -> str | None:
     """ "adam" or "sgd" when :func:`step_group` can step ``optimizer`` exactly as torch would, else None.
 
     Only these exact classes qualify (a subclass may change ``step``), with float hyperparameters and
-    without amsgrad, differentiable or capturable.
+    without amsgrad, differentiable or (unless ``capturable``) capturable. ``capturable=True`` is for the
+    low-bit state path (``mixprec.optim.lowbit_adam``), which steps through torch's fused kernel whatever
+    the foreach/fused/capturable flags say, its counters on the device as a capturable step keeps them.
     """
     algorithm = FAST_OPTIMIZERS.get(type(optimizer))
     if algorithm is None:
         return None
+    refused = [key for key in _UNSUPPORTED[algorithm] if not (capturable and key == "capturable")]
     for group in optimizer.param_groups:
-        if any(group.get(key, False) for key in _UNSUPPORTED[algorithm]):
+        if any(group.get(key, False) for key in refused):
             return None
         values = [group.get(key) for key in _SCALAR_KEYS]
         if any(torch.is_tensor(v) or (isinstance(v, tuple) and any(map(torch.is_tensor, v))) for v in values):
@@ -163,18 +167,44 @@ def _kahan_fold_through(params: list[torch.Tensor], kahan: list[torch.Tensor], w
         kahan_fold(p, c, views(buffer, p))
 
 
+def step_counters(states: list[dict[str, Any]], device: torch.device) -> list[torch.Tensor]:
+    """Each state's ``step`` counted up by one (torch's ``step_t += 1``): an fp32 0-dim tensor on ``device``.
+
+    ``device`` is where the step reads it: a param's device for torch's fused kernels (which a GPU refuses
+    a host counter: torch's fused and capturable Adam keep theirs there too), the host for a step that
+    computes its bias corrections on the host (as torch's foreach Adam does, with no device sync). A counter
+    found elsewhere, made by another path or loaded from a state_dict (torch leaves a loaded counter where
+    it was saved, in its default dtype), is moved once and stays.
+    """
+    counters = []
+    for state in states:
+        step = state["step"]
+        if step.device != device or step.dtype != torch.float32:
+            step = state["step"] = step.to(device=device, dtype=torch.float32)
+        counters.append(step)
+    if counters:
+        torch._foreach_add_(counters, 1.0)
+    return counters
+
+
+_HOST = torch.device("cpu")
+
+
 def adam_states(states: list[dict[str, Any]], like: list[torch.Tensor]) -> list[float]:
-    """Create Adam state as torch does (in the dtype of ``like``), count the step; returns step numbers."""
+    """Create Adam state as torch does (in the dtype of ``like``), count the step; returns step numbers.
+
+    The counters live on the host (:func:`step_counters`): the bias corrections are host numbers here, so
+    reading them costs no device sync.
+    """
     for state, grad in zip(states, like, strict=True):
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=_HOST)
             state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
         for key in ("exp_avg", "exp_avg_sq"):
             if state[key].dtype != grad.dtype:  # state loaded from elsewhere: continue in this state dtype
                 state[key] = state[key].to(grad.dtype)
-    counters = [s["step"] for s in states]
-    torch._foreach_add_(counters, 1.0)  # torch: step_t += 1 per parameter; one call here
+    counters = step_counters(states, _HOST)
     return torch.stack(counters).tolist() if counters else []
 
 
