@@ -52,9 +52,34 @@ _HADAMARD_SIGN_BITS = 10230
 _HADAMARD: dict[torch.device, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
-# torch's public v2 API where this torch has it (2.10+), else torch._scaled_mm.
 _F = torch.nn.functional
-_SCALED_MM_V2 = _F.scaled_mm if hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType") else None
+
+
+def _aten_scaled_mm_v2(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_recipe_a: Any,
+    scale_b: torch.Tensor,
+    scale_recipe_b: Any,
+    *,
+    swizzle_a: Any,
+    swizzle_b: Any,
+    output_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` with one scale per operand, as the aten op it calls (the same
+    arguments, enums as their ints). torch.compile traces the op; torch 2.11's Dynamo cannot trace the
+    ``torch._scaled_mm_v2`` binding that ``F.scaled_mm`` calls (a graph break, an error under fullgraph)."""
+    return torch.ops.aten._scaled_mm_v2(
+        mat_a, mat_b, [scale_a], [scale_recipe_a.value], [swizzle_a.value],
+        [scale_b], [scale_recipe_b.value], [swizzle_b.value], None, output_dtype, [], use_fast_accum,
+    )  # fmt: skip
+
+
+# torch's v2 scaled matmul where this torch has it (2.10+), else torch._scaled_mm.
+_HAS_V2 = hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType") and hasattr(torch.ops.aten, "_scaled_mm_v2")
+_SCALED_MM_V2 = _aten_scaled_mm_v2 if _HAS_V2 else None
 _KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _V2_RECIPE = {
     "tensor": "TensorWise",
