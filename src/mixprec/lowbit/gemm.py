@@ -4,11 +4,11 @@ Every GEMM is ``C = A @ B.T`` with both operands quantized along their last (red
 function serves all three (see :mod:`mixprec.lowbit.recipes` for which tensor is A and B). On CUDA,
 :func:`lowbit_mm` runs the pair on the tensor-core kernel :mod:`mixprec.lowbit.kernels`' table names for
 the device's compute capability: fp8 tensorwise / rowwise (sm89+), fp8 blockwise 1x128 / 128x128 (sm90),
-MXFP8, MXFP4 and NVFP4 with swizzled block scales (sm100), through ``torch.nn.functional.scaled_mm`` where
-torch has it and ``torch._scaled_mm`` otherwise. Everywhere else (a CPU, sm89 / sm120 for block formats,
-sizes the kernels refuse) the GEMM is emulated exactly as torchao emulates: dequantize both operands to
-float32, ``torch.mm``, cast to the output dtype (:func:`emulated_mm`), with one warning per process for
-each pair of formats, device and reason. :func:`kernel_path` says which path a pair takes.
+MXFP8, MXFP4 and NVFP4 with swizzled block scales (sm100), through ``torch.nn.functional.scaled_mm``'s
+aten op where torch has it and ``torch._scaled_mm`` otherwise. Everywhere else (a CPU, sm89 / sm120 for
+block formats, sizes the kernels refuse) the GEMM is emulated exactly as torchao emulates: dequantize both
+operands to float32, ``torch.mm``, cast to the output dtype (:func:`emulated_mm`), with one warning per
+process for each pair of formats, device and reason. :func:`kernel_path` says which path a pair takes.
 
 The random Hadamard transform (NVFP4's wgrad recipe) multiplies each run of 16 rows along M by
 ``H16 @ diag(signs) / 4``, an orthogonal matrix, on both wgrad operands, so ``(Q go).T (Q x) = go.T x``
