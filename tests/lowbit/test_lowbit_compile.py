@@ -5,7 +5,7 @@ equal to eager's.
 
 The ``aot_eager`` backend traces as inductor does (Dynamo, AOTAutograd, the same graphs and guards) and
 runs the ops eagerly, so a compiled step is eager's bit for bit, a second or a few per recipe on a 2-core
-CPU; inductor's own compile of these recipes takes a minute there (tests/float8/test_compile.py runs it
+CPU; inductor's own compile of these recipes takes a minute there (tests/float8/test_float8_compile.py runs it
 once, and tests/lowbit/test_training.py for mxfp8).
 """
 
