@@ -28,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -350,6 +349,8 @@ class Float8Config:
     gemm_config_grad_weight: Float8GemmConfig = _ACCURATE
     pad_inner_dim: bool = False
     enable_fsdp_float8_all_gather: bool = False
+    # Set per instance by __post_init__; ClassVar keeps it out of the fields (eq, hash, repr, replace).
+    _engine: ClassVar[_Engine]
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALINGS)
@@ -372,6 +373,10 @@ class Float8Config:
         _check_fsdp_float8_all_gather(self, resolved)
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
+        # What the engine reads at every forward, resolved here, once, from the frozen fields: a compiled
+        # forward then reads plain attributes (a lazy cached_property is traced by torch.compile, and its
+        # RLock, on Python < 3.12, breaks the graph).
+        object.__setattr__(self, "_engine", _resolve_engine(self))
 
     @classmethod
     def from_recipe_name(cls, recipe_name: str, **overrides: Any) -> Float8Config:
@@ -409,36 +414,30 @@ class Float8Config:
             f"wgrad={fmt['cast_config_grad_output_for_grad_weight']},{fmt['cast_config_input_for_grad_weight']}"
         )
 
-    @cached_property
+    @property
     def resolved_lowbit_recipe(self) -> Recipe:
-        """The :class:`~mixprec.lowbit.Recipe` the engine runs (the tensorwise casts' too), resolved once
-        per config: the config is frozen, so the forward never parses it again."""
-        return get_recipe(self._recipe_text())
+        """The :class:`~mixprec.lowbit.Recipe` the engine runs (the tensorwise casts' too), resolved once,
+        when the config is built: the config is frozen, so the forward never parses it again."""
+        return self._engine.recipe
 
-    @cached_property
+    @property
     def tensor_scaling(self) -> TensorScaling | None:
         """The engine's per-tensor scaling (delayed or dynamic, with the margin) for a config whose six
         casts are dynamic tensorwise at their default dtypes; None for per-operand recipes."""
-        if self.lowbit_recipe is not None:
-            return None
-        return TensorScaling(self.delayed, self.margin, self.amax_compute_algo)
+        return self._engine.tensor_scaling
 
-    @cached_property
+    @property
     def gemm_options(self) -> tuple[GemmOptions, GemmOptions, GemmOptions]:
         """The engine's fprop, dgrad, wgrad :class:`~mixprec.lowbit.gemm.GemmOptions`: torchao's
         ``emulate`` (False: torch's kernel wherever it has one, the CPU's included), fast accumulation
         and padding."""
-        output, grad_input, grad_weight = self.linear_mm_config
-        return _gemm_options(output), _gemm_options(grad_input), _gemm_options(grad_weight)
+        return self._engine.gemm_options
 
-    @cached_property
+    @property
     def linear_mm_config(self) -> LinearMMConfig:
         """The GEMMs' settings in torchao's ``LinearMMConfig`` form (output, grad_input, grad_weight),
         built once per config (frozen) rather than at every GEMM."""
-        gemms = (self.gemm_config_output, self.gemm_config_grad_input, self.gemm_config_grad_weight)
-        return LinearMMConfig(
-            *(ScaledMMConfig(self.emulate, g.use_fast_accum, False, self.pad_inner_dim) for g in gemms)
-        )
+        return self._engine.linear_mm_config
 
     def cast_configs_str(self) -> str:
         """torchao's repr of the casts: ``"i:dyn_ten_e4m3,w:dyn_ten_e4m3,go:dyn_ten_e5m2"``, with
@@ -500,6 +499,27 @@ _GEMM_FIELDS = ("gemm_config_output", "gemm_config_grad_input", "gemm_config_gra
 
 def _gemm_options(mm: ScaledMMConfig) -> GemmOptions:
     return GemmOptions(mm.emulate, mm.use_fast_accum, mm.pad_inner_dim)
+
+
+class _Engine(NamedTuple):
+    """A config's values as the engine reads them (immutable and hashable, as the config is)."""
+
+    recipe: Recipe
+    tensor_scaling: TensorScaling | None
+    gemm_options: tuple[GemmOptions, GemmOptions, GemmOptions]
+    linear_mm_config: LinearMMConfig
+
+
+def _resolve_engine(config: Float8Config) -> _Engine:
+    gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+    mm = LinearMMConfig(
+        *(ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms)
+    )
+    scaling = None
+    if config.lowbit_recipe is None:
+        scaling = TensorScaling(config.delayed, config.margin, config.amax_compute_algo)
+    options = (_gemm_options(mm.output), _gemm_options(mm.grad_input), _gemm_options(mm.grad_weight))
+    return _Engine(get_recipe(config._recipe_text()), scaling, options, mm)
 
 
 def _resolve_operands(config: Float8Config) -> dict[str, CastConfig | Float8GemmConfig]:

@@ -4,11 +4,11 @@ Every GEMM is ``C = A @ B.T`` with both operands quantized along their last (red
 function serves all three (see :mod:`mixprec.lowbit.recipes` for which tensor is A and B). On CUDA,
 :func:`lowbit_mm` runs the pair on the tensor-core kernel :mod:`mixprec.lowbit.kernels`' table names for
 the device's compute capability: fp8 tensorwise / rowwise (sm89+), fp8 blockwise 1x128 / 128x128 (sm90),
-MXFP8, MXFP4 and NVFP4 with swizzled block scales (sm100), through ``torch.nn.functional.scaled_mm`` where
-torch has it and ``torch._scaled_mm`` otherwise. Everywhere else (a CPU, sm89 / sm120 for block formats,
-sizes the kernels refuse) the GEMM is emulated exactly as torchao emulates: dequantize both operands to
-float32, ``torch.mm``, cast to the output dtype (:func:`emulated_mm`), with one warning per process for
-each pair of formats, device and reason. :func:`kernel_path` says which path a pair takes.
+MXFP8, MXFP4 and NVFP4 with swizzled block scales (sm100), through ``torch.nn.functional.scaled_mm``'s
+aten op where torch has it and ``torch._scaled_mm`` otherwise. Everywhere else (a CPU, sm89 / sm120 for
+block formats, sizes the kernels refuse) the GEMM is emulated exactly as torchao emulates: dequantize both
+operands to float32, ``torch.mm``, cast to the output dtype (:func:`emulated_mm`), with one warning per
+process for each pair of formats, device and reason. :func:`kernel_path` says which path a pair takes.
 
 The random Hadamard transform (NVFP4's wgrad recipe) multiplies each run of 16 rows along M by
 ``H16 @ diag(signs) / 4``, an orthogonal matrix, on both wgrad operands, so ``(Q go).T (Q x) = go.T x``
@@ -52,9 +52,34 @@ _HADAMARD_SIGN_BITS = 10230
 _HADAMARD: dict[torch.device, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
-# torch's public v2 API where this torch has it (2.10+), else torch._scaled_mm.
 _F = torch.nn.functional
-_SCALED_MM_V2 = _F.scaled_mm if hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType") else None
+
+
+def _aten_scaled_mm_v2(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_recipe_a: Any,
+    scale_b: torch.Tensor,
+    scale_recipe_b: Any,
+    *,
+    swizzle_a: Any,
+    swizzle_b: Any,
+    output_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` with one scale per operand, as the aten op it calls (the same
+    arguments, enums as their ints). torch.compile traces the op; torch 2.11's Dynamo cannot trace the
+    ``torch._scaled_mm_v2`` binding that ``F.scaled_mm`` calls (a graph break, an error under fullgraph)."""
+    return torch.ops.aten._scaled_mm_v2(
+        mat_a, mat_b, [scale_a], [scale_recipe_a.value], [swizzle_a.value],
+        [scale_b], [scale_recipe_b.value], [swizzle_b.value], None, output_dtype, [], use_fast_accum,
+    )  # fmt: skip
+
+
+# torch's v2 scaled matmul where this torch has it (2.10+), else torch._scaled_mm.
+_HAS_V2 = hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType") and hasattr(torch.ops.aten, "_scaled_mm_v2")
+_SCALED_MM_V2 = _aten_scaled_mm_v2 if _HAS_V2 else None
 _KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _V2_RECIPE = {
     "tensor": "TensorWise",

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mixprec.lowbit.gemm import LowbitLinearFunction
+from mixprec.lowbit.quantize import hold_generator
 from mixprec.lowbit.recipes import Recipe, get_recipe
 from mixprec.lowbit.swap import register_converted
 
@@ -172,6 +173,7 @@ def _lowbit_linear(
     """``input @ weight.T + bias`` (weight (out, in)) with ``recipe``'s three GEMMs."""
     if generator is not None:  # a layer moved after construction (.cuda()) keeps its generator
         check_generator_device(generator, input.device, "the input")
+    hold_generator(generator)  # where a compiled backward's stochastic rounding finds it
     device_type = input.device.type
     if torch.is_autocast_enabled(device_type):
         input = input.to(torch.get_autocast_dtype(device_type))

@@ -29,7 +29,7 @@ from mixprec import formats
 from mixprec.lowbit import scaling
 from mixprec.lowbit.formats import LowbitFormat, get_format
 
-__all__ = ["Quantized", "e2m1_values", "quantize", "round_to_element"]
+__all__ = ["Quantized", "e2m1_values", "hold_generator", "quantize", "round_to_element", "uniform_noise"]
 
 
 def e2m1_values(device: torch.device | str) -> torch.Tensor:
@@ -295,9 +295,65 @@ def round_to_element(
     exp = torch.clamp((torch.bitwise_right_shift(mag.view(torch.int32), 23) & 0xFF) - 127, min=1 - elem.bias)
     ulp = torch.bitwise_left_shift(exp - elem.mantissa_bits + 127, 23).view(torch.float32)
     if stochastic:
-        noise = torch.rand(mag.shape, dtype=torch.float64, device=mag.device, generator=generator)
+        noise = uniform_noise(mag, generator)
         ulp64 = ulp.to(torch.float64)
         q = torch.floor(mag.to(torch.float64) / ulp64 + noise) * ulp64
     else:
         q = torch.round(mag / ulp) * ulp
     return torch.clamp(q, max=elem.max).to(torch.float32).copysign(v)
+
+
+def uniform_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """float64 ``U[0, 1)`` of ``like``'s shape on its device, ``torch.rand`` from ``generator`` (None: torch's
+    global generator).
+
+    Under ``torch.compile`` an explicit generator is drawn from through the custom op
+    ``mixprec::uniform_from_generator`` (Dynamo cannot put a ``torch.Generator`` into a graph), which finds
+    it by id among those :func:`hold_generator` keeps: the same ``torch.rand`` call on the same generator,
+    so a compiled step draws the numbers an eager one draws.
+    """
+    if generator is not None and torch.compiler.is_compiling():
+        return torch.ops.mixprec.uniform_from_generator(like, id(generator))
+    if generator is not None:
+        hold_generator(generator)  # an eager draw makes the generator reachable for a compiled one
+    return torch.rand(like.shape, dtype=torch.float64, device=like.device, generator=generator)
+
+
+class _HeldGenerators:
+    """The generators compiled graphs draw from, each an attribute named by its id (see hold_generator)."""
+
+
+_HELD = _HeldGenerators()
+
+
+def hold_generator(generator: torch.Generator | None) -> None:
+    """Keep ``generator`` where a compiled graph's :func:`uniform_noise` finds it by ``id`` (None: nothing).
+
+    :class:`~mixprec.lowbit.LowbitLinear` and :class:`~mixprec.lowbit.LowbitConv1D` call it in forward, so
+    a compiled forward replays it before its backward draws; call it before a compiled function that
+    draws stochastic rounding from ``generator`` by itself. The generator is kept for the life of the
+    process (a held id is never reused by another object), as an attribute store, which Dynamo replays
+    without guarding on how many generators are held (a dict store would recompile every compiled layer
+    whenever another generator is held).
+    """
+    if generator is not None:
+        setattr(_HELD, f"g{id(generator)}", generator)
+
+
+@torch.library.custom_op(
+    "mixprec::uniform_from_generator", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def _uniform_from_generator(like: torch.Tensor, generator_id: int) -> torch.Tensor:
+    generator = getattr(_HELD, f"g{generator_id}", None)
+    if generator is None:
+        raise RuntimeError(
+            f"a compiled stochastic rounding draws from generator id {generator_id}, which "
+            "mixprec.lowbit.quantize.hold_generator has not been given; call it with that generator before "
+            "the compiled call (LowbitLinear and LowbitConv1D do it in forward)"
+        )
+    return torch.rand(like.shape, dtype=torch.float64, device=like.device, generator=generator)
+
+
+@_uniform_from_generator.register_fake
+def _(like: torch.Tensor, generator_id: int) -> torch.Tensor:
+    return like.new_empty(like.shape, dtype=torch.float64)
