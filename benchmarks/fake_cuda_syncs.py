@@ -6,8 +6,8 @@ capability, and the harness's recorder counts ``aten._local_scalar_dense`` (``.i
 data-dependent shapes and device-to-host copies as syncs, and host-to-device copies. Counts are of the
 dispatched ops, not timings: they hold on any machine. Rows:
 
-- optimizer paths: GradScaler (foreach / fused AdamW), CompensatedOptimizer, MixedPrecisionOptimizer,
-  each beside the torch loop it replaces;
+- optimizer paths: GradScaler (foreach / fused AdamW, on finite steps and on inf steps, which skip),
+  CompensatedOptimizer, MixedPrecisionOptimizer, each beside the torch loop it replaces;
 - one Linear layer's forward and backward for every float8 config (recipe x scaling) and every lowbit
   recipe (enumerated from the recipe tables), beside a bf16 ``F.linear`` forward and backward.
 
@@ -50,15 +50,14 @@ def _per_step(counts: loops.Counts) -> dict[str, object]:
 def _optimizer_rows(rec: Recorder, steps: int) -> list[dict[str, object]]:
     torch_scaler = lambda: torch.amp.GradScaler("cuda")  # noqa: E731
     rows = []
-    for fused in (False, True):
-        kind = "fused" if fused else "foreach"
-        rows.append(
-            {
-                "path": f"GradScaler + {kind} AdamW",
-                "mixprec": _per_step(loops.scaler_loop(rec, mixprec.GradScaler("cuda"), fused, True, steps)),
-                "torch": _per_step(loops.scaler_loop(rec, torch_scaler(), fused, True, steps)),
-            }
-        )
+    for overflow in (False, True):  # finite steps, then inf steps (skipped)
+        for fused in (False, True):
+            path = f"GradScaler + {'fused' if fused else 'foreach'} AdamW" + (
+                ", inf steps" if overflow else ""
+            )
+            ours = loops.scaler_loop(rec, mixprec.GradScaler("cuda"), fused, True, steps, overflow)
+            theirs = loops.scaler_loop(rec, torch_scaler(), fused, True, steps, overflow)
+            rows.append({"path": path, "mixprec": _per_step(ours), "torch": _per_step(theirs)})
     bf16_adamw = _per_step(loops.torch_adamw_loop(rec, torch.bfloat16, steps))
     for method in METHODS:  # every compensation method, so a new one gets a row
         for skip in (False, True):

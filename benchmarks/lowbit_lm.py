@@ -70,9 +70,9 @@ def _convert(mode: str, model: nn.Module, seed: int) -> None:
         return
     linears = [fqn for fqn, m in model.named_modules() if type(m) is nn.Linear]
     keep = {linears[0], linears[-1]} if mode.split()[0] in FOUR_BIT else set()
-    generator = torch.Generator().manual_seed(seed)  # stochastic rounding draws
+    # stochastic rounding draws from generators the layers make on the model's device, seeded by the seed
     convert_to_lowbit_training(
-        model, get_recipe(mode), module_filter_fn=lambda m, fqn: fqn not in keep, generator=generator
+        model, get_recipe(mode), module_filter_fn=lambda m, fqn: fqn not in keep, seed=seed
     )
 
 

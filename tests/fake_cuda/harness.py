@@ -142,6 +142,8 @@ class Recorder(TorchDispatchMode):
     ``events`` is every record in call order; :meth:`count` and :meth:`of` filter them; :meth:`reset`
     clears them (e.g. after a first call whose one-time copies are allowed). ``device_errors`` keeps every
     ``device_mismatch`` event until cleared by hand; ``check_devices`` turns the check on and off.
+    ``overflow`` set True makes the synced CUDA values read as an overflowed step's (see :meth:`scalar`)
+    until it is set back.
     """
 
     def __init__(self, check_devices: bool = True) -> None:
@@ -149,6 +151,7 @@ class Recorder(TorchDispatchMode):
         self.events: list[Event] = []
         self.device_errors: list[Event] = []
         self.check_devices = check_devices
+        self.overflow = False
 
     def reset(self) -> None:
         self.events.clear()
@@ -163,17 +166,17 @@ class Recorder(TorchDispatchMode):
         """Times the host waits for the device: scalar reads and device-to-host copies."""
         return self.count("sync") + self.count("d2h")
 
-    @staticmethod
-    def scalar(t: torch.Tensor) -> bool | int | float:
+    def scalar(self, t: torch.Tensor) -> bool | int | float:
         """The value a synced scalar reads as: False / 0 / 0.0, i.e. no inf found, no step skipped; a host
         float whose value the fake mode lost reads as 1.0, what it is in the loops here: a step counter after
         its first increment (torch keeps Adam's ``step`` on the host; 0.0 would divide by zero in the bias
-        correction)."""
+        correction). With ``overflow`` a CUDA bool reads True and a CUDA float 1.0: found_inf is set, so a
+        scaler skips the step (an int, a counter, still reads 0)."""
         if t.dtype == torch.bool:
-            return False
+            return self.overflow and t.device.type == "cuda"
         if not (t.dtype.is_floating_point or t.dtype.is_complex):
             return 0
-        return 1.0 if t.device.type == "cpu" else 0.0
+        return 1.0 if t.device.type == "cpu" or self.overflow else 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -254,7 +257,7 @@ def _counted_tolist(recorder: Recorder, tolist: Any) -> Any:
         if self.device.type != "cuda":  # a host tensor: copied (counted there) or made on the host
             return tolist(self)
         recorder.events.append(Event("sync", "Tensor.tolist", {"shape": tuple(self.shape)}))
-        out: Any = Recorder.scalar(self)
+        out: Any = recorder.scalar(self)
         for size in reversed(self.shape):
             out = [copy.deepcopy(out) for _ in range(size)]
         return out
@@ -328,13 +331,18 @@ class FakeCudaMode(FakeTensorMode):
 
 
 @contextlib.contextmanager
-def fake_cuda(capability: tuple[int, int] = (9, 0), device_check: bool = True) -> Iterator[Recorder]:
+def fake_cuda(
+    capability: tuple[int, int] = (9, 0), device_check: bool = True, allow_non_fake_inputs: bool = False
+) -> Iterator[Recorder]:
     """A fake mode with ``torch.cuda`` patched, and a :class:`Recorder` pushed inside it.
 
     ``torch.Generator`` is :class:`FakeCudaGenerator` inside (a CUDA generator needs a driver), and
     FakeTensor's ``tolist`` counts one sync (see :func:`_counted_tolist`). With ``device_check`` an op a GPU
     would refuse for its devices raises :class:`DeviceMismatch`, and leaving the block normally after one
     was raised and caught raises ``AssertionError`` (clear ``recorder.device_errors`` to accept them).
+    ``allow_non_fake_inputs`` lets real tensors in, e.g. a model built on the CPU before and moved by
+    ``.cuda()`` inside (a module of fake CPU parameters cannot move: ``nn.Module._apply`` swaps fake
+    tensors, which FakeTensor refuses).
     """
     recorder = Recorder(check_devices=device_check)
     tolist = _counted_tolist(recorder, FakeTensor.tolist)
@@ -342,7 +350,7 @@ def fake_cuda(capability: tuple[int, int] = (9, 0), device_check: bool = True) -
         cuda_patched(capability),
         mock.patch.object(FakeTensor, "tolist", tolist),
         mock.patch.object(torch, "Generator", FakeCudaGenerator),
-        FakeCudaMode(),
+        FakeCudaMode(allow_non_fake_inputs=allow_non_fake_inputs),
         recorder,
     ):
         yield recorder

@@ -38,8 +38,11 @@ def _counted(recorder: Recorder, steps: int, step: Callable[[], None]) -> Counts
     return counts
 
 
-def scaler_loop(recorder: Recorder, scaler: object, fused: bool, unscale: bool, steps: int = 3) -> Counts:
-    """``scale -> (grads) -> [unscale_] -> step -> update`` with AdamW, foreach or fused."""
+def scaler_loop(
+    recorder: Recorder, scaler: object, fused: bool, unscale: bool, steps: int = 3, overflow: bool = False
+) -> Counts:
+    """``scale -> (grads) -> [unscale_] -> step -> update`` with AdamW, foreach or fused; with ``overflow``
+    every step after the first reads as an inf step (found_inf set: skipped), see ``Recorder.overflow``."""
     ps = params()
     kind = {"fused": True} if fused else {"foreach": True}
     opt = torch.optim.AdamW(ps, lr=1e-3, **kind)
@@ -52,8 +55,12 @@ def scaler_loop(recorder: Recorder, scaler: object, fused: bool, unscale: bool, 
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
+        recorder.overflow = overflow  # from the second step on: the first warms up on a finite one
 
-    return _counted(recorder, steps, step)
+    try:
+        return _counted(recorder, steps, step)
+    finally:
+        recorder.overflow = False
 
 
 def compensated_loop(recorder: Recorder, method: str, skip_nonfinite: bool = True, steps: int = 3) -> Counts:

@@ -283,4 +283,5 @@ def test_a_resumed_stochastic_rounding_run_draws_what_an_uninterrupted_one_draws
     with pytest.raises(TypeError, match="uint8"):
         lowbit.load_sr_state_dict(resumed, {"0": checkpoint[2]["0"].float()})
     assert torch.equal(resumed[0].generator.get_state(), state)
-    assert lowbit.sr_state_dict(convert_to_lowbit_training(_mlp(), "nvfp4")) == {}  # global generator
+    own = lowbit.sr_state_dict(convert_to_lowbit_training(_mlp(), "nvfp4", seed=4))  # the layers' own
+    assert own == {"0": {"seed": 4, "generators": {}}}  # none made before a draw

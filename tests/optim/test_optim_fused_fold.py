@@ -44,7 +44,7 @@ def snapshot(model, opt):
             "params": [p.detach() for p in model.parameters()],
             "kahan": opt.compensation,
             "state": opt.optimizer.state_dict()["state"],
-            "generators": {k: g.get_state() for k, g in opt.generators.items()},
+            "generators": opt.generators.state_dict(),
         }
     )
 

@@ -3,6 +3,8 @@ several optimizers, and the state_dict round trip with mixprec's own fields."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -52,6 +54,39 @@ def test_warns_once_after_a_long_run_of_skips_and_keeps_a_positive_scale():
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
     assert "last 20 optimizer steps were all skipped" in str(record[0].message)
     assert scaler.get_scale() > 0 and scaler.skipped_steps == 200
+
+
+@pytest.mark.parametrize("path", ["step", "unscale_+step", "with a fused optimizer", "after a load"])
+def test_the_skip_warning_fires_at_exactly_warn_after_skips_on_every_path(path):
+    # The host reads the run of skips only once it may have reached warn_after_skips (a bound it keeps
+    # without syncing: 0 after an iteration it knows was clean, else one more per iteration); the warning
+    # must still come at the 5th skip in a row, not earlier nor later, whichever path ran the steps.
+    torch.manual_seed(0)
+    model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=0.1)]
+    if path == "with a fused optimizer":  # its skips are decided in its kernel, never on the host
+        optimizers.append(torch.optim.AdamW(other.parameters(), lr=0.1, fused=True))
+    scaler = GradScaler(warn_after_skips=5)
+    if path == "after a load":  # 3 skips in a row before the checkpoint
+        scaler.load_state_dict({**GradScaler().state_dict(), "skipped_steps": 3, "_skip_run": 3})
+    pattern = [True] * 3 + [False] + [True] * 6 if path != "after a load" else [True] * 4
+    warned_at = []
+    for i, poison in enumerate(pattern):
+        model.zero_grad()
+        other.zero_grad()
+        scaler.scale(model(torch.ones(4, 3)).square().mean() + other(torch.ones(4, 3)).sum()).backward()
+        if poison:
+            model.weight.grad[0, 0] = float("inf")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for optimizer in optimizers:
+                if path == "unscale_+step":
+                    scaler.unscale_(optimizer)
+                scaler.step(optimizer)
+            scaler.update()
+        warned_at += [(i, str(w.message)) for w in caught if issubclass(w.category, RuntimeWarning)]
+    expected = 1 if path == "after a load" else 8  # the 5th skip in a row
+    assert [i for i, _ in warned_at] == [expected] and "last 5 optimizer steps" in warned_at[0][1]
 
 
 def test_raise_at_min_scale_through_the_scaler():

@@ -36,7 +36,16 @@ from torch import nn
 from mixprec import formats
 from mixprec.inspect._modules import LossFn, check_loss, check_model, model_loss
 from mixprec.inspect._restore import preserved
-from mixprec.lowbit import HP, OPERANDS, Quantized, Recipe, get_recipe, quantize
+from mixprec.lowbit import (
+    HP,
+    OPERANDS,
+    Quantized,
+    Recipe,
+    get_recipe,
+    load_sr_state_dict,
+    quantize,
+    sr_state_dict,
+)
 from mixprec.lowbit.gemm import gemm_operands
 
 __all__ = ["LowbitOperandStats", "LowbitReport", "lowbit_report"]
@@ -242,9 +251,7 @@ def capture_linears(model: nn.Module, inputs: Any, loss_fn: LossFn) -> dict[str,
     if not linears:
         raise ValueError("model has no nn.Linear layer to report on")
     seen: dict[str, dict[str, Any]] = {name: {} for name, _ in linears}
-    generators = [getattr(m, "generator", None) for _, m in linears]
-    unique = {id(g): g for g in generators if isinstance(g, torch.Generator)}
-    states = [(g, g.get_state()) for g in unique.values()]
+    sr_state = sr_state_dict(model)  # the converted layers' rounding draws, given or their own
     try:
         with preserved(model, inputs) as handles:
             for name, module in linears:
@@ -252,8 +259,7 @@ def capture_linears(model: nn.Module, inputs: Any, loss_fn: LossFn) -> dict[str,
             with torch.enable_grad():
                 check_loss(loss_fn(model, inputs)).backward()
     finally:
-        for generator, state in states:
-            generator.set_state(state)
+        load_sr_state_dict(model, sr_state)
     return {name: t for name, t in seen.items() if "x" in t}
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear, _check, check_generator_device
+from mixprec._generators import DeviceGenerators, check_seed
+from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear, _check
 from mixprec.lowbit.recipes import Recipe
+from mixprec.lowbit.sr import check_layer_generator
 from mixprec.lowbit.swap import ModuleFilter, is_conv1d, swap_linears
 
 __all__ = [
@@ -25,6 +29,7 @@ def convert_to_lowbit_training(
     module_filter_fn: ModuleFilter | None = None,
     linear_types: tuple[type[nn.Module], ...] = (nn.Linear,),
     generator: torch.Generator | None = None,
+    seed: int | None = None,
 ) -> nn.Module:
     """Swap each exact ``nn.Linear`` of ``model`` (itself included) for a :class:`LowbitLinear`, and each
     ``transformers`` ``Conv1D`` (GPT-2's linear layers) for a :class:`LowbitConv1D`, in place.
@@ -45,17 +50,22 @@ def convert_to_lowbit_training(
         module_filter_fn: see above (default: convert all).
         linear_types: the exact module types to convert, each a subclass of ``nn.Linear``.
         generator: the ``torch.Generator`` stochastic rounding draws from (shared by the converted modules),
-            on their weights' device.
+            on their weights' device. None (the default): the converted modules share one set of their
+            own generators, each made on the device it first draws on, from ``seed``, so a model moved by
+            ``.to()`` after conversion draws on its new device (see :class:`LowbitLinear`). A recipe that
+            draws nothing (``sr`` off) never uses or checks a generator.
+        seed: the seed of those generators (default ``torch.initial_seed()``); only without ``generator``.
 
     Returns:
         ``model``, or a new :class:`LowbitLinear` / :class:`LowbitConv1D` when ``model`` itself is converted.
 
     Raises:
-        TypeError: for a non-module ``model``, a non-callable filter, a bad recipe or generator, or a
-            ``linear_types`` entry that is not an ``nn.Linear`` subclass.
+        TypeError: for a non-module ``model``, a non-callable filter, a bad recipe, generator or seed, or
+            a ``linear_types`` entry that is not an ``nn.Linear`` subclass.
         TypeError: for a ``module_filter_fn`` that returns anything but a ``bool`` (as float8's swap).
-        ValueError: for an unknown recipe, a root ``nn.Linear`` with child modules (they would be lost), a
-            ``generator`` on another device than a module to convert (both devices and its fqn named), or a
+        ValueError: for an unknown recipe, both a generator and a seed, a root ``nn.Linear`` with child
+            modules (they would be lost), for a recipe that draws a ``generator`` on another device than a
+            module to convert (both devices and its fqn named), or a
             layer the filter accepts that is already converted with another recipe, by
             :func:`mixprec.float8.convert_to_float8_training` or by a plan (layers and settings named;
             a :class:`LowbitLinear` of this same recipe is left as it is: converting twice is a no-op).
@@ -67,7 +77,8 @@ def convert_to_lowbit_training(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    recipe, generator = _check(recipe, generator)
+    recipe, generator, seed = _check(recipe, generator, seed)
+    shared = DeviceGenerators(seed)
     if not isinstance(linear_types, tuple) or not all(
         isinstance(t, type) and issubclass(t, nn.Linear) for t in linear_types
     ):
@@ -79,12 +90,10 @@ def convert_to_lowbit_training(
         return f"{type(module).__name__} is a subclass of nn.Linear (name it in linear_types to convert)"
 
     def check(wanted: list[tuple[str, nn.Module]]) -> None:
-        if generator is None:
-            return
         for fqn, module in wanted:
             weight = module.weight
             assert isinstance(weight, torch.Tensor), "swap_linears collects only layers with a weight"
-            check_generator_device(generator, weight.device, f"the weight of {fqn or 'the model'!r}")
+            check_layer_generator(recipe, generator, weight.device, f"the weight of {fqn or 'the model'!r}")
 
     return swap_linears(
         model,
@@ -94,17 +103,23 @@ def convert_to_lowbit_training(
         own=(LowbitLinear, LowbitConv1D),
         same=lambda module: module.recipe == recipe,
         kept_because=kept_because,
-        make=lambda module: _lowbit_module(module, recipe, generator),
+        make=lambda module: _lowbit_module(module, recipe, generator, shared),
         check=check,
     )
 
 
-def _lowbit_module(module: nn.Module, recipe: Recipe, generator: torch.Generator | None) -> nn.Module:
-    """The low-bit layer replacing ``module``: a ``Conv1D`` keeps its (in, out) weight Parameter."""
+def _lowbit_module(
+    module: nn.Module, recipe: Recipe, generator: torch.Generator | None, shared: DeviceGenerators
+) -> nn.Module:
+    """The low-bit layer replacing ``module`` (a ``Conv1D`` keeps its (in, out) weight Parameter), drawing
+    from ``generator`` or else from the generators the call's layers share."""
     if is_conv1d(module):
-        return LowbitConv1D(module, recipe, generator)
-    assert isinstance(module, nn.Linear), "the swap collects only Conv1D and nn.Linear modules"
-    return LowbitLinear.from_linear(module, recipe, generator)
+        new: LowbitLinear | LowbitConv1D = LowbitConv1D(module, recipe, generator)
+    else:
+        assert isinstance(module, nn.Linear), "the swap collects only Conv1D and nn.Linear modules"
+        new = LowbitLinear.from_linear(module, recipe, generator)
+    new.sr_generators = shared
+    return new
 
 
 def lowbit_linears(model: nn.Module) -> list[tuple[str, LowbitLinear | LowbitConv1D]]:
@@ -113,48 +128,92 @@ def lowbit_linears(model: nn.Module) -> list[tuple[str, LowbitLinear | LowbitCon
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (LowbitLinear, LowbitConv1D))]
 
 
-def sr_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state of each stochastic-rounding generator of ``model``'s :class:`LowbitLinear` modules.
+def sr_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The state of the stochastic-rounding generators of ``model``'s :class:`LowbitLinear` /
+    :class:`LowbitConv1D` modules.
 
     Save it beside ``model.state_dict()`` and give it to :func:`load_sr_state_dict` on resume, and the
     resumed run draws the same rounding bits as an uninterrupted one. It is apart from the model's
     ``state_dict``, which stays ``nn.Linear``'s so a converted checkpoint loads into a plain model.
 
     Returns:
-        fqn of the first module using a generator -> ``generator.get_state()`` (a uint8 tensor), one entry
-        per distinct generator (``convert_to_lowbit_training`` gives one to all the modules it converts);
-        modules drawing from torch's global generator (``generator=None``) are not in it: save
-        ``torch.get_rng_state()`` for those.
+        fqn of the first module drawing from a source -> its state, one entry per distinct source
+        (``convert_to_lowbit_training`` gives one to all the modules it converts): for a given
+        ``generator``, ``generator.get_state()`` (a uint8 tensor); for the modules' own generators,
+        ``{"seed": int, "generators": {device string: uint8 tensor}}``, one state per device drawn on.
+        Every tensor is on the CPU, so the dict saves and loads anywhere: a generator state is
+        device-specific, and a state of a device the loading model does not draw on is kept for it
+        (see :func:`load_sr_state_dict`).
     """
-    seen: dict[int, str] = {}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
     for fqn, module in lowbit_linears(model):
-        generator = module.generator
-        if generator is not None and id(generator) not in seen:
-            seen[id(generator)] = fqn
-            out[fqn] = generator.get_state()
+        source = _source(module)
+        if id(source) not in seen:
+            seen.add(id(source))
+            out[fqn] = _state_of(source)
     return out
 
 
-def load_sr_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_sr_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
     """Set the stochastic-rounding generators of ``model`` from :func:`sr_state_dict`'s output.
 
+    A module's own generators take the saved seed and per-device states: a state saved on a device this
+    model draws on is restored there, one of another device (a checkpoint from a GPU loaded for a CPU run)
+    is kept for that device, and a device with no saved state starts afresh from the saved seed. A given
+    ``generator`` takes a state of its own device only.
+
     Raises:
-        TypeError: for a ``state`` that is not a dict of uint8 tensors.
-        ValueError: when its keys are not those ``sr_state_dict(model)`` has (both lists in the message).
-            No generator is changed when it raises.
+        TypeError: for a ``state`` that is not a dict, or an entry not of its module's kind (a uint8
+            tensor for a given generator, ``{"seed", "generators"}`` for the modules' own).
+        ValueError: when its keys are not those ``sr_state_dict(model)`` has (both lists in the message),
+            or a state that does not fit its generator's device (both named). No generator is changed
+            when it raises.
     """
-    if not isinstance(state, dict) or not all(
-        isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in state.values()
-    ):
-        raise TypeError("state must be a dict fqn -> uint8 tensor, as sr_state_dict returns")
-    modules = dict(lowbit_linears(model))
-    expected = list(sr_state_dict(model))
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"state must be a dict fqn -> generator state, as sr_state_dict returns, got {state!r:.80}"
+        )
+    sources = {}
+    for fqn, module in lowbit_linears(model):
+        sources.setdefault(id(_source(module)), (fqn, _source(module)))
+    expected = [fqn for fqn, _ in sources.values()]
     if sorted(state) != sorted(expected):
         raise ValueError(
             f"SR state for modules {sorted(state)}, but this model's generators are at {expected}"
         )
-    for fqn in expected:
-        generator = modules[fqn].generator
-        assert generator is not None, "sr_state_dict lists only modules with a generator"
-        generator.set_state(state[fqn])
+    checked = [(source, _checked(source, state[fqn], fqn)) for fqn, source in sources.values()]
+    for source, value in checked:
+        if isinstance(source, torch.Generator):
+            source.set_state(value)
+        else:
+            source.load_state_dict(value["generators"])
+            source.seed = value["seed"]
+
+
+def _source(module: LowbitLinear | LowbitConv1D) -> torch.Generator | DeviceGenerators:
+    return module.generator if module.generator is not None else module.sr_generators
+
+
+def _state_of(source: torch.Generator | DeviceGenerators) -> Any:
+    if isinstance(source, torch.Generator):
+        return source.get_state()
+    return {"seed": source.seed, "generators": source.state_dict()}
+
+
+def _checked(source: torch.Generator | DeviceGenerators, value: Any, fqn: str) -> Any:
+    """``value`` validated as the state of ``source`` (module ``fqn``'s), on a scratch generator."""
+    what = f"the SR state of {fqn!r}"
+    if isinstance(source, torch.Generator):
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+            raise TypeError(f"{what} must be a uint8 tensor (its generator's state), got {value!r:.80}")
+        DeviceGenerators.check_state({str(source.device): value}, what)
+        return value
+    if not isinstance(value, dict) or sorted(value) != ["generators", "seed"]:
+        raise TypeError(
+            f"{what} must be {{'seed': int, 'generators': {{device: uint8 tensor}}}} (the layer draws "
+            f"from its own generators), got {value!r:.80}"
+        )
+    check_seed(value["seed"])
+    DeviceGenerators.check_state(value["generators"], what)
+    return value

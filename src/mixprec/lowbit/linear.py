@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec._generators import DeviceGenerators, check_seed
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.quantize import hold_generator
 from mixprec.lowbit.recipes import Recipe, get_recipe
+from mixprec.lowbit.sr import check_layer_generator, sr_generator
 from mixprec.lowbit.swap import register_converted
 
-__all__ = ["LowbitConv1D", "LowbitLinear", "check_generator_device"]
+__all__ = ["LowbitConv1D", "LowbitLinear"]
 
 
 class LowbitLinear(nn.Linear):
@@ -26,12 +28,18 @@ class LowbitLinear(nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         recipe: a :class:`Recipe` or a recipe string (default ``"fp8_rowwise"``).
-        generator: the ``torch.Generator`` for stochastic rounding (None: torch's global generator), on
-            the layer's device: ``torch.rand`` cannot draw CUDA noise from a CPU generator.
+        generator: the ``torch.Generator`` stochastic rounding draws from, on the layer's device
+            (``torch.rand`` cannot draw CUDA noise from a CPU generator). None (the default): the layer's
+            own generators, one made on each device at its first draw there from ``seed``, so the layer
+            draws on its weight's device after ``.to()`` / ``.cuda()`` too (``mixprec.lowbit.sr``). A
+            recipe that draws nothing (``sr`` off) never uses or checks a generator.
+        seed: the seed of the layer's own generators (default ``torch.initial_seed()``); only without
+            ``generator``.
 
     Raises:
-        ValueError, TypeError: for a bad recipe or generator, or a generator on another device than the
-            layer's weight (nothing is built then). A layer built on the "meta" device (deferred
+        ValueError, TypeError: for a bad recipe, generator or seed, both a generator and a seed, or,
+            for a recipe that draws, a generator on another device than the layer's weight (nothing is
+            built then; the message names both devices). A layer built on the "meta" device (deferred
             initialisation) takes any generator; forward refuses an input on another device than the
             generator with the same ValueError (a layer moved by ``.cuda()`` after construction too).
     """
@@ -46,37 +54,44 @@ class LowbitLinear(nn.Linear):
         *,
         recipe: Recipe | str = "fp8_rowwise",
         generator: torch.Generator | None = None,
+        seed: int | None = None,
     ) -> None:
-        recipe, generator = _check(recipe, generator)
-        if generator is not None:
-            check_generator_device(generator, torch.empty(0, device=device).device, "the layer's weight")
+        recipe, generator, seed = _check(recipe, generator, seed)
+        check_layer_generator(recipe, generator, torch.empty(0, device=device).device, "the layer's weight")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe, self.generator = recipe, generator
+        self.sr_generators = DeviceGenerators(seed)
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, recipe: Recipe | str = "fp8_rowwise", generator: torch.Generator | None = None
+        cls,
+        linear: nn.Linear,
+        recipe: Recipe | str = "fp8_rowwise",
+        generator: torch.Generator | None = None,
+        *,
+        seed: int | None = None,
     ) -> LowbitLinear:
-        """A LowbitLinear sharing ``linear``'s parameter objects (an optimizer built before keeps working).
+        """A LowbitLinear sharing ``linear``'s parameter objects (an optimizer built before keeps working);
+        ``recipe``, ``generator`` and ``seed`` as the constructor's.
 
         Raises:
             TypeError: if ``linear`` is not an ``nn.Linear``.
-            ValueError, TypeError: for a bad recipe or generator, or a generator on another device than
-                ``linear.weight``.
+            ValueError, TypeError: as the constructor, the device being ``linear.weight``'s.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
-        recipe, generator = _check(recipe, generator)
-        if generator is not None:
-            check_generator_device(generator, linear.weight.device, "the layer's weight")
+        recipe, generator, seed = _check(recipe, generator, seed)
+        check_layer_generator(recipe, generator, linear.weight.device, "the layer's weight")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, generator=generator)
         new.weight, new.bias = linear.weight, linear.bias
+        new.sr_generators = DeviceGenerators(seed)
         new.train(linear.training)
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _lowbit_linear(input, self.weight, self.bias, self.recipe, self.generator)
+        generator = sr_generator(self.recipe, self.generator, self.sr_generators, input.device)
+        return _lowbit_linear(input, self.weight, self.bias, self.recipe, generator)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
@@ -133,12 +148,12 @@ class LowbitConv1D(Conv1DShape, nn.Module):
 
     Args:
         conv1d: the ``transformers.pytorch_utils.Conv1D`` to convert.
-        recipe, generator: as :class:`LowbitLinear`'s.
+        recipe, generator, seed: as :class:`LowbitLinear`'s.
 
     Raises:
         TypeError: for a ``conv1d`` without a 2-D ``weight`` Parameter (nx, nf) or with a ``bias`` that
             is not a tensor or None; ValueError / TypeError
-            for a bad recipe or generator (as :meth:`LowbitLinear.from_linear`).
+            for a bad recipe, generator or seed (as :meth:`LowbitLinear.from_linear`).
     """
 
     def __init__(
@@ -146,18 +161,21 @@ class LowbitConv1D(Conv1DShape, nn.Module):
         conv1d: nn.Module,
         recipe: Recipe | str = "fp8_rowwise",
         generator: torch.Generator | None = None,
+        *,
+        seed: int | None = None,
     ) -> None:
         weight, bias = self.parameters_of(conv1d)
-        recipe, generator = _check(recipe, generator)
-        if generator is not None:
-            check_generator_device(generator, weight.device, "the layer's weight")
+        recipe, generator, seed = _check(recipe, generator, seed)
+        check_layer_generator(recipe, generator, weight.device, "the layer's weight")
         super().__init__()
         self.recipe, self.generator = recipe, generator
+        self.sr_generators = DeviceGenerators(seed)
         self._hold(weight, bias)
         self.train(conv1d.training)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _lowbit_linear(input, self.weight.t(), self.bias, self.recipe, self.generator)
+        generator = sr_generator(self.recipe, self.generator, self.sr_generators, input.device)
+        return _lowbit_linear(input, self.weight.t(), self.bias, self.recipe, generator)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe}"
@@ -171,8 +189,6 @@ def _lowbit_linear(
     generator: torch.Generator | None,
 ) -> torch.Tensor:
     """``input @ weight.T + bias`` (weight (out, in)) with ``recipe``'s three GEMMs."""
-    if generator is not None:  # a layer moved after construction (.cuda()) keeps its generator
-        check_generator_device(generator, input.device, "the input")
     hold_generator(generator)  # where a compiled backward's stochastic rounding finds it
     device_type = input.device.type
     if torch.is_autocast_enabled(device_type):
@@ -183,32 +199,19 @@ def _lowbit_linear(
     return out
 
 
-def check_generator_device(generator: torch.Generator, device: torch.device, what: str) -> None:
-    """Refuse a stochastic-rounding ``generator`` that cannot draw on ``device``.
-
-    The same device type and, where both name one, the same index (``cuda`` and ``cuda:0`` agree). A
-    generator's device is ``generator.device`` (``torch.Generator()`` is a CPU one; build it with
-    ``torch.Generator(device=weight.device)``). A ``device`` of type "meta" (a layer not placed yet, a
-    shape-only forward) takes any generator: meta tensors draw nothing.
-
-    Raises:
-        ValueError: naming both devices (``what`` says whose ``device`` is), when they differ.
-    """
-    have, want = generator.device, torch.device(device)
-    same_index = have.index is None or want.index is None or have.index == want.index
-    if want.type == "meta" or (have.type == want.type and same_index):
-        return
-    raise ValueError(
-        f"the stochastic-rounding generator is on {have}, {what} on {want}: torch.rand cannot draw {want} "
-        f"noise from a {have} generator; pass torch.Generator(device={str(want)!r}) (seeded as you need)"
-    )
-
-
-def _check(recipe: Recipe | str, generator: object) -> tuple[Recipe, torch.Generator | None]:
+def _check(
+    recipe: Recipe | str, generator: object, seed: object
+) -> tuple[Recipe, torch.Generator | None, int]:
+    """The recipe resolved, the generator checked and the seed of the layer's own generators."""
     resolved = get_recipe(recipe)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    return resolved, generator
+    if generator is not None and seed is not None:
+        raise ValueError(
+            f"give a generator or a seed, not both (got generator={generator!r} and seed={seed!r}): the seed "
+            "seeds the generators a layer makes itself when it is given none"
+        )
+    return resolved, generator, torch.initial_seed() if seed is None else check_seed(seed)
 
 
 register_converted(LowbitLinear, lambda m: f"LowbitLinear, recipe {m.recipe}")

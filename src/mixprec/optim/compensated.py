@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from mixprec._generators import DeviceGenerators
 from mixprec.optim import updates
 from mixprec.optim.fused_adam import AdamUnit, adam_step
 from mixprec.optim.guard import grads_of
@@ -132,7 +133,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.algorithm = self._fast_algorithm()
         self.model_params: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators = DeviceGenerators(self.seed)  # one per device the params are on, made lazily
         self.workspace = Workspace(min(CHUNK, scratch_numel or CHUNK), min(FOLD, scratch_numel or FOLD))
         for group in optimizer.param_groups:
             self._adopt(group["params"])
@@ -364,10 +365,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         return True
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        if key not in self.generators:
-            self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return self.generators[key]
+        return self.generators.on(device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every parameter in the groups."""
@@ -379,7 +377,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             "method": self.method,
             "optimizer": self.optimizer.state_dict(),
             "compensation": [c.detach() for c in self.compensation],
-            "generators": {key: g.get_state() for key, g in self.generators.items()},
+            "generators": self.generators.state_dict(),
         }
         if self.state_format is not None:  # absent for None: such a state dict is as before
             out["state_format"] = self.state_format
@@ -392,15 +390,18 @@ class CompensatedOptimizer(OptimizerWrapper):
             TypeError: ``state_dict`` is not a dict.
             ValueError: missing keys, another method, compensation buffers of other shapes or dtypes,
                 generator states or an optimizer state that do not fit.
+
+        Generator states are per device (``mixprec._generators``): one saved on a device this process has
+        none of (a GPU checkpoint read on a CPU-only machine) is kept for it, and a device without a saved
+        state starts afresh from ``seed``.
         """
         from mixprec.optim.state import check_compensated_state, load_inner_state
 
-        generators = check_compensated_state(self, state_dict)
+        check_compensated_state(self, state_dict)
         load_inner_state(self.optimizer, state_dict["optimizer"])
         for buffer, value in zip(self.compensation, state_dict["compensation"], strict=True):
             buffer.copy_(value)
-        for key, generator in generators.items():
-            self.generators[key] = generator
+        self.generators.load_state_dict(state_dict["generators"], "state_dict['generators']")
 
 
 def _scratch(param: torch.Tensor) -> torch.nn.Parameter:

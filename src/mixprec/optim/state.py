@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from mixprec._generators import DeviceGenerators
 from mixprec.optim.sharding import local
 
 __all__ = ["check_compensated_state", "check_inner_state", "check_scaler_state", "load_inner_state"]
@@ -125,8 +126,9 @@ def check_state_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any
             )
 
 
-def check_compensated_state(optimizer: Any, state_dict: Any) -> dict[str, torch.Generator]:
-    """Validate a :class:`CompensatedOptimizer` state dict; returns the generators it restores."""
+def check_compensated_state(optimizer: Any, state_dict: Any) -> None:
+    """Validate a :class:`CompensatedOptimizer` state dict (its generator states as
+    :meth:`~mixprec._generators.DeviceGenerators.check_state` does)."""
     _require(state_dict, ("method", "optimizer", "compensation", "generators"), "CompensatedOptimizer")
     check_state_format(
         optimizer.optimizer,
@@ -148,18 +150,8 @@ def check_compensated_state(optimizer: Any, state_dict: Any) -> dict[str, torch.
             f"{[(tuple(t.shape), t.dtype) for t in saved]} vs "
             f"{[(tuple(c.shape), c.dtype) for c in optimizer.compensation]}"
         )
-    generators = {}
-    if not isinstance(state_dict["generators"], dict):
-        raise ValueError("state_dict['generators'] must be a dict of device -> generator state")
-    for key, rng_state in state_dict["generators"].items():
-        try:
-            generator = torch.Generator(device=torch.device(key))
-            generator.set_state(rng_state)
-        except (RuntimeError, TypeError, ValueError) as error:
-            raise ValueError(f"state_dict['generators'][{key!r}] is not a generator state: {error}") from None
-        generators[key] = generator
+    DeviceGenerators.check_state(state_dict["generators"], "state_dict['generators']")
     check_inner_state(optimizer.optimizer, state_dict["optimizer"])
-    return generators
 
 
 def load_mixed_precision_state(optimizer: Any, state_dict: Any) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from mixprec._files import write_atomic
 from mixprec.lowbit import LowbitLinear, get_recipe, save_activations
+from mixprec.lowbit.sr import check_layer_generator
 from mixprec.lowbit.swap import converted_as, is_converted, refuse_reconversion
 from mixprec.plan.measure import HIGH_PRECISION
 
@@ -150,8 +151,8 @@ class PrecisionPlan:
 
         Raises:
             ValueError: if a planned name is not an ``nn.Linear`` of ``model``, is a layer converted by
-                another API (``convert_to_float8_training``), or a format is unknown (nothing is changed
-                then).
+                another API (``convert_to_float8_training``), a format is unknown, or ``generator`` is on
+                another device than a layer whose format draws (nothing is changed then).
         """
         modules = dict(model.named_modules())
         missing = [f for f in self.formats if not isinstance(modules.get(f), nn.Linear)]
@@ -168,6 +169,10 @@ class PrecisionPlan:
         )
         for fmt in set(self.formats.values()) - set(HIGH_PRECISION):
             get_recipe(fmt)  # an unknown format raises here, before any layer is swapped
+        for fqn, fmt in self.formats.items():  # so does a generator a drawing layer cannot use
+            if fmt not in HIGH_PRECISION and generator is not None:
+                weight = modules[fqn].weight
+                check_layer_generator(get_recipe(fmt), generator, weight.device, f"the weight of {fqn!r}")
         for fqn, fmt in self.formats.items():
             module = modules[fqn]
             if fmt in HIGH_PRECISION:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -264,10 +265,18 @@ class DynamicScale(ScaleRule):
             raise RuntimeError(f"{self.name}.update() called before the scale exists (no tensor was scaled)")
         return self._scale
 
-    def after_skip(self) -> None:
+    def skip_reads(self) -> list[torch.Tensor]:
+        """``[hysteresis_left, scale]`` with ``raise_at_min_scale`` (once they exist), else none."""
         if not self.raise_at_min_scale or self._scale is None or self._hysteresis_left is None:
+            return []
+        return [self._hysteresis_left, self._scale]
+
+    def after_skip(self, values: Sequence[float] | None = None) -> None:
+        reads = self.skip_reads()
+        if not reads:
             return
-        if self._hysteresis_left.item() <= 1 and self._scale.item() <= self.floor:
+        left, scale = [t.item() for t in reads] if values is None else values
+        if left <= 1 and scale <= self.floor:
             raise RuntimeError(
                 f"loss scale is already at min_scale={self.floor:g} and gradients still overflow: something "
                 "is non-finite at any scale (a loss or op producing inf/nan). Raised because "

@@ -44,6 +44,7 @@ class _Record:
     stage: OptState = OptState.READY
     found_inf: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     amax: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    skipped: bool | None = None  # the step's skip decision where the host read it, else None (fused)
 
 
 class GradScaler:
@@ -274,8 +275,6 @@ class GradScaler:
             )
         found_inf = self._agree_found_inf(record, scale.device)
         if self._skip_decision(optimizer, record, scale, found_inf, checked_here):
-            self.monitor.check(pending=1, scale=self.rule.get_scale())
-            self.rule.after_skip()
             retval = None
         else:
             retval = optimizer.step(*args, **kwargs)
@@ -325,20 +324,41 @@ class GradScaler:
         found_inf: torch.Tensor,
         checked_here: bool,
     ) -> bool:
-        """Read found_inf on the host (the step's one sync), and the scale with it where the rule reads amax
-        but this step's own check (``checked_here``) gave none.
+        """Read found_inf on the host: the step's one sync, as torch's. What else the host needs this step
+        is read in the same sync: the scale where the rule reads amax but this step's own check
+        (``checked_here``) gave none, the run of skips where the skip warning may be due
+        (:meth:`SkipMonitor.may_warn`), and what the rule's ``after_skip`` reads.
 
         Below a scale of 1 (only there can all gradients flush to zero) a clean step measures amax, agreed
-        across ranks.
+        across ranks. A skipped step is handed to the skip monitor and the rule's ``after_skip``.
         """
-        if self.rule.amax_use == "none" or record.amax or not checked_here:
-            return bool(found_inf.item() != 0)
-        found, current = torch.stack([found_inf, scale.to(found_inf.device)]).tolist()
-        if found == 0 and current < 1:
+        wants_amax = self.rule.amax_use != "none" and not record.amax and checked_here
+        wants_run = self.monitor.may_warn(pending=1)
+        reads = {"found": found_inf}
+        if wants_amax or wants_run:
+            reads["scale"] = scale
+        if wants_run:
+            reads["run"] = self.monitor.run_tensor()
+        rule_reads = self.rule.skip_reads()
+        reads.update((f"rule{i}", t) for i, t in enumerate(rule_reads))
+        if len(reads) == 1:
+            got = {"found": found_inf.item()}
+        else:
+            parts = [t.to(found_inf.device, torch.float32) for t in reads.values()]
+            got = dict(zip(reads, torch.stack(parts).tolist(), strict=True))
+        record.skipped = skipped = got["found"] != 0
+        if wants_amax and not skipped and got["scale"] < 1:
             amax_here = measure_amax(params_of(optimizer), scale.device)
             agreed = self.rank_sync.max_across_ranks(found_inf, amax_here)[1]
             record.amax = {scale.device: amax_here if agreed is None else agreed}  # None only without amax
-        return found != 0
+        if skipped:
+            run = int(got["run"]) if wants_run else None
+            self.monitor.check(pending=1, scale=got.get("scale", self.rule.get_scale), run=run)
+            if rule_reads:
+                self.rule.after_skip([got[f"rule{i}"] for i in range(len(rule_reads))])
+            else:
+                self.rule.after_skip()
+        return skipped
 
     # -- update ----------------------------------------------------------------------------------------
 
@@ -371,8 +391,8 @@ class GradScaler:
             all_measured = self.rule.amax_use != "none" and all(record.amax for record in records)
             amax = (t for r in records for t in r.amax.values()) if all_measured else None
             self.rule.update(found_inf, None if amax is None else combine_max(amax, scale.device))
-        if records:
-            self.monitor.record(found_inf)
+        if records:  # known clean on the host where every step's decision was read there
+            self.monitor.record(found_inf, clean=all(record.skipped is False for record in records))
         else:
             self.monitor.record_no_step()
         self._records = {}
@@ -388,8 +408,9 @@ class GradScaler:
         """Iterations whose step was skipped by at least one optimizer (a host sync); 0 when disabled."""
         if not self._enabled:
             return 0
-        self.monitor.check(pending=0, scale=self.rule.get_scale())
-        return self.monitor.skipped_steps
+        skipped, run = self.monitor.counts()
+        self.monitor.check(pending=0, scale=self.rule.get_scale, run=run)
+        return skipped
 
     @property
     def last_step_skipped(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -243,8 +244,18 @@ class ScaleRule:
                 is not ``"none"`` read it.
         """
 
-    def after_skip(self) -> None:
-        """Hook the scaler calls when it already knows, on the host, that a step was skipped."""
+    def skip_reads(self) -> list[torch.Tensor]:
+        """0-dim tensors :meth:`after_skip` reads on the host (none here): the scaler fetches them in its
+        step's one sync, with found_inf, so a skipped step costs no sync of its own."""
+        return []
+
+    def after_skip(self, values: Sequence[float] | None = None) -> None:
+        """Hook the scaler calls when it already knows, on the host, that a step was skipped.
+
+        Args:
+            values: the values of :meth:`skip_reads`' tensors, read in the scaler's sync; None reads them
+                here (a host sync).
+        """
 
     def state_dict(self) -> dict[str, Any]:
         """The rule's configuration and state as plain Python values."""

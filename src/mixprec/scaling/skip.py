@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,10 +136,16 @@ class SkipMonitor:
     folded in batches: ``record`` keeps each iteration's found_inf tensor and every ``FOLD_EVERY``-th call
     applies the batch with a dozen tensor ops, instead of four per iteration, which on a fused optimizer's
     step would cost more than the scale update itself; reading the counters counts the batch so far
-    without changing anything. Whenever the scaler
-    has synced anyway (a skipped non-fused step, or reading the counters)::
+    without changing anything. Whenever the scaler has synced anyway (a skipped non-fused step, or
+    reading the counters)::
 
         if skip_run >= warn_after and not warned:  warn once
+
+    The run is read only where it may have reached ``warn_after``: the host keeps an upper bound of it
+    (set where it was read or loaded, 0 after an iteration the host knows was clean, else one more per
+    iteration), and while the bound is below ``warn_after`` a skipped step reads nothing more (so it costs
+    the scaler's one sync, as torch's); past it, the scaler reads the run in that same sync
+    (:meth:`may_warn`, :meth:`run_tensor`).
 
     Args:
         warn_after: consecutive skipped steps before the warning; None never warns.
@@ -152,6 +159,7 @@ class SkipMonitor:
         self._run: torch.Tensor | None = None
         self._pending: list[torch.Tensor] = []  # found_inf of iterations not yet counted
         self._init = {"skipped_steps": 0, "_skip_run": 0}
+        self._bound = 0  # upper bound of skip_run known on the host (see the class doc)
         self._warned = False
 
     def ensure_state(self, device: torch.device) -> None:
@@ -163,18 +171,21 @@ class SkipMonitor:
     def record_no_step(self) -> None:
         """Count an iteration that stepped nothing (only ``update(new_scale)``): it skipped nothing."""
         self._fold()
+        self._bound = 0
         if self._run is not None:
             self._run.zero_()
         else:
             self._init = {**self._init, "_skip_run": 0}
 
-    def record(self, found_inf: torch.Tensor) -> None:
-        """Count one iteration (no sync); ``found_inf`` > 0 means at least one step was skipped.
+    def record(self, found_inf: torch.Tensor, clean: bool = False) -> None:
+        """Count one iteration (no sync); ``found_inf`` > 0 means at least one step was skipped, and
+        ``clean`` says the host knows it is 0 (every step of the iteration was decided on the host).
 
         ``found_inf`` is kept, not copied, until the batch is folded: it must not change afterwards (the
         scaler hands over a tensor nothing else writes).
         """
         self.ensure_state(found_inf.device)
+        self._bound = 0 if clean else self._bound + 1
         self._pending.append(found_inf)
         if len(self._pending) >= self.FOLD_EVERY:
             self._fold()
@@ -199,29 +210,56 @@ class SkipMonitor:
         trailing = flags.flip(0).cumprod(0).sum()  # skips at the end of the batch
         return self._skipped + flags.sum(), torch.where(trailing == count, self._run + count, trailing)
 
+    def counts(self) -> tuple[int, int]:
+        """``(skipped_steps, skip_run)``, read in one host sync."""
+        if self._skipped is None:
+            return self._init["skipped_steps"], self._init["_skip_run"]
+        skipped, run = (int(v) for v in torch.stack(self._counted()).tolist())
+        self._bound = run
+        return skipped, run
+
     @property
     def skipped_steps(self) -> int:
         """Iterations in which at least one optimizer step was skipped (a host sync)."""
-        return self._init["skipped_steps"] if self._skipped is None else int(self._counted()[0].item())
+        return self.counts()[0]
 
     @property
     def skip_run(self) -> int:
         """Skipped iterations in a row up to the last update (a host sync)."""
-        return self._init["_skip_run"] if self._run is None else int(self._counted()[1].item())
+        if self._run is None:
+            return self._init["_skip_run"]
+        self._bound = int(self._counted()[1].item())
+        return self._bound
 
-    def check(self, pending: int, scale: float) -> None:
+    def may_warn(self, pending: int) -> bool:
+        """Whether ``skip_run + pending`` may have reached ``warn_after`` (by the host's bound; no sync)."""
+        return not self._warned and self.warn_after is not None and self._bound + pending >= self.warn_after
+
+    def run_tensor(self) -> torch.Tensor:
+        """``skip_run`` as a 0-dim int64 tensor on the counters' device (no sync), for the caller's read."""
+        assert self._run is not None, "run_tensor() before the counters exist"
+        return self._counted()[1]
+
+    def check(self, pending: int, scale: float | Callable[[], float], run: int | None = None) -> None:
         """Warn once if ``skip_run + pending`` reached ``warn_after``; call only where a sync just happened.
 
         Args:
             pending: skipped steps of the current iteration not yet recorded by ``update()`` (0 or 1).
-            scale: the current loss scale, for the message.
+            scale: the current loss scale, for the message, or a function reading it (called only to warn).
+            run: ``skip_run`` as the caller read it in its sync; None reads it here, and only where
+                :meth:`may_warn` (a host sync then).
         """
-        if self._warned or self.warn_after is None:
+        if not self.may_warn(pending):
             return
-        run = self.skip_run + pending
+        if run is None:
+            run = self.skip_run
+        else:
+            self._bound = run
+        run += pending
         if run < self.warn_after:
             return
         self._warned = True
+        scale = scale() if callable(scale) else scale
         warnings.warn(
             f"mixprec.GradScaler: the last {run} optimizer steps were all skipped because gradients "
             f"contained inf/nan, and lowering the loss scale (now {scale:g}) has not stopped it. This means "
@@ -234,8 +272,9 @@ class SkipMonitor:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """``skipped_steps`` and ``_skip_run`` as ints."""
-        return {"skipped_steps": self.skipped_steps, "_skip_run": self.skip_run}
+        """``skipped_steps`` and ``_skip_run`` as ints (one host sync)."""
+        skipped, run = self.counts()
+        return {"skipped_steps": skipped, "_skip_run": run}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the counters; a dict without them (torch's) resets them to 0.
@@ -251,6 +290,7 @@ class SkipMonitor:
 
     def _apply_state(self, values: dict[str, int]) -> None:
         self._init = dict(values)
+        self._bound = values["_skip_run"]
         self._pending = []
         if self._skipped is not None and self._run is not None:
             self._skipped.fill_(self._init["skipped_steps"])
