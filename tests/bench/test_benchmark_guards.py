@@ -76,6 +76,25 @@ def test_numerics_keeps_the_other_recipes_when_one_raises(monkeypatch) -> None:
     assert numerics.main(["--device", "cpu", "--shape", "16,64,32"]) == 1
 
 
+def test_numerics_cut_short_keeps_the_recipes_it_checked(tmp_path: Path, monkeypatch) -> None:
+    numerics = _script("gemm_numerics")
+    real, calls = numerics.check_recipe, []
+
+    def check_then_time_out(recipe, shape, device):
+        calls.append(recipe)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a time limit's SIGTERM does (benchmarks/checkpoint.py)
+        return real(recipe, shape, device)
+
+    monkeypatch.setattr(numerics, "check_recipe", check_then_time_out)
+    out = tmp_path / "n.json"
+    with pytest.raises(KeyboardInterrupt):
+        numerics.main(["--device", "cpu", "--shape", "16,64,32", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["partial"] == f"running: 2 of {len(RECIPES)} recipes"
+    assert [r["recipe"] for r in written["rows"]] == [name for name in list(RECIPES)[:2] for _ in range(3)]
+
+
 def test_numerics_refuses_a_bad_shape() -> None:
     with pytest.raises(SystemExit):
         _script("gemm_numerics").main(["--shape", "16,64"])
@@ -114,6 +133,36 @@ def test_lowbit_lm_keeps_going_past_a_recipe_that_fails_to_build_or_to_step(
     }
     written = json.loads(out.read_text())
     assert written["errors"] == results["errors"] and written["modes"]["nvfp4"]["val_loss"][0] > 0
+
+
+def test_lowbit_lm_stopped_by_a_time_limit_keeps_the_step_times_so_far(tmp_path: Path, monkeypatch) -> None:
+    script = _script("lowbit_lm")
+    step = script.Run.step
+
+    def step_until_sigterm(run) -> None:
+        if len(run.losses) == 5:
+            raise KeyboardInterrupt(script.STOPPED)  # the SIGTERM handler's exception, in step 6
+        step(run)
+
+    monkeypatch.setattr(script.Run, "step", step_until_sigterm)
+    out = tmp_path / "r.json"
+    argv = ["--task", "classify", "--steps", "9", "--modes", "fp8_rowwise", "--save-every", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        script.main([*argv, "--json", str(out)])
+    assert stopped.value.code == 124  # timeout's own code for a command it stopped
+    written = json.loads(out.read_text())
+    assert written["partial"] == "stopped by SIGTERM (the step's time limit) during step 6 of 9"
+    assert list(written["modes"]) == ["bf16", "fp8_rowwise"]
+    for mode in written["modes"].values():
+        assert mode["val_loss"] is None and mode["steps_done"] == 5 and mode["step_s_median"] > 0
+
+
+def test_lowbit_lm_writes_its_json_as_it_goes_and_marks_the_end(tmp_path: Path, monkeypatch) -> None:
+    script = _script("lowbit_lm")
+    seen = []
+    monkeypatch.setattr(script, "write_json", lambda path, data, partial: seen.append(partial))
+    script.main(["--task", "classify", "--steps", "5", "--modes", "bf16", "--save-every", "2", "--json", "x"])
+    assert seen == ["running: 2 of 5 steps", "running: 4 of 5 steps", None]
 
 
 # plan_cost
@@ -208,3 +257,47 @@ def test_precision_paths_in_process_measures_what_a_fresh_process_does(tmp_path:
     ]
     assert all(r["peak_mib"] is not None for r in runs["fresh"])
     assert all(r["peak_mib"] is None for r in runs["in-process"])
+
+
+def test_precision_paths_keeps_the_others_when_a_path_raises_and_writes_after_each_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("precision_paths")
+    build = script.build
+
+    def build_or_fail(path, *args, **kwargs):
+        if path == "bf16-true+kahan":
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return build(path, *args, **kwargs)
+
+    monkeypatch.setattr(script, "build", build_or_fail)
+    out = tmp_path / "p.json"
+    argv = [*PATHS_ARGV, "--rounds", "2", "--in-process", "--paths", "fp32,optimi-kahan,bf16-true+kahan"]
+    assert script.main([*argv, "--json", str(out)]) == 1
+    written = json.loads(out.read_text())
+    assert written["partial"] is None and [r["path"] for r in written["rows"]] == ["fp32", "optimi-kahan"]
+    assert written["errors"] == {
+        "bf16-true+kahan width 16 beta2 0.999": "RuntimeError: Expected all tensors to be on the same device"
+    }
+    assert [r["round"] for r in written["runs"]] == [0, 0, 1, 1]  # the failed path is not retried
+
+
+def test_precision_paths_stopped_by_a_time_limit_keeps_the_runs_it_finished(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("precision_paths")
+    run, calls = script._run, []
+
+    def run_then_stop(args, path, width, beta2):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt(script.STOPPED)
+        return run(args, path, width, beta2)
+
+    monkeypatch.setattr(script, "_run", run_then_stop)
+    out = tmp_path / "p.json"
+    argv = [*PATHS_ARGV, "--rounds", "2", "--in-process", "--paths", "fp32,optimi-kahan", "--json", str(out)]
+    assert script.main(argv) == 124
+    written = json.loads(out.read_text())
+    assert written["partial"] == "stopped by SIGTERM (the step's time limit) after 2 of 4 runs"
+    assert [(r["path"], r["round"]) for r in written["runs"]] == [("fp32", 0), ("optimi-kahan", 0)]
