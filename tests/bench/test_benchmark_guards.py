@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -301,3 +302,40 @@ def test_precision_paths_stopped_by_a_time_limit_keeps_the_runs_it_finished(
     written = json.loads(out.read_text())
     assert written["partial"] == "stopped by SIGTERM (the step's time limit) after 2 of 4 runs"
     assert [(r["path"], r["round"]) for r in written["runs"]] == [("fp32", 0), ("optimi-kahan", 0)]
+
+
+# gpu_distributed
+
+
+def test_gpu_distributed_trains_ddp_and_fsdp2_on_one_gloo_rank(tmp_path: Path) -> None:
+    script = _script("gpu_distributed")
+    out = tmp_path / "d.json"
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    assert script.main(["--device", "cpu", "--steps", "4", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["partial"] is None and written["meta"]["backend"] == "gloo"
+    rows = {r["case"]: r for r in written["rows"]}
+    assert list(rows) == ["ddp_amp", "ddp_fp8_comm", "fsdp2_fp8"] and all(r["passed"] for r in rows.values())
+    assert rows["ddp_amp"]["bitwise"] and rows["ddp_amp"]["losses"] == rows["ddp_amp"]["twin_losses"]
+    assert rows["fsdp2_fp8"]["unsharded_weights"] == ["Float8GatheredWeight"]
+    assert {k: os.environ.get(k) for k in before} == before  # the rendezvous variables are put back
+    assert not torch.distributed.is_initialized()
+
+
+def test_gpu_distributed_fails_a_bf16_all_gather_and_keeps_going_past_a_case_that_raises(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("gpu_distributed")
+    real_config = script.Float8Config
+    monkeypatch.setattr(script, "Float8Config", lambda **kw: real_config())  # fp8 all-gather left off
+
+    def broken(args, device):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setitem(script.RUNS, "ddp_amp", broken)
+    out = tmp_path / "d.json"
+    assert script.main(["--device", "cpu", "--steps", "3", "--json", str(out)]) == 1
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ddp_amp"]["error"] == "RuntimeError: NCCL error: unhandled system error"
+    assert rows["ddp_fp8_comm"]["passed"]
+    assert not rows["fsdp2_fp8"]["passed"] and rows["fsdp2_fp8"]["checks"]["fp8_all_gather"] is False
