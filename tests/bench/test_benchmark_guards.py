@@ -339,3 +339,65 @@ def test_gpu_distributed_fails_a_bf16_all_gather_and_keeps_going_past_a_case_tha
     assert rows["ddp_amp"]["error"] == "RuntimeError: NCCL error: unhandled system error"
     assert rows["ddp_fp8_comm"]["passed"]
     assert not rows["fsdp2_fp8"]["passed"] and rows["fsdp2_fp8"]["checks"]["fp8_all_gather"] is False
+
+
+# gpu_fp8
+
+FP8_ARGV = ["--device", "cpu", "--rounds", "2", "--steps", "1", "--warmup", "1", "--gemm-shape", ""]
+
+
+def test_gpu_fp8_keeps_going_past_a_failing_config_and_writes_after_each_row(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("gpu_fp8")
+    convert, saved = script.convert, []
+
+    def convert_or_fail(library, recipe, model, device):
+        if (library, recipe) == ("mixprec", "rowwise"):
+            raise RuntimeError("no rowwise kernel")
+        return convert(library, recipe, model, device)
+
+    monkeypatch.setattr(script, "convert", convert_or_fail)
+    write = script.write_json
+    monkeypatch.setattr(
+        script, "write_json", lambda path, data, why: (saved.append(why), write(path, data, why))
+    )
+    out = tmp_path / "f.json"
+    argv = [*FP8_ARGV, "--modes", "eager", "--configs", "bf16,mixprec-rowwise,mixprec-tensorwise"]
+    assert script.main([*argv, "--json", str(out)]) == 1
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["mixprec rowwise"]["error"] == "RuntimeError: no rowwise kernel"
+    assert rows["bf16"]["step_ms"] > 0 and rows["bf16"]["vs_bf16"] == 1.0 and rows["bf16"]["rounds"] == 2
+    assert rows["mixprec tensorwise"]["step_ms"] > 0 and rows["mixprec tensorwise"]["vs_bf16"] > 0
+    assert saved == [
+        "running: bf16 warmed up",  # in the script's order, whatever --configs lists
+        "running: mixprec tensorwise warmed up",
+        "running: mixprec rowwise warmed up",
+        "running: eager round 1 of 2",
+        "running: eager round 2 of 2",
+        None,
+    ]
+
+
+def test_gpu_fp8_starts_no_compile_its_budget_cannot_fit_and_a_sigterm_keeps_the_rounds(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("gpu_fp8")
+    out = tmp_path / "f.json"
+    assert script.main([*FP8_ARGV, "--configs", "bf16", "--budget-s", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["compiled"], "step_ms" in r) for r in rows] == [(False, True), (True, False)]
+    assert rows[1]["skipped"].startswith("budget: ") and "a compiled warm-up took 10 s" in rows[1]["skipped"]
+
+    run_round = script.Config.run_round
+
+    def stopped_in_round_two(self, index, steps):
+        if index == 1:
+            raise KeyboardInterrupt(script.STOPPED)
+        return run_round(self, index, steps)
+
+    monkeypatch.setattr(script.Config, "run_round", stopped_in_round_two)
+    assert script.main([*FP8_ARGV, "--configs", "bf16", "--modes", "eager", "--json", str(out)]) == 124
+    written = json.loads(out.read_text())
+    assert written["partial"].startswith("stopped by SIGTERM (the step's time limit) after ")
+    assert written["rows"][0]["rounds"] == 1 and written["rows"][0]["step_ms"] > 0
