@@ -128,7 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--mkdir", action="store_true", help="create missing parent directories of the outputs")
     add("--json", metavar="FILE", help="write one JSON record per workload x mode (rewritten as runs end)")
-    add("--log", metavar="FILE", help="write a JSONL line per training step (for mixprec report)")
+    add(
+        "--log",
+        metavar="FILE",
+        help="write a JSONL line per training step (for mixprec report; rewritten after every round)",
+    )
     add("--plot", metavar="DIR", help="write loss-vs-fp32 and step-time pictures (PNG) into DIR")
     add(
         "--in-process",
