@@ -268,6 +268,15 @@ def _print(row: dict[str, Any]) -> None:
           f"{row['seconds']:.1f} s; {verdict}", flush=True)  # fmt: skip
 
 
+def _nccl_version() -> str | None:
+    """NCCL's version as torch reports it (a tuple in recent builds), or None where it cannot say."""
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # a build without NCCL: the group's own error says more
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -289,10 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     meta = {"device": str(device), "torch": torch.__version__, "world_size": 1, "steps": args.steps}
     if device.type == "cuda":
-        meta.update(
-            gpu=torch.cuda.get_device_name(device), nccl=".".join(map(str, torch.cuda.nccl.version()))
-        )
+        meta.update(gpu=torch.cuda.get_device_name(device), nccl=_nccl_version())
     rows: list[dict[str, Any]] = []
+    write_json(args.json, {"meta": meta, "rows": rows}, "running: starting the process group")
     try:
         with one_rank_group(device) as backend:
             meta["backend"] = backend

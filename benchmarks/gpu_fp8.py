@@ -386,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     stop_on_sigterm()
     results = Results(args)
+    results.save("running: starting")
     try:
         if "eager" in modes:
             run_configs(results, False, args, started)

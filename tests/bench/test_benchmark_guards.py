@@ -370,6 +370,7 @@ def test_gpu_fp8_keeps_going_past_a_failing_config_and_writes_after_each_row(
     assert rows["bf16"]["step_ms"] > 0 and rows["bf16"]["vs_bf16"] == 1.0 and rows["bf16"]["rounds"] == 2
     assert rows["mixprec tensorwise"]["step_ms"] > 0 and rows["mixprec tensorwise"]["vs_bf16"] > 0
     assert saved == [
+        "running: starting",
         "running: bf16 warmed up",  # in the script's order, whatever --configs lists
         "running: mixprec tensorwise warmed up",
         "running: mixprec rowwise warmed up",
