@@ -16,7 +16,7 @@
 #                        mixprec fp16, O2 bf16, bf16-true(+kahan) and the fp8 modes interleaved, cut by the
 #                        bench to fit 50 s (at least 4 rounds of 20 steps); MODES=... for others, BENCH_STEPS=N
 #                        for N steps (the cnn / tabular workloads, in WORKLOADS, need scikit-learn)
-#   lowbit_lm        30  benchmarks/lowbit_lm.py --task lm --steps 60: each lowbit recipe's step time and loss
+#   lowbit_lm        30  benchmarks/lowbit_lm.py --task lm --steps 40: each lowbit recipe's step time and loss
 #   plan_cost        20  benchmarks/plan_cost.py: the planner's measured GEMM cost per format and shape
 #   precision_paths  20  benchmarks/precision_paths.py --device cuda --in-process --widths 4096: each precision
 #                        path's step time and memory (skips torch-optimi's rows when it is missing)
@@ -131,7 +131,7 @@ step_command() {
                 cmd=(python benchmarks/lowbit_lm.py --task lm --device cpu --steps "${LOWBIT_STEPS:-3}"
                     --modes fp8_rowwise,nvfp4)
             else
-                cmd=(python benchmarks/lowbit_lm.py --task lm --device cuda --steps "${LOWBIT_STEPS:-60}")
+                cmd=(python benchmarks/lowbit_lm.py --task lm --device cuda --steps "${LOWBIT_STEPS:-40}")
             fi
             cmd+=(--json "$out/lowbit_lm.json") ;;
         plan_cost)  # 8192^3 is the fp8 step's GEMM level
