@@ -12,7 +12,8 @@ the path taken and why, and the relative error ``max|a - b| / max|b|`` (b: the e
 
 On a CPU both sides are the emulation (no scaled-matmul kernels), so every GEMM must agree to rounding:
 that checks the plumbing; on a GPU it checks that each kernel reads the scales and layouts as the emulation
-means them. Exit code 1 if any GEMM fails.
+means them. Exit code 1 if any GEMM fails. ``--json`` is rewritten after each recipe (``"partial"`` says
+how many are in it; None once all are), so a run cut short by a time limit keeps the recipes it checked.
 
 Usage::
 
@@ -23,9 +24,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -33,6 +35,9 @@ from mixprec.lowbit import RECIPES
 from mixprec.lowbit.gemm import emulated_mm, gemm_operands, kernel_path, lowbit_mm
 from mixprec.lowbit.quantize import quantize
 from mixprec.lowbit.recipes import HP, Recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint import stop_on_sigterm, write_json  # a sibling script, not a package
 
 TOLERANCE = 2**-6
 GEMMS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_go", "dgrad_w"), "wgrad": ("wgrad_go", "wgrad_x")}
@@ -70,18 +75,26 @@ def check_recipe(recipe: Recipe, shape: tuple[int, int, int], device: torch.devi
     return {gemm: check_gemm(*ops[name_a], *ops[name_b]) for gemm, (name_a, name_b) in GEMMS.items()}
 
 
-def run(device: torch.device, shape: tuple[int, int, int]) -> list[dict]:
-    """One row per (recipe, GEMM); a recipe that raises is one row with its error, and fails."""
+def run(
+    device: torch.device,
+    shape: tuple[int, int, int],
+    on_recipe: Callable[[list[dict], int, int], object] | None = None,
+) -> list[dict]:
+    """One row per (recipe, GEMM); a recipe that raises is one row with its error, and fails.
+
+    ``on_recipe(rows so far, recipes done, recipes planned)`` is called after each recipe."""
     rows = []
-    for name, recipe in RECIPES.items():
+    for done, (name, recipe) in enumerate(RECIPES.items(), 1):
         try:
             checked = check_recipe(recipe, shape, device)
         except Exception as exc:  # one broken recipe must not hide the others' results
             rows.append(
                 {"recipe": name, "gemm": None, "error": f"{type(exc).__name__}: {exc}", "passed": False}
             )
-            continue
-        rows += [{"recipe": name, "gemm": gemm, **result} for gemm, result in checked.items()]
+        else:
+            rows += [{"recipe": name, "gemm": gemm, **result} for gemm, result in checked.items()]
+        if on_recipe is not None:
+            on_recipe(rows, done, len(RECIPES))
     return rows
 
 
@@ -103,8 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     shape = args.shape or DEFAULT_SHAPE["cuda" if device.type == "cuda" else "cpu"]
-    rows = run(device, shape)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    meta = {"device": where, "torch": torch.__version__, "cuda": torch.version.cuda, "shape": list(shape)}
+    meta["tolerance"] = TOLERANCE
+
+    def save(rows: list[dict], done: int, planned: int) -> None:
+        write_json(
+            args.json,
+            {"meta": meta, "rows": rows},
+            None if done == planned else f"running: {done} of {planned} recipes",
+        )
+
+    stop_on_sigterm()
+    rows = run(device, shape, save)
     print(f"lowbit_mm vs emulated_mm, M,K,N = {shape}, {where}, torch {torch.__version__}; pass: <= 2**-6")
     print(f"{'recipe':18} {'gemm':6} {'path':16} {'rel error':>10}  result")
     for row in rows:
@@ -116,10 +140,6 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "ok" if row["passed"] else "FAIL"
             print(f"{row['recipe']:18} {row['gemm']:6} {row['path']:16} {row['rel_error']:10.2e}  {verdict}")
     failed = [r for r in rows if r.get("passed") is False]
-    if args.json:
-        meta = {"device": where, "torch": torch.__version__, "cuda": torch.version.cuda, "shape": list(shape)}
-        with open(args.json, "w") as f:
-            json.dump({"meta": {**meta, "tolerance": TOLERANCE}, "rows": rows}, f, indent=1)
     if failed:
         print(f"gemm_numerics: {len(failed)} of {len(rows)} rows failed", file=sys.stderr)
     return 1 if failed else 0

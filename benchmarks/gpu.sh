@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # The one device check: the script to run on a CUDA machine (written for one H200, Python 3.12, torch 2.11 +
 # CUDA 13, no network, mixprec installed with `pip install --no-deps -e .`). The whole run fits a budget
-# of GPU_SH_BUDGET seconds (default 450). Steps, cheapest and most telling first, with their limits (s):
-#   env              25  benchmarks/gpu_env.py: device, capability, versions, which optional packages import
-#   numerics         60  benchmarks/gemm_numerics.py: every lowbit recipe's fprop/dgrad/wgrad on the path
+# of GPU_SH_BUDGET seconds (default 360: 6 minutes). Steps, cheapest and most telling first, with their
+# limits (s), the sum within the budget (`--plan` prints it):
+#   env              15  benchmarks/gpu_env.py: device, capability, versions, which optional packages import
+#   numerics         20  benchmarks/gemm_numerics.py: every lowbit recipe's fprop/dgrad/wgrad on the path
 #                        lowbit_mm takes (tensor cores where there is a kernel) against the emulation
-#   lowbit_lm        80  benchmarks/lowbit_lm.py --task lm: each lowbit recipe's step time and loss vs bf16
-#   plan_cost        60  benchmarks/plan_cost.py: the planner's measured GEMM cost per format and shape
-#   bench            75  mixprec bench --size large --workload lm --steps 150: fp32, torch.amp, mixprec, O2,
-#                        bf16-true(+kahan) and the fp8 modes interleaved (no --plot without matplotlib; the
-#                        cnn / tabular workloads, when asked for in WORKLOADS, need scikit-learn)
-#   tests            60  pytest tests/test_cuda.py, and the tests marked `cuda` (-m cuda) in their files
-#   precision_paths  40  benchmarks/precision_paths.py --device cuda --in-process: each precision path's
-#                        step time and memory (skips torch-optimi's rows when it is missing)
+#   tests            35  pytest tests/test_cuda.py, and the tests marked `cuda` (-m cuda) in their files
+#   distributed      25  benchmarks/gpu_distributed.py: a 1-rank NCCL group; DDP (mixprec autocast + GradScaler
+#                        against a twin, the fp8 comm hook) and FSDP2 with the fp8 all-gather train 8 steps
+#   fp8             105  benchmarks/gpu_fp8.py --budget-s 90: 2-layer GPT d=4096, seq 2048, batch 4, step time
+#                        and transient memory of bf16, torchao and mixprec float8 (tensorwise, rowwise), eager
+#                        and compiled, interleaved rounds; quantize+GEMM fwd+bwd at 8192^3 per format
+#   bench            80  mixprec bench --size large --workload lm --time 50s: fp32, torch.amp and mixprec bf16,
+#                        mixprec fp16, O2 bf16, bf16-true(+kahan) and the fp8 modes interleaved, cut by the
+#                        bench to fit 50 s (at least 4 rounds of 20 steps); MODES=... for others, BENCH_STEPS=N
+#                        for N steps (the cnn / tabular workloads, in WORKLOADS, need scikit-learn)
+#   lowbit_lm        30  benchmarks/lowbit_lm.py --task lm --steps 40: each lowbit recipe's step time and loss
+#   plan_cost        20  benchmarks/plan_cost.py: the planner's measured GEMM cost per format and shape
+#   precision_paths  20  benchmarks/precision_paths.py --device cuda --in-process --widths 4096: each precision
+#                        path's step time and memory (skips torch-optimi's rows when it is missing)
 # then writes RESULTS_DIR/gpu.json (everything, one file) and RESULTS_DIR/gpu.md (the Markdown tables).
 # Each step's limit is clamped to what is left of the budget (5 s kept for the summary); a step with
 # under 10 s left, or whose package is missing, is recorded as skipped with why. A step that fails or runs
-# out of time is recorded and the script goes on. Exit code: 0 when every step that ran passed.
+# out of time is recorded and the script goes on; every step writes its JSON as it goes (and on the
+# SIGTERM of its time limit), so a step cut short keeps what it measured and the summary marks it
+# PARTIAL; the bench's step log (bench-SIZE-steps.jsonl) is rewritten after every round and stands in for
+# its table when the bench is cut. Exit code: 0 when every step that ran passed.
 #
 #   bash benchmarks/gpu.sh [RESULTS_DIR]              # default RESULTS_DIR: ./gpu-results
 #   bash benchmarks/gpu.sh --plan                     # print each step, its limit and command, and the sum
@@ -24,11 +34,14 @@
 #                                                     # GPU_SH_DRY_RUN=1 is the same; tests are skipped
 #   ONLY=env,numerics bash benchmarks/gpu.sh DIR      # only these steps
 #   GPU_SH_BUDGET=300 bash benchmarks/gpu.sh DIR      # a smaller budget (clamps the limits)
-# Overrides: LIMIT_<STEP> (e.g. LIMIT_BENCH=90), MODES, WORKLOADS, BENCH_STEPS, SIZE (the bench's --size).
+# Overrides: LIMIT_<STEP> (e.g. LIMIT_BENCH=90), MODES, WORKLOADS, BENCH_STEPS, BENCH_TIME, SIZE (the
+# bench's --size), PLOT=1 (the bench's --plot pictures too; `mixprec report` draws them later otherwise),
+# LOWBIT_STEPS.
 set -uo pipefail
 
-STEPS=(env numerics lowbit_lm plan_cost bench tests precision_paths)
-declare -A LIMIT=([env]=25 [numerics]=60 [lowbit_lm]=80 [plan_cost]=60 [bench]=75 [tests]=60 [precision_paths]=40)
+STEPS=(env numerics tests distributed fp8 bench lowbit_lm plan_cost precision_paths)
+declare -A LIMIT=([env]=15 [numerics]=20 [tests]=35 [distributed]=25 [fp8]=105 [bench]=80 [lowbit_lm]=30
+    [plan_cost]=20 [precision_paths]=20)
 MIN_LEFT=10 SUMMARY_S=5
 
 die() { echo "gpu.sh: $*" >&2; exit 2; }
@@ -42,7 +55,7 @@ for arg in "$@"; do
         *) [ -z "$results" ] || die "one RESULTS_DIR, got '$results' and '$arg'"; results=$arg ;;
     esac
 done
-budget="${GPU_SH_BUDGET:-450}"
+budget="${GPU_SH_BUDGET:-360}"
 [[ $budget =~ ^[0-9]+$ ]] || die "GPU_SH_BUDGET must be a whole number of seconds, got '$budget'"
 [[ $dry =~ ^[01]$ ]] || die "GPU_SH_DRY_RUN must be 0 or 1, got '$dry'"
 selected="${ONLY:-$(IFS=,; echo "${STEPS[*]}")}"
@@ -98,18 +111,34 @@ step_command() {
         env) cmd=(python benchmarks/gpu_env.py --json "$out/env.json") ;;
         numerics)
             cmd=(python benchmarks/gemm_numerics.py --device "$device" --json "$out/numerics.json") ;;
+        distributed)
+            if [ "$dry" = 1 ]; then
+                cmd=(python benchmarks/gpu_distributed.py --device cpu --steps 3)
+            else
+                cmd=(python benchmarks/gpu_distributed.py --device cuda --steps 8)
+            fi
+            cmd+=(--json "$out/distributed.json") ;;
+        fp8)
+            if [ "$dry" = 1 ]; then  # three configs of five, eager and aot_eager-compiled: seconds on a CPU
+                cmd=(python benchmarks/gpu_fp8.py --device cpu --configs bf16,mixprec-tensorwise,torchao-rowwise
+                    --warmup 1 --rounds 2)
+            else  # the script stops starting compiles 15 s before the step's limit (its imports come first)
+                cmd=(python benchmarks/gpu_fp8.py --device cuda --budget-s "$(( limit > 30 ? limit - 15 : limit / 2 ))")
+            fi
+            cmd+=(--json "$out/fp8.json") ;;
         lowbit_lm)
             if [ "$dry" = 1 ]; then
-                cmd=(python benchmarks/lowbit_lm.py --task lm --device cpu --steps 3 --modes fp8_rowwise,nvfp4)
+                cmd=(python benchmarks/lowbit_lm.py --task lm --device cpu --steps "${LOWBIT_STEPS:-3}"
+                    --modes fp8_rowwise,nvfp4)
             else
-                cmd=(python benchmarks/lowbit_lm.py --task lm --device cuda --steps 100)
+                cmd=(python benchmarks/lowbit_lm.py --task lm --device cuda --steps "${LOWBIT_STEPS:-40}")
             fi
             cmd+=(--json "$out/lowbit_lm.json") ;;
-        plan_cost)
+        plan_cost)  # 8192^3 is the fp8 step's GEMM level
             if [ "$dry" = 1 ]; then
                 cmd=(python benchmarks/plan_cost.py --device cpu --threads 1 --formats fp8_rowwise,bf16 --repeats 1)
             else
-                cmd=(python benchmarks/plan_cost.py --device cuda --shape 4096,4096,4096 --shape 8192,8192,8192)
+                cmd=(python benchmarks/plan_cost.py --device cuda --shape 4096,4096,4096)
             fi
             cmd+=(--json "$out/plan_cost.json") ;;
         bench) bench_command ;;
@@ -126,28 +155,28 @@ step_command() {
                 cmd=(python benchmarks/precision_paths.py --device cpu --in-process --widths 32 --depth 2
                     --steps 2 --warmup 1 --rounds 1)
             else
-                cmd=(python benchmarks/precision_paths.py --device cuda --in-process --widths 1024,4096 --rounds 3)
+                cmd=(python benchmarks/precision_paths.py --device cuda --in-process --widths 4096 --rounds 2)
             fi
             cmd+=(--json "$out/precision_paths.json") ;;
     esac
 }
 
 bench_command() {  # the bench: large on the GPU, tiny in the dry run; drops what a missing package needs
-    local size workloads modes steps plot=1 kept="" w
+    local size workloads modes plot="${PLOT:-0}" kept="" w
     if [ "$dry" = 1 ]; then
         size="${SIZE:-tiny}" workloads="${WORKLOADS:-lm}" modes="${MODES:-fp32,torch-amp-bf16,mixprec-bf16}"
     else
         size="${SIZE:-large}" workloads="${WORKLOADS:-lm}"
         if [ -z "${MODES:-}" ]; then
             fp8=$(python -c "from mixprec.bench.modes import MODES; print(','.join(m for m in MODES if m.startswith('fp8')))")
-            modes="fp32,torch-amp-fp16,torch-amp-bf16,mixprec-fp16,mixprec-bf16,O2-fp16,O2-bf16,bf16-true"
-            modes+=",bf16-true-kahan${fp8:+,$fp8}"
+            # one fp16 mode (the scaler on CUDA): 10 runs with the A/A one, 4 rounds of 20 steps in ~70 s
+            modes="fp32,torch-amp-bf16,mixprec-bf16,mixprec-fp16,O2-bf16,bf16-true,bf16-true-kahan${fp8:+,$fp8}"
         else
             modes=$MODES
         fi
     fi
     if [ "$plan" = 0 ]; then
-        need matplotlib || plot=0
+        [ "$plot" = 0 ] || need matplotlib || plot=0
         if ! need sklearn; then  # cnn and tabular-regression load scikit-learn's bundled data
             for w in ${workloads//,/ }; do [[ $w == cnn || $w == tabular-regression ]] || kept+="${kept:+,}$w"; done
             [ -n "$kept" ] || { why="scikit-learn is not installed (workloads $workloads need it)"; return; }
@@ -155,8 +184,11 @@ bench_command() {  # the bench: large on the GPU, tiny in the dry run; drops wha
         fi
     fi
     cmd=(python -m mixprec bench --device "$device" --size "$size" --workload "$workloads" --modes "$modes")
-    [ "$dry" = 1 ] && steps="${BENCH_STEPS:-}" || steps="${BENCH_STEPS:-150}"  # 150: fits the limit on an H200
-    [ -z "$steps" ] || cmd+=(--steps "$steps")
+    if [ -n "${BENCH_STEPS:-}" ]; then
+        cmd+=(--steps "$BENCH_STEPS")
+    elif [ "$dry" = 0 ]; then  # the bench cuts its rounds to fit (10 modes took ~110 s for 150 steps)
+        cmd+=(--time "${BENCH_TIME:-50s}")
+    fi
     cmd+=(--json "$out/bench-$size.json" --log "$out/bench-$size-steps.jsonl")
     [ "$plot" = 0 ] || cmd+=(--plot "$out/plots-$size")
 }
@@ -192,7 +224,10 @@ for name in "${STEPS[@]}"; do
         continue
     fi
     note=""
-    if (( limit > left )); then note=" (clamped from $limit to the budget)"; limit=$left; fi
+    if (( limit > left )); then
+        note=" (clamped from $limit to the budget)" limit=$left
+        [ "$name" != fp8 ] || step_command "$name"  # its --budget-s follows the clamped limit (no probes)
+    fi
     planned=$(( planned + limit )) total=$(( total + limit ))
     if [ "$plan" = 1 ]; then printf '%-16s %6s  %s%s\n' "$name" "$limit" "${cmd[*]}" "$note"; continue; fi
     run_step "$name" "$limit"

@@ -3,10 +3,20 @@
     python benchmarks/gpu_summary.py RESULTS_DIR [WALL_SECONDS [BUDGET_SECONDS]]
 
 Reads ``steps.tsv`` (name, exit code or ``skipped: why``, seconds, limit), ``env.json``
-(benchmarks/gpu_env.py), ``numerics.json`` (gemm_numerics.py), ``lowbit_lm.json``, ``plan_cost.json``,
+(benchmarks/gpu_env.py), ``numerics.json`` (gemm_numerics.py), ``distributed.json``
+(gpu_distributed.py), ``fp8.json`` (gpu_fp8.py), ``lowbit_lm.json``, ``plan_cost.json``,
 ``precision_paths.json`` and ``bench-SIZE.json`` (``mixprec bench --json``) when present, and the tail of
 each step's log; writes ``gpu.json`` (machine, steps, each benchmark's JSON) and ``gpu.md`` (a table per
 step's results). Exit code 0 when every step that ran exited 0, else 1.
+
+A step cut short keeps what it wrote: a file whose ``"partial"`` gives a reason (see
+``benchmarks/checkpoint.py``), or the file of a step that ran out of time, is tabulated under a heading
+that says PARTIAL and why (``gpu.json``'s ``partial`` maps each such step to its reason). A bench whose
+``bench-SIZE.json`` is missing or holds fewer runs than planned is tabulated from its step log
+(``bench-SIZE-steps.jsonl``, rewritten by the bench after every round): per mode the steps and rounds
+logged, the median step time (after the preset's warm-up) with its IQR, and the paired speedup over fp32
+with its interval, by ``mixprec.bench.stats`` as the bench's own table; no held-out loss (the runs were
+not evaluated), the last training loss instead.
 """
 
 from __future__ import annotations
@@ -16,11 +26,15 @@ import math
 import platform
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+from mixprec._files import read_jsonl
 from mixprec.bench.report import bench_summary
+from mixprec.bench.stats import timings
+from mixprec.bench.workloads import WORKLOADS
 
-EXTRA = ("env", "numerics", "lowbit_lm", "plan_cost", "precision_paths")
+EXTRA = ("env", "numerics", "distributed", "fp8", "lowbit_lm", "plan_cost", "precision_paths")
 
 
 def _machine(env: dict[str, Any] | None) -> dict[str, Any]:
@@ -123,21 +137,23 @@ def _numerics_md(numerics: dict[str, Any]) -> list[str]:
     return [head, "", *_table(["recipe", "gemm", "path", "rel. error", "result"], rows)]
 
 
+def _mean(values: list[float | None] | None) -> float | None:
+    """The mean, None when there are no values or one is None (a non-finite loss, or not evaluated)."""
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)  # type: ignore[arg-type]
+
+
 def _lowbit_md(lowbit: dict[str, Any]) -> list[str]:
     base = lowbit["modes"].get("bf16", {}).get("val_loss")
     rows = []
     for mode, r in lowbit["modes"].items():
-        gap = " ".join(f"{v / b - 1:+.2%}" for v, b in zip(r["val_loss"], base, strict=True)) if base else "-"
+        losses = r["val_loss"]
+        gap = "-"
+        if base and losses and None not in base and None not in losses:
+            gap = " ".join(f"{v / b - 1:+.2%}" for v, b in zip(losses, base, strict=True))
         spread = f"{_num(r['step_s_p25'], '.4f')}-{_num(r['step_s_p75'], '.4f')}"
-        rows.append(
-            [
-                mode,
-                _num(sum(r["val_loss"]) / len(r["val_loss"]), ".4f"),
-                gap,
-                _num(r["step_s_median"], ".4f"),
-                spread,
-            ]
-        )
+        rows.append([mode, _num(_mean(losses), ".4f"), gap, _num(r["step_s_median"], ".4f"), spread])
     rows += [[mode, "FAILED", error, "-", "-"] for mode, error in lowbit.get("errors", {}).items()]
     head = f"task {lowbit['task']}, {lowbit['steps']} steps, {lowbit['device']}; step time: {lowbit['time']}"
     return [head, "", *_table(["mode", "held-out loss", "vs bf16", "s/step", "IQR"], rows)]
@@ -169,9 +185,79 @@ def _precision_paths_md(paths: dict[str, Any]) -> list[str]:
     return [*skipped, *([""] if skipped else []), *table]
 
 
+def _distributed_md(data: dict[str, Any]) -> list[str]:
+    meta = data.get("meta", {})
+    head = f"{meta.get('backend', '?')}, world size 1 on {meta.get('gpu') or meta.get('device')}"
+    head += f", NCCL {meta['nccl']}" if meta.get("nccl") else ""
+    lines = [head + (f"; the group did not start: {meta['error']}" if meta.get("error") else ""), ""]
+    rows = []
+    for r in data["rows"]:
+        if "error" in r:
+            rows.append([r["case"], "-", "-", f"FAILED: {r['error']}"])
+            continue
+        failed = [name for name, ok in r["checks"].items() if not ok]
+        checks = ", ".join(f"{name} {'ok' if ok else 'FAILED'}" for name, ok in r["checks"].items())
+        if "bitwise" in r:
+            checks += (
+                f"; twin: {'bitwise' if r['bitwise'] else 'rel. diff ' + _num(r['param_rel_diff'], '.1e')}"
+            )
+        losses = f"{_num(r['losses'][0], '.4f')} -> {_num(r['losses'][-1], '.4f')}"
+        rows.append([r["case"], losses, len(r["losses"]), ("FAILED: " if failed else "") + checks])
+    return lines + _table(["case", "loss", "steps", "checks"], rows)
+
+
+def _fp8_md(data: dict[str, Any]) -> list[str]:
+    meta = data.get("meta", {})
+    where = meta.get("gpu") or meta.get("device")
+    head = (
+        f"GPT {meta.get('layers')} x d={meta.get('width')}, seq {meta.get('context')}, "
+        f"batch {meta.get('batch')} on {where}, torchao {meta.get('torchao')}; step = fwd + bwd + AdamW, "
+        f"median of {meta.get('rounds')} interleaved rounds [range of the round medians]; x bf16 paired "
+        "by round; transient = peak during a step - allocated before it"
+    )
+    rows = []
+    for r in data["rows"]:
+        mode = "compiled" if r.get("compiled") else "eager"
+        if "skipped" in r or "error" in r or "step_ms" not in r:
+            why = r.get("skipped") or f"FAILED: {r.get('error', 'no timed round')}"
+            rows.append([r["config"], mode, why, "-", "-", "-", "-"])
+            continue
+        times = f"{_num(r['step_ms'], '.2f')} [{'-'.join(_num(v, '.2f') for v in r['step_ms_range'])}]"
+        ratio = "-"
+        if r.get("vs_bf16") is not None:
+            ratio = f"{r['vs_bf16']:.3f} [{'-'.join(_num(v, '.3f') for v in r['vs_bf16_range'])}]"
+        warm = _num(r.get("warmup_s"), ".1f") + (
+            "" if r.get("graph_breaks") is None else f" ({r['graph_breaks']})"
+        )
+        rows.append(
+            [r["config"], mode, times, ratio, _num(r.get("transient_gib"), ".2f"), warm, r.get("rounds")]
+        )
+    head_row = ["config", "mode", "step ms", "x bf16", "transient GiB", "warm-up s (graph breaks)", "rounds"]
+    lines = [head, "", *_table(head_row, rows)]
+    gemm = []
+    for g in data.get("gemm", []):
+        if g.get("error") or g.get("median_s") is None:
+            gemm.append([g.get("format", "-"), "FAILED", g.get("error") or "-"])
+        else:
+            gemm.append(
+                [g["format"], _num(g["median_s"] * 1e3, ".3f"), _num(g.get("relative_to_bf16"), ".2f")]
+            )
+    if gemm:
+        shape = ",".join(map(str, (data["gemm"][0].get("shape") or [])))
+        lines += [
+            "",
+            f"quantize + GEMM, forward and both backward GEMMs, M,N,K = {shape} (plan_cost.measure):",
+            "",
+        ]
+        lines += _table(["format", "median ms", "x bf16"], gemm)
+    return lines
+
+
 SECTIONS = {
     "env": ("machine and packages (gpu_env.py)", _env_md),
     "numerics": ("lowbit_mm vs emulated_mm per recipe and GEMM (gemm_numerics.py)", _numerics_md),
+    "distributed": ("DDP and FSDP2 on a 1-rank process group (gpu_distributed.py)", _distributed_md),
+    "fp8": ("fp8 training speed: bf16, torchao, mixprec; eager and compiled (gpu_fp8.py)", _fp8_md),
     "lowbit_lm": ("low-bit recipes against bf16 (lowbit_lm.py)", _lowbit_md),
     "plan_cost": ("measured GEMM cost per format (plan_cost.py)", _plan_cost_md),
     "precision_paths": ("precision paths: step time and memory (precision_paths.py)", _precision_paths_md),
@@ -194,16 +280,23 @@ def _markdown(summary: dict[str, Any]) -> str:
         code = "-" if step["exit_code"] is None else step["exit_code"]
         rows.append([step["name"], outcome, code, step["seconds"], step["limit_s"], step["skipped"] or ""])
     lines += _table(["step", "outcome", "exit code", "seconds", "limit s", "skipped because"], rows)
+    partial = summary.get("partial", {})
     for name, (title, render) in SECTIONS.items():
         if summary.get(name):
             try:
                 body = render(summary[name])
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a partial file: say so
                 body = [f"(could not tabulate {name}.json: {type(exc).__name__}: {exc})"]
-            lines += ["", f"## {title}", "", *body]
+            mark = f" (PARTIAL: {partial[name]})" if name in partial else ""
+            lines += ["", f"## {title}{mark}", "", *body]
     for size, records in summary["bench"].items():
-        body = bench_summary(records, f"size {size}", []).split("\n", 2)[2]
-        lines += ["", f"## mixprec bench --size {size}", "", body.rstrip()]
+        if records:
+            body = bench_summary(records, f"size {size}", []).split("\n", 2)[2]
+            mark = f" (PARTIAL: {partial['bench-' + size]})" if f"bench-{size}" in partial else ""
+            lines += ["", f"## mixprec bench --size {size}{mark}", "", body.rstrip()]
+    for size, cut in summary.get("bench_log", {}).items():
+        lines += ["", f"## mixprec bench --size {size}, from its step log (PARTIAL: {cut['reason']})", ""]
+        lines += _bench_log_md(cut)
     for step in summary["steps"]:
         if step["exit_code"] not in (None, 0) and step["log_tail"]:
             lines += [
@@ -217,6 +310,75 @@ def _markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _partial(name: str, data: Any, steps: list[dict[str, Any]]) -> str | None:
+    """Why ``name``'s file is not the step's complete result, or None: its own ``partial`` reason, or
+    the step ran out of time after writing it."""
+    if not data:
+        return None
+    own = data.get("partial") if isinstance(data, dict) else None
+    if own:
+        return own
+    step = next((s for s in steps if s["name"] == name), None)
+    if step is not None and step["timed_out"]:
+        return f"the step ran out of its {step['limit_s']} s; the file holds what it wrote before"
+    return None
+
+
+def bench_from_log(path: Path, size: str) -> dict[str, Any] | None:
+    """A bench cut short, from its step log: per (workload, mode) the steps logged and the bench's own
+    statistics over them (``mixprec.bench.stats.timings``); None when there is no log."""
+    if not path.exists():
+        return None
+    try:
+        lines, trailer = read_jsonl(path)
+    except ValueError as exc:  # cut inside a line (TruncatedFile) or not JSON Lines
+        return {"reason": f"{path.name} unreadable: {exc}", "rows": []}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for line in lines:
+        runs.setdefault((line["workload"], line["mode"]), []).append(line)
+    results = []
+    for (workload, mode), history in runs.items():
+        preset = WORKLOADS[workload].presets.get(size) if workload in WORKLOADS else None
+        warmup = min(preset.warmup if preset else 0, len(history) - 1)
+        results.append(SimpleNamespace(workload=workload, mode=mode, history=history, warmup=warmup))
+    rows = []
+    for run, timing in zip(results, timings(results), strict=True):
+        rows.append(
+            {
+                "workload": run.workload, "mode": run.mode, "steps": len(run.history),
+                "rounds": timing.rounds,
+                "step_time_ms": timing.median_ms, "step_time_q25_ms": timing.q25_ms,
+                "step_time_q75_ms": timing.q75_ms, "speedup_vs_fp32": timing.speedup,
+                "speedup_low": timing.speedup_low, "speedup_high": timing.speedup_high, "noisy": timing.noisy,
+                "last_train_loss": run.history[-1].get("loss"),
+            }
+        )  # fmt: skip
+    if trailer is None:
+        reason = "the log was never closed (the bench was stopped while writing it)"
+    else:
+        reason = f"{trailer.get('runs')} of {trailer.get('runs_planned')} runs finished"
+        if trailer.get("running"):
+            reason += f", {trailer['running']} stopped while training (the rounds they finished are here)"
+    return {"reason": reason, "rows": rows}
+
+
+def _bench_log_md(cut: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in cut["rows"]:
+        speedup = _num(r["speedup_vs_fp32"], ".2f")
+        if r["speedup_low"] is not None:
+            speedup += f" [{r['speedup_low']:.2f}-{r['speedup_high']:.2f}]"
+        rows.append(
+            [
+                r["workload"], r["mode"], r["steps"], r["rounds"], _num(r["step_time_ms"], ".1f"),
+                f"{_num(r['step_time_q25_ms'], '.1f')}-{_num(r['step_time_q75_ms'], '.1f')}",
+                speedup + (" NOISY" if r["noisy"] else ""), _num(r["last_train_loss"], ".4f"),
+            ]
+        )  # fmt: skip
+    head = ["workload", "mode", "steps", "rounds", "step ms", "IQR ms", "speedup [90% CI]", "last train loss"]
+    return _table(head, rows)
+
+
 def main(argv: list[str]) -> int:
     if not argv or not Path(argv[0]).is_dir():
         print(__doc__, file=sys.stderr)
@@ -228,12 +390,28 @@ def main(argv: list[str]) -> int:
         if not path.stem.endswith("-steps")
     }
     extra = {name: _load(out / f"{name}.json") for name in EXTRA}
+    steps = _steps(out)
+    partial = {name: why for name in EXTRA if (why := _partial(name, extra[name], steps))}
+    bench_log = {}
+    sizes = {p.stem.removeprefix("bench-").removesuffix("-steps") for p in out.glob("bench-*-steps.jsonl")}
+    for size in sorted(sizes | set(bench)):
+        records = bench.get(size) or []
+        planned = records[0].get("runs_planned") if records else None
+        if records and not (isinstance(planned, int) and len(records) < planned):
+            continue
+        cut = bench_from_log(out / f"bench-{size}-steps.jsonl", size)
+        if cut is not None:
+            bench_log[size] = cut
+        elif records:
+            partial[f"bench-{size}"] = f"{len(records)} of {planned} planned runs"
     summary = {
         "machine": _machine(extra["env"]),
         "wall_s": int(argv[1]) if len(argv) > 1 else None,
         "budget_s": int(argv[2]) if len(argv) > 2 else None,
-        "steps": _steps(out),
+        "steps": steps,
+        "partial": partial,
         "bench": bench,
+        "bench_log": bench_log,
         **extra,
     }
     summary = _clean(summary)

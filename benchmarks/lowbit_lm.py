@@ -12,7 +12,10 @@ cuda``, run by ``benchmarks/gpu.sh``) the fp8 tensorwise/rowwise GEMMs run in ``
 the step time (wall clock after a synchronize, not CPU time) against bf16 is the figure; the block-scaled
 recipes are still emulated there (one warning says which kernel is missing). A mode that raises (while
 it is built, trained or evaluated) is dropped and its error kept under ``errors`` in the JSON, so one
-broken recipe does not lose the others' results; the exit code is then 1.
+broken recipe does not lose the others' results; the exit code is then 1. ``--json`` is rewritten every
+``--save-every`` steps with the step times so far (``"partial"`` says how far, the held-out losses are
+None until the end), and on SIGTERM (a time limit) with what was measured, so a run cut short keeps
+its step times (``benchmarks/checkpoint.py``).
 
 Tasks:
   lm        the bench's character-level GPT (``mixprec.bench`` workload ``lm``: Python stdlib sources,
@@ -48,6 +51,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -55,6 +59,9 @@ from torch import nn
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS, Workload, _shuffled_batches
 from mixprec.lowbit import convert_to_lowbit_training, get_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint import STOPPED, stop_on_sigterm, write_json  # a sibling script, not a package
 
 LM_SMALL = {"context": 64, "width": 128, "layers": 2, "heads": 4, "lr": 2e-3, "batch": 16}
 LM_SMALL.update(corpus_bytes=1_000_000, eval_windows=64)
@@ -172,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--save-every", type=int, default=10, help="steps between --json rewrites")
     parser.add_argument("--combine", nargs="+", metavar="JSON", help="join these runs' JSON, train nothing")
     args = parser.parse_args(argv)
     if args.combine:
@@ -186,25 +194,33 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    stop_on_sigterm()
     errors: dict[str, str] = {}
-    runs = [
-        run
-        for s in seeds
-        for m in modes
-        if (run := _guarded(errors, m, Run, args.task, m, s, args.steps, device))
-    ]
-    start = time.perf_counter()
-    for step in range(args.steps):
-        runs = [r for r in runs if r.mode not in errors]  # a mode that raised is out, on every seed
-        for i in range(len(runs)):
-            run = runs[(step + i) % len(runs)]
-            if run.mode not in errors:
-                _guarded(errors, run.mode, run.step)
-        if (step + 1) % 50 == 0:
-            print(f"step {step + 1}/{args.steps} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    results = {"task": args.task, "steps": args.steps, "seeds": seeds, "torch": torch.__version__}
-    results.update(device=str(device), time="wall s (synchronized)" if device.type == "cuda" else "CPU s")
-    results["modes"] = {}
+    runs: list[Run] = []
+    step = 0
+    try:
+        runs = [
+            run
+            for s in seeds
+            for m in modes
+            if (run := _guarded(errors, m, Run, args.task, m, s, args.steps, device))
+        ]
+        start = time.perf_counter()
+        for step in range(1, args.steps + 1):
+            runs = [r for r in runs if r.mode not in errors]  # a mode that raised is out, on every seed
+            for i in range(len(runs)):
+                run = runs[(step - 1 + i) % len(runs)]
+                if run.mode not in errors:
+                    _guarded(errors, run.mode, run.step)
+            if step % 50 == 0:
+                print(f"step {step}/{args.steps} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+            if step % args.save_every == 0 and step < args.steps:
+                _save_partial(args, seeds, modes, runs, errors, f"running: {step} of {args.steps} steps")
+    except KeyboardInterrupt as exc:
+        why = STOPPED if str(exc) == STOPPED else "interrupted"
+        _save_partial(args, seeds, modes, runs, errors, f"{why} during step {step} of {args.steps}")
+        raise SystemExit(124) from None
+    results = _header(args, seeds, device)
     for m in modes:
         summary = m not in errors and _guarded(errors, m, _summarise, [r for r in runs if r.mode == m])
         if summary:
@@ -212,6 +228,26 @@ def main(argv: list[str] | None = None) -> dict:
     if errors:
         results["errors"] = errors
     return _finish(results, args.json)
+
+
+def _header(args: argparse.Namespace, seeds: list[int], device: torch.device) -> dict:
+    results = {"task": args.task, "steps": args.steps, "seeds": seeds, "torch": torch.__version__}
+    results.update(device=str(device), time="wall s (synchronized)" if device.type == "cuda" else "CPU s")
+    results["modes"] = {}
+    return results
+
+
+def _save_partial(args, seeds: list[int], modes: list[str], runs: list, errors: dict, why: str) -> None:
+    """``--json`` with each mode's step times so far and no held-out loss (not evaluated yet)."""
+    results = _header(args, seeds, torch.device(args.device))
+    for m in modes:
+        mine = [r for r in runs if r.mode == m and len(r.cpu_s) > 1]
+        if m not in errors and mine:
+            results["modes"][m] = {**_step_times(mine), "val_loss": None, "val_metric": None}
+            results["modes"][m]["steps_done"] = min(len(r.cpu_s) for r in mine)
+    if errors:
+        results["errors"] = dict(errors)
+    write_json(args.json, results, why)
 
 
 def _guarded(errors: dict[str, str], mode: str, call, *args):
@@ -226,9 +262,7 @@ def _guarded(errors: dict[str, str], mode: str, call, *args):
 
 def _finish(results: dict, path: str | None) -> dict:
     _print(results)
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(path, results, None)
     return results
 
 
@@ -274,17 +308,16 @@ def combine(runs: list[dict]) -> dict:
     return results
 
 
+def _step_times(runs: list[Run]) -> dict:
+    """Median and quartiles of the step times of ``runs`` (each run's first steps left out: warm-up)."""
+    times = [t for r in runs for t in r.cpu_s[min(5, len(r.cpu_s) - 2) :]]
+    q = statistics.quantiles(times, n=4)
+    return {"step_s_median": q[1], "step_s_p25": q[0], "step_s_p75": q[2]}
+
+
 def _summarise(runs: list[Run]) -> dict:
     evals = [r.evaluate() for r in runs]
-    times = [t for r in runs for t in r.cpu_s[min(5, len(r.cpu_s) - 2) :]]  # first steps warm up
-    q = statistics.quantiles(times, n=4)
-    return {
-        "val_loss": [e[0] for e in evals],
-        "val_metric": [e[1] for e in evals],
-        "step_s_median": q[1],
-        "step_s_p25": q[0],
-        "step_s_p75": q[2],
-    }
+    return {"val_loss": [e[0] for e in evals], "val_metric": [e[1] for e in evals], **_step_times(runs)}
 
 
 def _print(results: dict) -> None:

@@ -33,7 +33,10 @@ training (includes transients); on CUDA the peak of ``torch.cuda.max_memory_allo
 processes (150 by default, each paying torch's import): on CUDA that loses nothing (memory is the
 device's, counted per run), on a CPU the RSS peak of a shared process means nothing and is left out
 (``peak_mib`` None). Without torch-optimi installed the ``optimi-kahan`` rows are skipped (the reason is
-in the JSON's ``skipped``) and the ``vs optimi`` ratios are None.
+in the JSON's ``skipped``) and the ``vs optimi`` ratios are None. A path that raises (at a width) is
+recorded under ``errors`` with its message and the others go on (exit code 1 then). ``--json`` is
+rewritten after every run (``"partial"`` says how many of the planned runs are in it) and on SIGTERM,
+so a run cut short by a time limit keeps the rounds it finished (``benchmarks/checkpoint.py``).
 
 Usage::
 
@@ -50,9 +53,13 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint import STOPPED, stop_on_sigterm, write_json  # a sibling script, not a package
 
 PATHS = (
     "fp32",
@@ -264,7 +271,7 @@ def optimi_missing() -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--widths", default="256,512,1024")
     parser.add_argument("--depth", type=int, default=6)
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.path:
         print(json.dumps(worker(args)))
-        return
+        return 0
     paths = args.paths.split(",")
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
@@ -302,17 +309,50 @@ def main(argv: list[str] | None = None) -> None:
             f"precision_paths: skipping optimi-kahan: {why}; the vs optimi ratios are left out",
             file=sys.stderr,
         )
-    runs = []
-    for round_ in range(args.rounds):
-        for beta2 in args.beta2.split(","):
-            for width in map(int, args.widths.split(",")):
-                for path in paths:
-                    runs.append({**_run(args, path, width, beta2), "round": round_})
-    rows = summarize(runs)
-    print_table(rows, args)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "rows": rows, "runs": runs, "skipped": skipped}, out, indent=1)
+    plan = [
+        (round_, beta2, width, path)
+        for round_ in range(args.rounds)
+        for beta2 in args.beta2.split(",")
+        for width in map(int, args.widths.split(","))
+        for path in paths
+    ]
+    runs: list[dict] = []
+    errors: dict[str, str] = {}
+    stop_on_sigterm()
+
+    def save(partial: str | None) -> None:
+        payload = {"args": vars(args), "rows": summarize(runs), "runs": runs, "skipped": skipped}
+        write_json(args.json, {**payload, "errors": errors}, partial)
+
+    try:
+        for done, (round_, beta2, width, path) in enumerate(plan, 1):
+            key = f"{path} width {width} beta2 {beta2}"
+            if key in errors:
+                continue  # a path that raised once raises every round: its time goes to the others
+            try:
+                runs.append({**_run(args, path, width, beta2), "round": round_})
+            except Exception as exc:  # one broken path loses only its own rows
+                errors[key] = _error(exc)
+                print(f"precision_paths: {key} failed, going on without it: {errors[key]}", file=sys.stderr)
+            save(f"running: {done} of {len(plan)} runs")
+    except KeyboardInterrupt as exc:
+        why = STOPPED if str(exc) == STOPPED else "interrupted"
+        save(f"{why} after {len(runs)} of {len(plan)} runs")
+        print_table(summarize(runs), args)
+        return 124
+    save(None)
+    print_table(summarize(runs), args)
+    for key, error in errors.items():
+        print(f"{key}: FAILED: {error}")
+    return 1 if errors else 0
+
+
+def _error(exc: Exception) -> str:
+    """The exception in one line; a failed worker process's last stderr line (its exception)."""
+    if isinstance(exc, subprocess.CalledProcessError):
+        last = (exc.stderr or "").strip().splitlines()[-1:] or [f"exit code {exc.returncode}"]
+        return last[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _run(args: argparse.Namespace, path: str, width: int, beta2: str) -> dict:
@@ -329,4 +369,4 @@ def _run(args: argparse.Namespace, path: str, width: int, beta2: str) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -95,10 +95,10 @@ def _check_folder(folder: Path, tmp: Path, capsys: pytest.CaptureFixture[str], c
     return verdict
 
 
-# pauses: after workload 1: bench.json half 0, replaced 1, steps.jsonl 2-3; after workload 2: 4-7 (the
-# rewrites over complete files); at the end: bench.json 8-9, steps.jsonl 10-11, three PNGs 12-17,
-# summary.md 18-19
-@pytest.mark.parametrize("kill_at", [6, 8, 18], ids=["log-rewrite", "final-json-rewrite", "summary"])
+# pauses: the step log after each of workload 1's three rounds 0-5 (half-written, replaced); after workload
+# 1: bench.json 6-7, steps.jsonl 8-9; workload 2's rounds 10-15; after workload 2: 16-19 (the rewrites over
+# complete files); at the end: bench.json 20-21, steps.jsonl 22-23, three PNGs 24-29, summary.md 30-31
+@pytest.mark.parametrize("kill_at", [18, 20, 30], ids=["log-rewrite", "final-json-rewrite", "summary"])
 def test_kill_9_anywhere_leaves_every_file_complete_or_absent(
     kill_at: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -130,9 +130,9 @@ def test_kill_9_anywhere_leaves_every_file_complete_or_absent(
     seen = [(e, name, _check_folder(snap, tmp_path, capsys, False)) for e, name, snap in seen]
     outcome = _check_folder(folder, tmp_path, capsys, cli_too=True)
     assert outcome == seen[-1][2]
-    assert seen[0][:2] == ("half-written", "bench.json.partial") and seen[0][2] == "absent"
+    assert seen[0][:2] == ("half-written", "steps.jsonl.partial") and seen[0][2] == "absent"  # round 1
     assert ("half-written", "steps.jsonl.partial", "incomplete") in seen  # the log being rewritten
-    if kill_at >= 8:
+    if kill_at >= 20:
         assert seen[-1][2] == "complete"  # both runs saved before the final rewrites
 
 

@@ -117,6 +117,14 @@ def replicas_identical(
 LOWBIT_COMM_FORMATS = ("fp8", "bf16")
 
 
+def _all_gather_single(
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> Any:
+    """``dist.all_gather_single`` (torch >= 2.13), else its older name ``all_gather_into_tensor``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
+
+
 def _check_comm_format(fmt: object) -> str:
     if not isinstance(fmt, str) or fmt not in LOWBIT_COMM_FORMATS:
         raise ValueError(
@@ -269,7 +277,7 @@ def lowbit_allreduce_hook(fmt: str) -> Callable[[LowbitCommState | None, Any], t
         state.bytes_sent += payload.numel() * payload.element_size() + (4 if fmt == "fp8" else 0)
         wire = payload.view(torch.uint8) if fmt == "fp8" else payload  # gloo has no float8 dtypes
         gathered = wire.new_empty(world * wire.numel())  # gloo wants one flat output
-        work = dist.all_gather_single(gathered, wire, group=group, async_op=True)
+        work = _all_gather_single(gathered, wire, group=group, async_op=True)
         out_dtype = bucket.buffer().dtype
 
         def reduce(_: torch.futures.Future) -> torch.Tensor:

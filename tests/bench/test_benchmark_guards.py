@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,6 +77,25 @@ def test_numerics_keeps_the_other_recipes_when_one_raises(monkeypatch) -> None:
     assert numerics.main(["--device", "cpu", "--shape", "16,64,32"]) == 1
 
 
+def test_numerics_cut_short_keeps_the_recipes_it_checked(tmp_path: Path, monkeypatch) -> None:
+    numerics = _script("gemm_numerics")
+    real, calls = numerics.check_recipe, []
+
+    def check_then_time_out(recipe, shape, device):
+        calls.append(recipe)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a time limit's SIGTERM does (benchmarks/checkpoint.py)
+        return real(recipe, shape, device)
+
+    monkeypatch.setattr(numerics, "check_recipe", check_then_time_out)
+    out = tmp_path / "n.json"
+    with pytest.raises(KeyboardInterrupt):
+        numerics.main(["--device", "cpu", "--shape", "16,64,32", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["partial"] == f"running: 2 of {len(RECIPES)} recipes"
+    assert [r["recipe"] for r in written["rows"]] == [name for name in list(RECIPES)[:2] for _ in range(3)]
+
+
 def test_numerics_refuses_a_bad_shape() -> None:
     with pytest.raises(SystemExit):
         _script("gemm_numerics").main(["--shape", "16,64"])
@@ -114,6 +134,36 @@ def test_lowbit_lm_keeps_going_past_a_recipe_that_fails_to_build_or_to_step(
     }
     written = json.loads(out.read_text())
     assert written["errors"] == results["errors"] and written["modes"]["nvfp4"]["val_loss"][0] > 0
+
+
+def test_lowbit_lm_stopped_by_a_time_limit_keeps_the_step_times_so_far(tmp_path: Path, monkeypatch) -> None:
+    script = _script("lowbit_lm")
+    step = script.Run.step
+
+    def step_until_sigterm(run) -> None:
+        if len(run.losses) == 5:
+            raise KeyboardInterrupt(script.STOPPED)  # the SIGTERM handler's exception, in step 6
+        step(run)
+
+    monkeypatch.setattr(script.Run, "step", step_until_sigterm)
+    out = tmp_path / "r.json"
+    argv = ["--task", "classify", "--steps", "9", "--modes", "fp8_rowwise", "--save-every", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        script.main([*argv, "--json", str(out)])
+    assert stopped.value.code == 124  # timeout's own code for a command it stopped
+    written = json.loads(out.read_text())
+    assert written["partial"] == "stopped by SIGTERM (the step's time limit) during step 6 of 9"
+    assert list(written["modes"]) == ["bf16", "fp8_rowwise"]
+    for mode in written["modes"].values():
+        assert mode["val_loss"] is None and mode["steps_done"] == 5 and mode["step_s_median"] > 0
+
+
+def test_lowbit_lm_writes_its_json_as_it_goes_and_marks_the_end(tmp_path: Path, monkeypatch) -> None:
+    script = _script("lowbit_lm")
+    seen = []
+    monkeypatch.setattr(script, "write_json", lambda path, data, partial: seen.append(partial))
+    script.main(["--task", "classify", "--steps", "5", "--modes", "bf16", "--save-every", "2", "--json", "x"])
+    assert seen == ["running: 2 of 5 steps", "running: 4 of 5 steps", None]
 
 
 # plan_cost
@@ -208,3 +258,147 @@ def test_precision_paths_in_process_measures_what_a_fresh_process_does(tmp_path:
     ]
     assert all(r["peak_mib"] is not None for r in runs["fresh"])
     assert all(r["peak_mib"] is None for r in runs["in-process"])
+
+
+def test_precision_paths_keeps_the_others_when_a_path_raises_and_writes_after_each_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("precision_paths")
+    build = script.build
+
+    def build_or_fail(path, *args, **kwargs):
+        if path == "bf16-true+kahan":
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return build(path, *args, **kwargs)
+
+    monkeypatch.setattr(script, "build", build_or_fail)
+    out = tmp_path / "p.json"
+    argv = [*PATHS_ARGV, "--rounds", "2", "--in-process", "--paths", "fp32,optimi-kahan,bf16-true+kahan"]
+    assert script.main([*argv, "--json", str(out)]) == 1
+    written = json.loads(out.read_text())
+    assert written["partial"] is None and [r["path"] for r in written["rows"]] == ["fp32", "optimi-kahan"]
+    assert written["errors"] == {
+        "bf16-true+kahan width 16 beta2 0.999": "RuntimeError: Expected all tensors to be on the same device"
+    }
+    assert [r["round"] for r in written["runs"]] == [0, 0, 1, 1]  # the failed path is not retried
+
+
+def test_precision_paths_stopped_by_a_time_limit_keeps_the_runs_it_finished(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("precision_paths")
+    run, calls = script._run, []
+
+    def run_then_stop(args, path, width, beta2):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt(script.STOPPED)
+        return run(args, path, width, beta2)
+
+    monkeypatch.setattr(script, "_run", run_then_stop)
+    out = tmp_path / "p.json"
+    argv = [*PATHS_ARGV, "--rounds", "2", "--in-process", "--paths", "fp32,optimi-kahan", "--json", str(out)]
+    assert script.main(argv) == 124
+    written = json.loads(out.read_text())
+    assert written["partial"] == "stopped by SIGTERM (the step's time limit) after 2 of 4 runs"
+    assert [(r["path"], r["round"]) for r in written["runs"]] == [("fp32", 0), ("optimi-kahan", 0)]
+
+
+# gpu_distributed
+
+
+def test_gpu_distributed_trains_ddp_and_fsdp2_on_one_gloo_rank(tmp_path: Path) -> None:
+    script = _script("gpu_distributed")
+    out = tmp_path / "d.json"
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    assert script.main(["--device", "cpu", "--steps", "4", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["partial"] is None and written["meta"]["backend"] == "gloo"
+    rows = {r["case"]: r for r in written["rows"]}
+    assert list(rows) == ["ddp_amp", "ddp_fp8_comm", "fsdp2_fp8"] and all(r["passed"] for r in rows.values())
+    assert rows["ddp_amp"]["bitwise"] and rows["ddp_amp"]["losses"] == rows["ddp_amp"]["twin_losses"]
+    assert rows["fsdp2_fp8"]["unsharded_weights"] == ["Float8GatheredWeight"]
+    assert {k: os.environ.get(k) for k in before} == before  # the rendezvous variables are put back
+    assert not torch.distributed.is_initialized()
+
+
+def test_gpu_distributed_fails_a_bf16_all_gather_and_keeps_going_past_a_case_that_raises(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("gpu_distributed")
+    real_config = script.Float8Config
+    monkeypatch.setattr(script, "Float8Config", lambda **kw: real_config())  # fp8 all-gather left off
+
+    def broken(args, device):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setitem(script.RUNS, "ddp_amp", broken)
+    out = tmp_path / "d.json"
+    assert script.main(["--device", "cpu", "--steps", "3", "--json", str(out)]) == 1
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ddp_amp"]["error"] == "RuntimeError: NCCL error: unhandled system error"
+    assert rows["ddp_fp8_comm"]["passed"]
+    assert not rows["fsdp2_fp8"]["passed"] and rows["fsdp2_fp8"]["checks"]["fp8_all_gather"] is False
+
+
+# gpu_fp8
+
+FP8_ARGV = ["--device", "cpu", "--rounds", "2", "--steps", "1", "--warmup", "1", "--gemm-shape", ""]
+
+
+def test_gpu_fp8_keeps_going_past_a_failing_config_and_writes_after_each_row(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("gpu_fp8")
+    convert, saved = script.convert, []
+
+    def convert_or_fail(library, recipe, model, device):
+        if (library, recipe) == ("mixprec", "rowwise"):
+            raise RuntimeError("no rowwise kernel")
+        return convert(library, recipe, model, device)
+
+    monkeypatch.setattr(script, "convert", convert_or_fail)
+    write = script.write_json
+    monkeypatch.setattr(
+        script, "write_json", lambda path, data, why: (saved.append(why), write(path, data, why))
+    )
+    out = tmp_path / "f.json"
+    argv = [*FP8_ARGV, "--modes", "eager", "--configs", "bf16,mixprec-rowwise,mixprec-tensorwise"]
+    assert script.main([*argv, "--json", str(out)]) == 1
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["mixprec rowwise"]["error"] == "RuntimeError: no rowwise kernel"
+    assert rows["bf16"]["step_ms"] > 0 and rows["bf16"]["vs_bf16"] == 1.0 and rows["bf16"]["rounds"] == 2
+    assert rows["mixprec tensorwise"]["step_ms"] > 0 and rows["mixprec tensorwise"]["vs_bf16"] > 0
+    assert saved == [
+        "running: starting",
+        "running: bf16 warmed up",  # in the script's order, whatever --configs lists
+        "running: mixprec tensorwise warmed up",
+        "running: mixprec rowwise warmed up",
+        "running: eager round 1 of 2",
+        "running: eager round 2 of 2",
+        None,
+    ]
+
+
+def test_gpu_fp8_starts_no_compile_its_budget_cannot_fit_and_a_sigterm_keeps_the_rounds(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("gpu_fp8")
+    out = tmp_path / "f.json"
+    assert script.main([*FP8_ARGV, "--configs", "bf16", "--budget-s", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["compiled"], "step_ms" in r) for r in rows] == [(False, True), (True, False)]
+    assert rows[1]["skipped"].startswith("budget: ") and "a compiled warm-up took 10 s" in rows[1]["skipped"]
+
+    run_round = script.Config.run_round
+
+    def stopped_in_round_two(self, index, steps):
+        if index == 1:
+            raise KeyboardInterrupt(script.STOPPED)
+        return run_round(self, index, steps)
+
+    monkeypatch.setattr(script.Config, "run_round", stopped_in_round_two)
+    assert script.main([*FP8_ARGV, "--configs", "bf16", "--modes", "eager", "--json", str(out)]) == 124
+    written = json.loads(out.read_text())
+    assert written["partial"].startswith("stopped by SIGTERM (the step's time limit) after ")
+    assert written["rows"][0]["rounds"] == 1 and written["rows"][0]["step_ms"] > 0

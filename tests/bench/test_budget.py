@@ -274,3 +274,31 @@ def test_a_budget_cut_stops_every_mode_at_the_same_round() -> None:
     (note,) = [n for n in notes if " cut to " in n]
     assert note.startswith(f"time budget 1 s: tabular-regression cut to {MIN_ROUNDS} of 8 rounds")
     assert progress.total < total and all(job.total_steps == MIN_ROUNDS for job in progress.jobs)
+
+
+def test_on_cuda_the_cut_follows_the_pace_of_the_rounds_not_of_the_process_starts() -> None:
+    """No CPU reference on CUDA (factor None): after the first round the running workload keeps as many
+    rounds as fit at the rounds' own pace. Ten GPU processes take 15 s to start while a round of all ten
+    takes 12 s: counting the starts into the pace (as before) doubled it and cut to 4 of 15 rounds where 7
+    fit in the 100 s."""
+    from mixprec.bench.runner import Job
+
+    clock = FakeClock()
+    notes: list[str] = []
+    modes = ("fp32", "torch-amp-bf16", "mixprec-bf16", "mixprec-fp16", "O2-bf16", "bf16-true")
+    modes += ("bf16-true-kahan", "fp8-dynamic", "fp8-delayed", "fp32")
+    jobs = [Job("lm", mode, "large", device="cuda", replica=i // 9) for i, mode in enumerate(modes)]
+    budget = Budget(100.0, None, notes, clock=clock)
+    jobs = budget.first(jobs)
+    progress = Progress(jobs, None, bar=False, stream=io.StringIO(), clock=clock)
+    for job in jobs:
+        progress.where(job, phase="starting")
+        clock.now += 1.5
+        progress.advance(3.5)
+    for job in jobs:
+        progress.where(job, 0, 15)
+        clock.now += 1.2
+        progress.advance(job.preset.round_steps * job.preset.cost_ms / 1e3, measured=True)
+    kept = budget.cut_rounds(jobs, 1, 15, progress)
+    assert kept == 7 and 15 + 7 * 12 <= 100
+    assert "lm cut to 7 of 15 rounds (140 steps) after 27 s" in notes[-1]

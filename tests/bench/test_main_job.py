@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from mixprec import cli
-from mixprec.bench import report, stats
-from mixprec.bench.progress import Progress, can_draw_bar
+from mixprec.bench import command, report, stats
+from mixprec.bench.progress import EVAL_S, START_S, Progress, can_draw_bar
 from mixprec.bench.runner import Job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +84,59 @@ def test_a_long_wait_is_announced_by_the_heartbeat() -> None:
     clock.now += progress.total * 2  # then one round takes very long: said while it is still running
     progress.heartbeat()
     assert len(progress.corrections) == 1 and "estimate corrected" in out.getvalue()
+
+
+def _cuda_lm_run(clock: FakeClock, stream: io.StringIO, walls: dict[str, float]) -> Progress:
+    """Drive a Progress without a CPU reference (factor None, as on CUDA) through a run as the scheduler
+    does: the processes start (12 s in all), 8 interleaved rounds (round wall seconds per mode from
+    ``walls``), then the evaluations (0.5 s each)."""
+    jobs = [Job("lm", mode, "large", steps=160, device="cuda") for mode in walls]
+    progress = Progress(jobs, None, bar=False, stream=stream, clock=clock)
+    for job in jobs:
+        progress.where(job, phase="starting")
+        clock.now += 12.0 / len(jobs)
+        progress.advance(START_S)
+    for index in range(8):
+        for job in jobs:
+            progress.where(job, index, 8)
+            clock.now += walls[job.mode]
+            progress.advance(job.preset.round_steps * job.preset.cost_ms / 1e3, measured=True)
+            if index == 0 and job is not jobs[-1]:
+                assert "estimate" not in stream.getvalue()  # not before every mode has run a round
+    for job in jobs:
+        progress.where(job, phase="evaluating")
+        clock.now += 0.5
+        progress.advance(EVAL_S["lm"])
+    return progress
+
+
+def test_without_a_cpu_reference_the_estimate_comes_from_the_first_round_of_every_mode() -> None:
+    """On CUDA there is no reference machine: the first estimate is the elapsed time plus the rest of the
+    plan at the pace of the rounds run so far, said once every mode has run one round; process starts are
+    not counted in that pace. (Before, the CPU reference's seconds were the estimate: 74 min 20 s for a
+    bench that took 1 min 1 s.)"""
+    clock, out = FakeClock(), io.StringIO()
+    progress = _cuda_lm_run(clock, out, {"fp32": 2.0, "torch-amp-bf16": 1.0, "mixprec-bf16": 1.0})
+    real = clock.now  # 12 s of starts + 8 rounds of 4 s + 1.5 s of evaluation
+    said = re.search(r"estimate from the first round of each mode: about (\d+) s in all", out.getvalue())
+    assert said and abs(int(said.group(1)) - real) <= 0.1 * real, out.getvalue()
+    assert "estimate corrected" not in out.getvalue()  # the pace held, so nothing to correct
+    first = re.fullmatch(r" \(estimated (\d+) s\)", command._estimates(progress))
+    assert first and int(first.group(1)) == int(said.group(1))
+
+
+def test_without_a_cpu_reference_a_slower_pace_later_is_still_corrected() -> None:
+    clock, out = FakeClock(), io.StringIO()
+    jobs = [Job("lm", mode, "large", steps=160, device="cuda") for mode in ("fp32", "mixprec-bf16")]
+    progress = Progress(jobs, None, bar=False, stream=out, clock=clock)
+    for index in range(8):
+        for job in jobs:
+            progress.where(job, index, 8)
+            clock.now += 1.0 if index == 0 else 3.0  # the GPU got busy after the first round
+            progress.advance(job.preset.round_steps * job.preset.cost_ms / 1e3, measured=True)
+    assert "estimate from the first round of each mode: about 16 s in all" in out.getvalue()
+    assert progress.corrections and "estimate corrected" in out.getvalue()
+    assert abs(progress.corrections[-1][1] - clock.now) <= 0.25 * clock.now
 
 
 def test_a_0x0_terminal_gets_plain_lines() -> None:

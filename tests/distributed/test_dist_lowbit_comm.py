@@ -150,3 +150,26 @@ def test_comm_state_refuses_a_bad_state_and_keeps_its_own(change: dict, message:
     assert torch.equal(state.residuals[0], torch.ones(3)) and state.bytes_sent == 12
     with pytest.raises(ValueError, match="missing keys"):
         state.load_state_dict({})
+
+
+def test_the_fp8_hook_runs_where_torch_names_the_gather_all_gather_into_tensor(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dist.all_gather_single`` came with torch 2.13; before it (torch >= 2.11 is supported, and the H200
+    runs 2.11) the same collective is ``all_gather_into_tensor``. One gloo rank in this process: the hook
+    must send and decode its bucket there too."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(8, 4))
+        state = LowbitCommState()
+        model.register_comm_hook(state, lowbit_allreduce_hook("fp8"))
+        model(torch.randn(5, 8)).square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+    assert state.bytes_sent > 0 and all(torch.isfinite(g).all() for g in grads)

@@ -149,7 +149,7 @@ class Budget:
         if not progress.done or not progress.measured:
             return list(remaining)
         elapsed = self.clock() - self.started
-        factor = progress.factor * (progress.clock() - progress.started) / progress.done
+        factor = progress.pace()
         originals = [self.original.get(_key(job), job) for job in remaining]
         left = self.budget_s - elapsed
         chosen, fraction = fit(originals, left, factor)
@@ -173,7 +173,7 @@ class Budget:
         if not jobs or round_done >= rounds or not progress.done or not progress.measured:
             return rounds
         elapsed = self.clock() - self.started
-        factor = progress.factor * (progress.clock() - progress.started) / progress.done
+        factor = progress.pace()
         order = list(dict.fromkeys(job.workload for job in progress.jobs))
         running = jobs[0].workload
         after = order[order.index(running) + 1 :] if running in order else []

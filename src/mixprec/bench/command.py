@@ -3,16 +3,21 @@
 Order of work: every input and output is checked first (one clear error, before any training); the time
 estimate is printed; the workloads run with their modes interleaved (``mixprec.bench.schedule``);
 after each workload the JSON (and the step log) are replaced, complete, with everything so far (see
-:mod:`mixprec._files`), so an interrupt or a failure later keeps what was measured; then the table;
-the plots and the results folder's ``summary.md`` come last.
+:mod:`mixprec._files`), and after every round the step log again with the steps of the runs still
+training, so an interrupt, a time limit's SIGTERM (handled as an interrupt) or a failure later keeps
+what was measured; then the table; the plots and the results folder's ``summary.md`` come last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,7 +31,7 @@ from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
 from mixprec.bench.progress import Progress, estimate_s, format_duration, machine_factor
 from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log
 from mixprec.bench.runner import RunResult
-from mixprec.bench.schedule import run_plan
+from mixprec.bench.schedule import Running, run_plan
 from mixprec.bench.workloads import SIZES, WORKLOADS
 
 DEFAULT_FOLDER = "mixprec-bench-%Y%m%d-%H%M%S"  # time.strftime pattern, in the current directory
@@ -123,7 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--mkdir", action="store_true", help="create missing parent directories of the outputs")
     add("--json", metavar="FILE", help="write one JSON record per workload x mode (rewritten as runs end)")
-    add("--log", metavar="FILE", help="write a JSONL line per training step (for mixprec report)")
+    add(
+        "--log",
+        metavar="FILE",
+        help="write a JSONL line per training step (for mixprec report; rewritten after every round)",
+    )
     add("--plot", metavar="DIR", help="write loss-vs-fp32 and step-time pictures (PNG) into DIR")
     add(
         "--in-process",
@@ -194,7 +203,7 @@ def _announce(plan: Plan, factor: float | None) -> None:
     workloads = len({job.workload for job in plan.jobs})
     modes = len({job.mode for job in plan.jobs})
     if factor is None:
-        when = "the bar shows the time left once the first rounds have run"
+        when = "no CPU reference on this device: the estimate follows the first round of each mode"
     else:
         busy = f", this machine now {factor:.1f}x the reference's time" if factor > 1.3 else ""
         when = f"about {format_duration(estimate_s(plan.jobs, factor))}{busy}"
@@ -214,6 +223,32 @@ def _save(results: list[RunResult], args: argparse.Namespace, planned: int) -> l
     if args.log:
         written.append(str(write_log(results, args.log, planned)))
     return written
+
+
+def _save_round(
+    results: list[RunResult], running: list[Running], args: argparse.Namespace, planned: int
+) -> None:
+    """After a round: the step log with the finished runs and the steps so far of those still training."""
+    if args.log:
+        write_log(results, args.log, planned, running)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (``timeout``'s, a scheduler's) stops the bench as Ctrl-C does: the workers are closed and
+    the files keep the last round; the old handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _finish(results: list[RunResult], args: argparse.Namespace, plan: Plan, table: str, wall: str) -> None:
@@ -267,16 +302,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     progress = Progress(plan.jobs, factor, bar=True)
     try:
-        results, failures = run_plan(
-            plan.jobs,
-            isolated=not args.in_process,
-            progress=progress,
-            on_workload_done=lambda r: _save(r, args, len(plan.jobs)),
-            rechoose=None if budget is None else (lambda jobs: budget.rechoose(jobs, progress)),
-            cut=None
-            if budget is None
-            else (lambda jobs, done, rounds: budget.cut_rounds(jobs, done, rounds, progress)),
-        )
+        with _sigterm_interrupts():
+            results, failures = run_plan(
+                plan.jobs,
+                isolated=not args.in_process,
+                progress=progress,
+                on_workload_done=lambda r: _save(r, args, len(plan.jobs)),
+                rechoose=None if budget is None else (lambda jobs: budget.rechoose(jobs, progress)),
+                cut=None
+                if budget is None
+                else (lambda jobs, done, rounds: budget.cut_rounds(jobs, done, rounds, progress)),
+                on_round=lambda done, running: _save_round(done, running, args, len(plan.jobs)),
+            )
+    except KeyboardInterrupt:
+        if args.log:
+            print(f"{args.log} keeps the steps of every round that finished", file=sys.stderr)
+        raise
     finally:
         progress.close()
     wall = format_duration(time.perf_counter() - started)
@@ -308,7 +349,9 @@ def _budget_s(args: argparse.Namespace) -> float | None:
 
 
 def _estimates(progress: Progress) -> str:
-    first = f"estimated {format_duration(progress.total)}"
+    if progress.first_total is None:
+        return " (no estimate: no CPU reference, and the first round did not finish)"
+    first = f"estimated {format_duration(progress.first_total)}"
     if not progress.corrections:
         return f" ({first})"
     at, total = progress.corrections[-1]

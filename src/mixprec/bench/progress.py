@@ -6,7 +6,11 @@ scaled by how fast this machine does a fixed fp32 matmul right now, with the thr
 against the reference (so a busy machine gets a longer estimate). It is rough (the probe is all matmul,
 the steps are not); the time left that the bar and the lines show adapts to the real pace.
 Once the first rounds have run, the projected total is compared with the estimate and a line says so
-when they differ by more than 25% (:class:`Progress`). On a terminal a tqdm bar spans the whole plan
+when they differ by more than 25% (:class:`Progress`). On CUDA there is no reference machine: nothing is
+estimated until every run of the first workload has trained one round; the estimate is then the time
+so far plus the rest of the plan at the pace of those rounds (their wall time over their reference
+seconds; the process starts before them are not part of that pace), and later corrections compare
+against that. On a terminal a tqdm bar spans the whole plan
 (work measured in estimated seconds, so its "left" adapts to the real pace); elsewhere, and on a
 terminal too small to draw it (0x0 under ``script``), a plain line goes to stderr after a round when
 10 s have passed, and at least every 15 s while a round is running.
@@ -93,7 +97,8 @@ class Progress:
 
     Args:
         jobs: the plan's runs (their order numbers the "run i of N").
-        factor: the machine factor (None: unknown; work is then counted in reference seconds).
+        factor: the machine factor (None: unknown, as on CUDA; the first round of every run of the first
+            workload measures it, see the module docstring).
         bar: draw a tqdm bar if ``stream`` can show one (see ``can_draw_bar``), else plain lines.
         stream: where plain lines and the bar go (default stderr).
         clock: seconds, monotonic (default ``time.perf_counter``; tests pass a fake one).
@@ -111,6 +116,8 @@ class Progress:
         self.factor = factor or 1.0
         self.total = estimate_s(self.jobs, self.factor)
         self.announced_total = self.total
+        #: the first total said, None until known (on CUDA: after the first round of every run)
+        self.first_total: float | None = None if factor is None else self.total
         self.corrections: list[tuple[float, float]] = []  # (elapsed s, corrected total s)
         self.stream = stream or sys.stderr
         self.clock = clock
@@ -119,6 +126,13 @@ class Progress:
         self.started = clock()
         self.last_line = self.started
         self.label = "starting"
+        # Without a reference the pace is the training rounds' own: their wall seconds (each from the
+        # ``where`` that starts it to its ``advance``) over their estimated seconds.
+        self.from_rounds = factor is None
+        self.rounds_wall = 0.0
+        self._rounds_seen = 0
+        self._first_rounds = sum(1 for job in self.jobs if job.workload == self.jobs[0].workload)
+        self._mark = self.started
         self._bar = self._make_bar() if bar and can_draw_bar(self.stream) else None
 
     def _make_bar(self) -> Any:
@@ -142,6 +156,7 @@ class Progress:
         if round_index is not None:
             label += f", round {round_index + 1} of {rounds}"
         self.label = label
+        self._mark = self.clock()
         if self._bar is not None:
             self._bar.set_description_str(label, refresh=True)
 
@@ -151,10 +166,17 @@ class Progress:
         ``measured``: the work was training rounds (not process starts or evaluation), whose pace is
         what the estimate is checked against.
         """
+        now = self.clock()
         self.done = min(self.done + estimated_s * self.factor, self.total)
         if measured:
             self.measured += estimated_s * self.factor
-        self._check_estimate()
+            self.rounds_wall += now - self._mark
+            self._rounds_seen += 1
+        self._mark = now
+        if self.first_total is None:
+            self._first_estimate()
+        else:
+            self._check_estimate()
         if self._bar is not None and not can_draw_bar(self.stream):
             self._bar.close()  # the terminal shrank to nothing: plain lines from now on
             self._bar = None
@@ -173,6 +195,29 @@ class Progress:
         if self._bar is not None:
             self._bar.total = round(self.total, 1)
         self.announced_total = self.projected_total_s()
+
+    def _first_estimate(self) -> None:
+        """Without a reference: once every run of the first workload has trained a round, the machine
+        factor is their pace, the plan is rescaled to it and its total is said."""
+        if self._rounds_seen < self._first_rounds or self.measured <= 0 or self.rounds_wall <= 0:
+            return
+        pace = self.rounds_wall / self.measured  # wall seconds per (reference) second
+        self.factor *= pace
+        self.total, self.done, self.measured = self.total * pace, self.done * pace, self.measured * pace
+        if self._bar is not None:
+            self._bar.total = round(self.total, 1)
+        self.first_total = self.announced_total = self.projected_total_s()
+        self._say(
+            f"estimate from the first round of each mode: about {format_duration(self.first_total)} in all, "
+            f"{format_duration(self.left_s())} left"
+        )
+
+    def pace(self) -> float:
+        """Wall seconds per reference second so far (the machine factor the runs showed): the whole
+        run's, or without a reference the training rounds' own. Call once some work is done."""
+        if self.from_rounds and self.measured > 0:
+            return self.factor * self.rounds_wall / self.measured
+        return self.factor * (self.clock() - self.started) / self.done
 
     def projected_total_s(self) -> float:
         """Elapsed seconds plus ``left_s``: the whole run's wall time at the pace so far."""
@@ -209,6 +254,10 @@ class Progress:
             self._line()
 
     def left_s(self) -> float:
+        """Seconds left at the pace so far: the whole run's (elapsed over work done), or without a
+        reference the training rounds' own (process starts on a GPU machine say nothing of its pace)."""
+        if self.from_rounds and self.measured > 0:
+            return (self.total - self.done) * self.rounds_wall / self.measured
         elapsed = self.clock() - self.started
         if self.done <= 0:
             return self.total
@@ -218,9 +267,13 @@ class Progress:
         self.last_line = self.clock()
         elapsed = self.last_line - self.started
         percent = 100.0 * self.done / self.total if self.total else 100.0
+        left = (
+            f"about {format_duration(self.left_s())} left"
+            if self.first_total is not None
+            else "time left known after the first round"
+        )
         print(
-            f"[{percent:3.0f}%] {self.label}; {format_duration(elapsed)} elapsed, "
-            f"about {format_duration(self.left_s())} left",
+            f"[{percent:3.0f}%] {self.label}; {format_duration(elapsed)} elapsed, {left}",
             file=self.stream,
             flush=True,
         )

@@ -242,21 +242,31 @@ def write_json(results: Sequence[Any], path: str | Path, runs_planned: int | Non
     return write_atomic(path, text)
 
 
-def write_log(results: Sequence[Any], path: str | Path, runs_planned: int | None = None) -> Path:
+def write_log(
+    results: Sequence[Any],
+    path: str | Path,
+    runs_planned: int | None = None,
+    running: Sequence[Any] = (),
+) -> Path:
     """JSON Lines, one object per training step with keys ``LOG_KEYS``, then the end-of-log trailer.
 
-    The whole file is replaced atomically (see ``mixprec._files``); its trailer
+    ``running``: runs still training (``workload``, ``mode``, ``history`` as a RunResult has them; see
+    ``schedule.Running``), whose steps so far follow the finished runs' (the bench rewrites the log
+    after every round). The whole file is replaced atomically (see ``mixprec._files``); its trailer
     ``{"end_of_log": {"records": N, "runs": R, "runs_planned": P}}`` tells ``mixprec report`` whether
-    the bench had finished (``R == P``).
+    the bench had finished (``R == P``); ``"running": U`` is added when ``U`` runs were still training.
     """
     lines: list[Mapping[str, Any]] = []
-    for r in results:
+    for r in [*results, *running]:
         for entry in r.history:
             record = {"workload": r.workload, "mode": r.mode, **entry}
             record["loss"] = _finite(record["loss"])
             lines.append({key: record.get(key) for key in LOG_KEYS})
     planned = len(results) if runs_planned is None else runs_planned
-    return write_atomic(path, jsonl_text(lines, runs=len(results), runs_planned=planned))
+    trailer = {"runs": len(results), "runs_planned": planned}
+    if running:
+        trailer["running"] = len(running)
+    return write_atomic(path, jsonl_text(lines, **trailer))
 
 
 def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path]) -> str:

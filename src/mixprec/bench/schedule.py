@@ -6,7 +6,9 @@ For one workload, every mode's run is started at once (each in a worker process 
 always first or last; then round ``r + 1``. A load that comes and goes during the bench thus lands on
 all modes of the workload, in time slices of a few steps, and ``mixprec.bench.stats`` pairs each
 mode's rounds with fp32's. Workloads run one after another; the results of each are handed to
-``on_workload_done`` as soon as it ends, so that they are saved before the next one starts. A time
+``on_workload_done`` as soon as it ends, so that they are saved before the next one starts, and after
+every round the steps so far of the runs still training go to ``on_round`` (the step log is rewritten
+then, so a bench stopped mid-workload keeps every round it finished). A time
 budget may shorten the running workload after any round (``cut``): every mode then stops at the same
 round, so the modes stay comparable.
 """
@@ -14,10 +16,12 @@ round, so the modes stay comparable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from mixprec.bench.progress import EVAL_S, START_S, Progress
 from mixprec.bench.runner import Job, RunFailed, RunResult
@@ -29,6 +33,20 @@ Rechoose = Callable[[list[Job]], list[Job]]
 #: Called after each round but the last with the workload's runs, the rounds run and the rounds planned;
 #: returns the rounds to run (never fewer than those run, never more than planned).
 Cut = Callable[[list[Job], int, int], int]
+
+
+@dataclass
+class Running:
+    """A run still training, as far as the step log needs it: its workload, mode label and the history
+    entries of the rounds it finished (the fields of a RunResult that ``report.write_log`` reads)."""
+
+    workload: str
+    mode: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+#: Called after each round with the results of the workloads done and the runs still training.
+Round = Callable[[list[RunResult], list[Running]], object]
 
 
 def group_by_workload(jobs: Sequence[Job]) -> list[list[Job]]:
@@ -55,14 +73,20 @@ def _failure(job: Job, exc: BaseException) -> str:
 
 
 def run_workload(
-    jobs: Sequence[Job], isolated: bool, progress: Progress, cut: Cut | None = None
+    jobs: Sequence[Job],
+    isolated: bool,
+    progress: Progress,
+    cut: Cut | None = None,
+    on_round: Callable[[list[Running]], object] | None = None,
 ) -> tuple[list[RunResult], list[str]]:
     """Run one workload's jobs in interleaved rounds; returns results (in ``jobs`` order) and failures.
 
     ``cut`` (the time budget's) may lower the rounds after each round; every run then stops at that
-    round and is evaluated on the steps it trained (its result's ``steps``)."""
+    round and is evaluated on the steps it trained (its result's ``steps``). ``on_round`` gets the runs
+    still training, with their steps so far, after each round."""
     failures: list[str] = []
     workers = {job: make_worker(job, isolated) for job in jobs}
+    running = {job: Running(job.workload, job.label) for job in jobs}
     shown = {job: job for job in jobs}  # the job as the progress knows it (its steps cut, after a cut)
     try:
         for worker in workers.values():
@@ -83,12 +107,14 @@ def run_workload(
             for job in rotation(list(active), round_index):
                 progress.where(shown[job], round_index, rounds)
                 try:
-                    workers[job].steps(size, round_index, progress.heartbeat)
+                    running[job].history += workers[job].steps(size, round_index, progress.heartbeat)
                 except Exception as exc:
                     failures.append(_failure(job, exc))
                     active.remove(job)
                 progress.advance(size * job.preset.cost_ms / 1e3, measured=True)
             round_index += 1
+            if on_round is not None:
+                on_round([running[job] for job in active])
             if cut is not None and active and round_index < rounds:
                 kept = min(rounds, max(round_index, cut([shown[job] for job in active], round_index, rounds)))
                 if kept < rounds:
@@ -124,11 +150,13 @@ def run_plan(
     on_workload_done: Done | None = None,
     rechoose: Rechoose | None = None,
     cut: Cut | None = None,
+    on_round: Round | None = None,
 ) -> tuple[list[RunResult], list[str]]:
     """Every workload in turn (see ``run_workload``); returns all results and failure messages.
 
     ``rechoose`` (the time budget's) may change the steps of the runs not started yet, before each
-    workload after the first; ``cut`` (the budget's too) may lower the rounds of the running one."""
+    workload after the first; ``cut`` (the budget's too) may lower the rounds of the running one;
+    ``on_round`` gets the finished results and the running runs after every round."""
     results: list[RunResult] = []
     failures: list[str] = []
     groups = group_by_workload(jobs)
@@ -137,7 +165,8 @@ def run_plan(
             remaining = [job for group in groups[index:] for job in group]
             groups[index:] = group_by_workload(rechoose(remaining))
         group = groups[index]
-        done, failed = run_workload(group, isolated, progress, cut)
+        rounds = None if on_round is None else functools.partial(on_round, list(results))
+        done, failed = run_workload(group, isolated, progress, cut, rounds)
         results += done
         failures += failed
         if on_workload_done is not None and done:

@@ -1,7 +1,8 @@
 """Where a run lives while the scheduler interleaves it with the other modes: a worker process or this one.
 
 A :class:`ProcessWorker` is one ``spawn``-ed process per (workload, mode) run, alive for the whole run and
-driven over a pipe: ``("steps", count, round)`` trains a round and answers its step times, ``("finish",)``
+driven over a pipe: ``("steps", count, round)`` trains a round and answers its steps' history entries
+(``Trainer.history``: step, round, loss, scale, skipped, step time), ``("finish",)``
 answers the :class:`~mixprec.bench.runner.RunResult` and ends the process. All the workers of a workload
 are alive at once but only one trains at a time (the others wait in ``recv``, using no CPU), so a change
 in the machine's load between rounds lands on every mode alike, while each run's peak resident memory is
@@ -36,8 +37,8 @@ class LocalWorker:
     def wait_ready(self, on_wait: Waiting | None = None) -> None:
         self._trainer = self._guard(lambda: Trainer(self.job, fresh_process=False))
 
-    def steps(self, count: int, round_index: int, on_wait: Waiting | None = None) -> list[float]:
-        return self._guard(lambda: self._trainer.steps(count, round_index))  # type: ignore[union-attr]
+    def steps(self, count: int, round_index: int, on_wait: Waiting | None = None) -> list[dict[str, Any]]:
+        return self._guard(lambda: _round(self._trainer, count, round_index))  # type: ignore[arg-type]
 
     def finish(self, on_wait: Waiting | None = None) -> RunResult:
         return self._guard(lambda: self._trainer.finish())  # type: ignore[union-attr]
@@ -54,6 +55,13 @@ class LocalWorker:
             ) from exc
 
 
+def _round(trainer: Trainer, count: int, round_index: int) -> list[dict[str, Any]]:
+    """Train a round; its steps' history entries (so the driver can log them as the rounds go)."""
+    before = len(trainer.history)
+    trainer.steps(count, round_index)
+    return trainer.history[before:]
+
+
 def _worker_main(job: Job, conn: Any) -> None:
     """The worker process: build the trainer, then answer ``steps`` and ``finish`` requests."""
     try:
@@ -62,7 +70,7 @@ def _worker_main(job: Job, conn: Any) -> None:
         while True:
             request = conn.recv()
             if request[0] == "steps":
-                conn.send(("ok", trainer.steps(request[1], request[2])))
+                conn.send(("ok", _round(trainer, request[1], request[2])))
             else:
                 conn.send(("ok", asdict(trainer.finish())))
                 return
@@ -94,7 +102,7 @@ class ProcessWorker:
     def wait_ready(self, on_wait: Waiting | None = None) -> None:
         self._answer(on_wait)
 
-    def steps(self, count: int, round_index: int, on_wait: Waiting | None = None) -> list[float]:
+    def steps(self, count: int, round_index: int, on_wait: Waiting | None = None) -> list[dict[str, Any]]:
         self._send(("steps", count, round_index))
         return self._answer(on_wait)
 

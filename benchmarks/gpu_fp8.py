@@ -1,0 +1,411 @@
+"""fp8 training speed in one process: bf16, torchao and mixprec float8, eager and compiled, side by side.
+
+The model is the bench's ``CharGPT`` (pre-LN blocks, 4x GELU MLP, SDPA attention), 2 layers of width 4096,
+32 heads, context 2048, batch 4, vocabulary 256 (403M parameters) on ``--device cuda``; a toy of width 64
+on ``--device cpu`` (what ``benchmarks/gpu.sh --dry-run`` runs). Parameters are bf16 (no autocast), the
+optimizer torch's AdamW (fused on CUDA). Configs, in this order:
+
+- ``bf16``: the model as it is;
+- ``torchao tensorwise`` / ``torchao rowwise``: ``torchao.float8.convert_to_float8_training`` with
+  ``Float8LinearConfig.from_recipe_name`` (left out, with the import error, where torchao does not import);
+- ``mixprec tensorwise`` / ``mixprec rowwise``: ``mixprec.float8.convert_to_float8_training`` with
+  ``Float8Config.from_recipe_name``;
+
+every Linear converted but the output head, in both libraries. Each config runs eager, then compiled:
+each transformer block ``.compile()``-d (torch's regional compilation: the two blocks share one compiled
+graph, so a config's warm-up compiles once; ``--compile-backend``, default inductor on CUDA and
+aot_eager on a CPU, where inductor's C++ build would take minutes).
+
+A step is what a user pays for: zero_grad, forward, cross-entropy, backward and AdamW's step, timed by the
+wall clock between two synchronizes. After ``--warmup`` untimed steps per config (the compile happens
+there; its seconds are reported), ``--rounds`` rounds each run ``--steps`` steps of every config in
+turn, the order rotated each round, so a change in the machine's speed lands on all alike. Reported per
+config: the median over rounds of the round's median step time and the range of the round medians; the
+ratio to bf16 (same eager/compiled) paired round by round (median, range); the transient memory of a
+step, ``torch.cuda.max_memory_allocated`` during the step minus the memory allocated before it (the
+activations and temporaries; weights, gradients kept by ``set_to_none`` zeroing aside); the graph breaks
+Dynamo counted while compiling it. Then the GEMM level, at ``--gemm-shape`` (8192^3 on CUDA): one
+``nn.Linear``'s forward and both backward GEMMs with their quantization, per format, timed by
+``benchmarks/plan_cost.py``'s ``measure`` (``mixprec.plan.cost.MeasuredCost``: interleaved repeats,
+median and IQR), relative to bf16.
+
+A config that fails (to convert, to compile, in a step) gets its row with the error and the others go on.
+``--json`` is rewritten after every round and every row (``benchmarks/checkpoint.py``; ``"partial"``
+until the end, also on SIGTERM), and ``--budget-s`` makes the script itself stop starting compiles that
+would not finish in time (a skipped config says so), so a time limit loses at most the round in progress.
+Exit code 1 if a config failed.
+
+Usage::
+
+    python benchmarks/gpu_fp8.py --device cuda --budget-s 85 --json fp8.json
+    python benchmarks/gpu_fp8.py --device cpu                 # the toy, eager and aot_eager-compiled
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.bench.models import CharGPT
+from mixprec.float8 import Float8Config
+from mixprec.float8 import convert_to_float8_training as mixprec_convert
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan_cost  # a sibling script, not a package: its GEMM timing is reused, not copied
+from checkpoint import STOPPED, stop_on_sigterm, write_json
+
+GIB = 2**30
+VOCAB = 256
+SIZES = {
+    "cuda": {"width": 4096, "layers": 2, "heads": 32, "context": 2048, "batch": 4},
+    "cpu": {"width": 64, "layers": 2, "heads": 2, "context": 32, "batch": 2},
+}
+CONFIGS = (
+    ("bf16", None),
+    ("mixprec", "tensorwise"),
+    ("torchao", "tensorwise"),
+    ("mixprec", "rowwise"),
+    ("torchao", "rowwise"),
+)
+GEMM_FORMATS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_rowwise_gw_hp")
+GEMM_SHAPE = {"cuda": "8192,8192,8192", "cpu": "64,64,64"}
+#: A guess at one config's compile warm-up before any has run (seconds), for ``--budget-s``.
+FIRST_COMPILE_GUESS_S = {"cuda": 25.0, "cpu": 10.0}
+#: Seconds kept for the compiled configs' rounds when deciding whether one more compile fits.
+ROUNDS_RESERVE_S = {"cuda": 6.0, "cpu": 2.0}
+
+
+def _not_head(module: nn.Module, fqn: str) -> bool:
+    return fqn != "head"
+
+
+def convert(library: str, recipe: str | None, model: nn.Module, device: torch.device) -> None:
+    """Swap ``model``'s Linear layers (the head aside) for ``library``'s fp8 ones of ``recipe``."""
+    if library == "mixprec":
+        mixprec_convert(model, config=Float8Config.from_recipe_name(recipe), module_filter_fn=_not_head)
+    elif library == "torchao":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchao warns about its optional C extensions
+            from torchao.float8 import Float8LinearConfig
+            from torchao.float8 import convert_to_float8_training as torchao_convert
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if device.type != "cuda":
+            config = dataclasses.replace(config, emulate=True)  # no fp8 GEMM on a CPU
+        torchao_convert(model, config=config, module_filter_fn=_not_head)
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+class Config:
+    """One (library, recipe, eager or compiled) model with its optimizer and fixed batch (:meth:`build`)."""
+
+    def __init__(self, library: str, recipe: str | None, compiled: bool, device: torch.device) -> None:
+        self.library, self.recipe, self.compiled, self.device = library, recipe, compiled, device
+        self.name = f"{library} {recipe}" if recipe else library
+        self.times: dict[int, list[float]] = {}  # round -> step seconds
+        self.transient: list[int] = []
+        self.warmup_s: float | None = None
+        self.graph_breaks: int | None = None
+        self.error: str | None = None
+
+    def build(self, args: argparse.Namespace) -> None:
+        size = SIZES[self.device.type]
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            model = CharGPT(VOCAB, size["context"], size["width"], size["layers"], size["heads"])
+        self.model = model.to(torch.bfloat16)
+        convert(self.library, self.recipe, self.model, self.device)
+        if self.compiled:
+            for block in self.model.blocks:
+                block.compile(backend=args.compile_backend)
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **fused)
+        gen = torch.Generator(self.device).manual_seed(1)
+        shape = (size["batch"], size["context"] + 1)
+        tokens = torch.randint(0, VOCAB, shape, generator=gen, device=self.device)
+        self.x, self.y = tokens[:, :-1], tokens[:, 1:]
+
+    def step(self) -> tuple[float, int]:
+        """One training step: its wall seconds and its transient bytes (CUDA; 0 on a CPU)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(self.x)
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), self.y.reshape(-1))
+        loss.backward()
+        self.optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        transient = torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{self.name}: loss {loss.item()} after {len(self.transient)} steps")
+        return seconds, transient
+
+    def warm_up(self, steps: int) -> None:
+        breaks = _graph_breaks()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        self.warmup_s = time.perf_counter() - start
+        if self.compiled:
+            self.graph_breaks = _graph_breaks() - breaks
+
+    def run_round(self, index: int, steps: int) -> None:
+        for _ in range(steps):
+            seconds, transient = self.step()
+            self.times.setdefault(index, []).append(seconds)
+            self.transient.append(transient)
+
+    def release(self) -> None:
+        """Drop the model and optimizer (their memory goes back to the allocator)."""
+        self.model = self.optimizer = None  # type: ignore[assignment]
+
+
+def _range(values: list[float]) -> list[float]:
+    return [min(values), max(values)] if values else []
+
+
+def row(config: Config, reference: Config | None) -> dict[str, Any]:
+    """The config's row: medians over rounds, the paired ratio to ``reference`` (bf16), memory."""
+    out: dict[str, Any] = {"config": config.name, "library": config.library, "recipe": config.recipe}
+    out.update(compiled=config.compiled, warmup_s=config.warmup_s, graph_breaks=config.graph_breaks)
+    if config.error is not None:
+        out["error"] = config.error
+    medians = {r: statistics.median(t) for r, t in config.times.items()}
+    if not medians:
+        return out
+    out.update(rounds=len(medians), step_ms=statistics.median(medians.values()) * 1e3)
+    out["step_ms_range"] = [v * 1e3 for v in _range(list(medians.values()))]
+    if config.device.type == "cuda":
+        out["transient_gib"] = statistics.median(config.transient) / GIB
+    if reference is not None and reference.times:
+        theirs = {r: statistics.median(t) for r, t in reference.times.items()}
+        ratios = [medians[r] / theirs[r] for r in medians if r in theirs]
+        if ratios:
+            out.update(vs_bf16=statistics.median(ratios), vs_bf16_range=_range(ratios))
+    return out
+
+
+def _error(exc: BaseException) -> str:
+    """``Type: message`` in one line (a compile error's message is its last line), at most 2000 characters."""
+    lines = "".join(traceback.format_exception_only(exc)).strip().splitlines()
+    return (lines[-1] if lines else type(exc).__name__)[:2000]
+
+
+def _attempt(config: Config, call: Callable[[], object]) -> bool:
+    """``call()``; on an error it is the config's, its memory is freed and False is returned."""
+    try:
+        call()
+        return True
+    except Exception as exc:  # one failing config (a compile error, an fp8 kernel) must not stop the rest
+        config.error = _error(exc)
+        print(f"gpu_fp8: {config.name}{' compiled' if config.compiled else ''} failed: {config.error}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        config.release()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return False
+
+
+class Results:
+    """Every row so far, written to ``--json`` whole after each change."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        device = torch.device(args.device)
+        self.path = args.json
+        self.meta: dict[str, Any] = {"device": str(device), "torch": torch.__version__, **SIZES[device.type]}
+        self.meta.update(vocab=VOCAB, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+        self.meta.update(compile_backend=args.compile_backend, dtype="bfloat16 parameters, no autocast")
+        if device.type == "cuda":
+            self.meta["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            import torchao
+
+            self.meta["torchao"] = torchao.__version__
+        except Exception as exc:
+            self.meta["torchao"] = None
+            self.meta["torchao_error"] = _error(exc)
+        self.configs: dict[bool, list[Config]] = {False: [], True: []}
+        self.skipped: list[dict[str, Any]] = []
+        self.gemm: list[dict[str, Any]] = []
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for compiled in (False, True):
+            reference = next((c for c in self.configs[compiled] if c.library == "bf16"), None)
+            out += [row(c, reference) for c in self.configs[compiled]]
+        return out + self.skipped
+
+    def save(self, partial: str | None) -> None:
+        write_json(self.path, {"meta": self.meta, "rows": self.rows(), "gemm": self.gemm}, partial)
+
+
+def run_configs(results: Results, compiled: bool, args: argparse.Namespace, started: float) -> None:
+    """Build and warm up each config (compiled ones while ``--budget-s`` leaves time for a compile like
+    the longest so far), then the interleaved rounds."""
+    device = torch.device(args.device)
+    warmups: list[float] = []
+    for library, recipe in args.configs:
+        config = Config(library, recipe, compiled, device)
+        label = f"{config.name}{' compiled' if compiled else ''}"
+        if library == "torchao" and results.meta["torchao"] is None:
+            results.skipped.append(
+                {"config": config.name, "compiled": compiled, "skipped": "torchao does not import"}
+            )
+            continue
+        left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
+        guess = max(warmups, default=FIRST_COMPILE_GUESS_S[device.type])
+        if compiled and left is not None and left < 1.2 * guess + ROUNDS_RESERVE_S[device.type]:
+            why = f"budget: {left:.0f} s of {args.budget_s:.0f} left, a compiled warm-up took {guess:.0f} s"
+            results.skipped.append({"config": config.name, "compiled": compiled, "skipped": why})
+            results.save(f"running: {label} skipped")
+            continue
+        results.configs[compiled].append(config)
+        if _attempt(config, lambda c=config: c.build(args)) and _attempt(
+            config, lambda c=config: c.warm_up(args.warmup)
+        ):
+            warmups.append(config.warmup_s or 0.0)
+        results.save(f"running: {label} warmed up")
+    active = [c for c in results.configs[compiled] if c.error is None]
+    for index in range(args.rounds):
+        shift = index % len(active) if active else 0
+        for config in active[shift:] + active[:shift]:
+            _attempt(config, lambda c=config, i=index: c.run_round(i, args.steps))
+        active = [c for c in active if c.error is None]
+        results.save(f"running: {'compiled' if compiled else 'eager'} round {index + 1} of {args.rounds}")
+    for config in results.configs[compiled]:
+        config.release()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_gemm(results: Results, args: argparse.Namespace) -> None:
+    """The GEMM level: plan_cost's measure at ``--gemm-shape`` (one shape, every format interleaved)."""
+    shape = tuple(int(v) for v in args.gemm_shape.split(","))
+    options = argparse.Namespace(device=args.device, warmup=args.gemm_warmup, repeats=args.gemm_repeats)
+    try:
+        rows, _ = plan_cost.measure([("gemm", shape)], list(GEMM_FORMATS), options)
+    except Exception as exc:
+        results.gemm = [{"shape": list(shape), "error": _error(exc)}]
+        return
+    results.gemm = [
+        {k: r.get(k) for k in ("format", "shape", "median_s", "iqr_s", "relative_to_bf16", "error")}
+        for r in rows
+    ]
+
+
+def _print(results: Results) -> None:
+    meta = results.meta
+    print(
+        f"{meta.get('gpu', meta['device'])}, torch {meta['torch']}, torchao {meta['torchao']}; GPT "
+        f"{meta['layers']} x d={meta['width']}, seq {meta['context']}, batch {meta['batch']}; step = "
+        f"fwd+bwd+AdamW, median of {meta['rounds']} interleaved rounds [range]; transient: peak - before"
+    )
+    print(f"{'config':20} {'mode':9} {'step ms':>9} {'range':>17} {'x bf16':>6} {'range':>13} "
+          f"{'GiB':>6} {'warm-up s':>9} {'breaks':>6}")  # fmt: skip
+    for r in results.rows():
+        mode = "compiled" if r["compiled"] else "eager"
+        if "skipped" in r or "error" in r or "step_ms" not in r:
+            print(f"{r['config']:20} {mode:9} {r.get('skipped') or 'FAILED: ' + str(r.get('error'))}")
+            continue
+        ratio = f"{r['vs_bf16']:.3f}" if "vs_bf16" in r else "-"
+        spread = "{:.3f}-{:.3f}".format(*r["vs_bf16_range"]) if "vs_bf16_range" in r else "-"
+        gib = f"{r['transient_gib']:.2f}" if "transient_gib" in r else "-"
+        breaks = "-" if r["graph_breaks"] is None else str(r["graph_breaks"])
+        times = "{:.2f}-{:.2f}".format(*r["step_ms_range"])
+        print(f"{r['config']:20} {mode:9} {r['step_ms']:9.2f} {times:>17} {ratio:>6} {spread:>13} {gib:>6} "
+              f"{r['warmup_s']:9.1f} {breaks:>6}")  # fmt: skip
+    for g in results.gemm:
+        if g.get("error") or g.get("median_s") is None:
+            print(f"GEMM {g.get('format', '-')}: FAILED: {g.get('error')}")
+        else:
+            ratio = "-" if g["relative_to_bf16"] is None else f"{g['relative_to_bf16']:.2f}x bf16"
+            print(f"GEMM fwd+bwd {','.join(map(str, g['shape']))} {g['format']:18} "
+                  f"{g['median_s'] * 1e3:8.3f} ms  {ratio}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (cuda 5, cpu 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per config per round (cuda 3, cpu 1)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per config (the compile)")
+    parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
+    names = ["-".join(filter(None, c)) for c in CONFIGS]
+    parser.add_argument("--configs", default=",".join(names), help=f"a subset of {names}")
+    parser.add_argument(
+        "--compile-backend", default=None, help="torch.compile backend (cuda inductor, cpu aot_eager)"
+    )
+    parser.add_argument(
+        "--gemm-shape", default=None, help="M,N,K of the GEMM level (cuda 8192^3; '' to skip)"
+    )
+    parser.add_argument("--gemm-warmup", type=int, default=2)
+    parser.add_argument("--gemm-repeats", type=int, default=10)
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="start no compile that would end past this"
+    )
+    parser.add_argument("--json", help="write the rows here (after every round and row)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    args.rounds = args.rounds or (5 if cuda else 2)
+    args.steps = args.steps or (3 if cuda else 1)
+    args.compile_backend = args.compile_backend or ("inductor" if cuda else "aot_eager")
+    args.gemm_shape = GEMM_SHAPE[device.type] if args.gemm_shape is None else args.gemm_shape
+    chosen = [c for c in args.configs.split(",") if c]
+    if not chosen or set(chosen) - set(names):
+        parser.error(f"--configs takes a subset of {names}, got {args.configs!r}")
+    args.configs = [c for c, name in zip(CONFIGS, names, strict=True) if name in chosen]
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"eager", "compiled"}:
+        parser.error(f"--modes takes eager, compiled or both, got {args.modes!r}")
+    dynamo = torch._dynamo.config  # five compiled configs share Block.forward: one cache entry each
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
+    started = time.perf_counter()
+    stop_on_sigterm()
+    results = Results(args)
+    results.save("running: starting")
+    try:
+        if "eager" in modes:
+            run_configs(results, False, args, started)
+        if args.gemm_shape:
+            run_gemm(results, args)
+            results.save("running: GEMM level done")
+        if "compiled" in modes:
+            run_configs(results, True, args, started)
+    except KeyboardInterrupt as exc:
+        why = STOPPED if str(exc) == STOPPED else "interrupted"
+        results.save(f"{why} after {time.perf_counter() - started:.0f} s")
+        _print(results)
+        return 124
+    results.meta["seconds"] = round(time.perf_counter() - started, 1)
+    results.save(None)
+    _print(results)
+    failed = [r for r in results.rows() if "error" in r] + [g for g in results.gemm if g.get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
