@@ -104,7 +104,8 @@ class DeviceGenerators:
                 raise TypeError(
                     f"{what}[{key!r}] must be a 1-D uint8 tensor (a generator state), got {value!r:.80}"
                 )
-            value = value.detach().to("cpu", copy=True)
+            if value.device.type != "cpu":  # set_state copies a host tensor itself; a uint8 one has no grad
+                value = value.to("cpu")
             try:
                 generator = torch.Generator(device=device)
             except RuntimeError:  # no such device in this process: kept, set when it is made

@@ -7,9 +7,9 @@ Autograd's engine does not run under fake CUDA, so ``Tensor.backward`` is replac
 times the (scaled) loss, as ``fake_cuda.loops`` sets them; the layers' own backward kernels are the float8
 and lowbit tiers' concern (``test_float8_cuda.py``, ``test_lowbit_kernels.py``). The data sets are
 stand-ins of the shapes and dtypes ``mixprec.bench.data`` loads (a fake tensor holds no values, and
-scikit-learn is not in the fake tier's environment). ``benchmarks/lowbit_lm.py`` hands its recipes a host
-stochastic-rounding generator, which a CUDA layer refuses: those cases xfail strictly until issue 39
-item 2 lands (branch ``gens``).
+scikit-learn is not in the fake tier's environment). ``benchmarks/lowbit_lm.py``'s recipes draw their
+stochastic rounding on the model's device (a host generator, which a CUDA layer refuses, was issue 39's
+item 2).
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ from mixprec.bench.modes import MODES
 from mixprec.bench.workloads import WORKLOADS
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-GENERATOR_XFAIL = pytest.mark.xfail(
-    strict=True, raises=ValueError, reason="issue 39 item 2: generator device, fixed on branch gens"
-)
 
 
 def _script(name: str) -> Any:
@@ -140,13 +137,8 @@ def test_precision_paths_build_and_step_on_cuda(fake_hopper, path: str) -> None:
                 optimizer.step()
 
 
-def _lowbit_lm_modes() -> list[Any]:
-    # lowbit_lm builds every recipe with a host generator, which a CUDA layer refuses (item 2)
-    return [pytest.param(m, marks=() if m == "bf16" else GENERATOR_XFAIL) for m in LOWBIT_LM.MODES]
-
-
 @pytest.mark.parametrize("task", ["lm", "teacher"])
-@pytest.mark.parametrize("mode", _lowbit_lm_modes())
+@pytest.mark.parametrize("mode", LOWBIT_LM.MODES)
 def test_lowbit_lm_sets_up_and_steps_on_cuda(fake_hopper, mode: str, task: str) -> None:
     script = LOWBIT_LM
     x, y = torch.randn(256, 64), torch.randint(10, (256,))  # the teacher task's shapes (sampling its
