@@ -50,11 +50,12 @@ def convert_to_lowbit_training(
         module_filter_fn: see above (default: convert all).
         linear_types: the exact module types to convert, each a subclass of ``nn.Linear``.
         generator: the ``torch.Generator`` stochastic rounding draws from (shared by the converted modules),
-            on their weights' device. None (the default): the converted modules share one set of their
-            own generators, each made on the device it first draws on, from ``seed``, so a model moved by
-            ``.to()`` after conversion draws on its new device (see :class:`LowbitLinear`). A recipe that
-            draws nothing (``sr`` off) never uses or checks a generator.
-        seed: the seed of those generators (default ``torch.initial_seed()``); only without ``generator``.
+            on their weights' device. None (the default): torch's default generator of the device the
+            modules run on, or, with ``seed``, one set of their own generators, each made on the device it
+            first draws on (see :class:`LowbitLinear`). A recipe that draws nothing (``sr`` off) never
+            uses or checks a generator.
+        seed: the seed of those generators (default None: torch's default generator); only without
+            ``generator``.
 
     Returns:
         ``model``, or a new :class:`LowbitLinear` / :class:`LowbitConv1D` when ``model`` itself is converted.
@@ -78,7 +79,7 @@ def convert_to_lowbit_training(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     recipe, generator, seed = _check(recipe, generator, seed)
-    shared = DeviceGenerators(seed)
+    shared = None if seed is None else DeviceGenerators(seed)
     if not isinstance(linear_types, tuple) or not all(
         isinstance(t, type) and issubclass(t, nn.Linear) for t in linear_types
     ):
@@ -149,7 +150,7 @@ def sr_state_dict(model: nn.Module) -> dict[str, Any]:
     seen: set[int] = set()
     for fqn, module in lowbit_linears(model):
         source = _source(module)
-        if id(source) not in seen:
+        if source is not None and id(source) not in seen:
             seen.add(id(source))
             out[fqn] = _state_of(source)
     return out
@@ -176,7 +177,8 @@ def load_sr_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
         )
     sources = {}
     for fqn, module in lowbit_linears(model):
-        sources.setdefault(id(_source(module)), (fqn, _source(module)))
+        if _source(module) is not None:
+            sources.setdefault(id(_source(module)), (fqn, _source(module)))
     expected = [fqn for fqn, _ in sources.values()]
     if sorted(state) != sorted(expected):
         raise ValueError(
@@ -191,7 +193,8 @@ def load_sr_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
             source.seed = value["seed"]
 
 
-def _source(module: LowbitLinear | LowbitConv1D) -> torch.Generator | DeviceGenerators:
+def _source(module: LowbitLinear | LowbitConv1D) -> torch.Generator | DeviceGenerators | None:
+    """What ``module`` draws from: a given generator, its own generators, or None (torch's default)."""
     return module.generator if module.generator is not None else module.sr_generators
 
 

@@ -29,12 +29,12 @@ class LowbitLinear(nn.Linear):
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         recipe: a :class:`Recipe` or a recipe string (default ``"fp8_rowwise"``).
         generator: the ``torch.Generator`` stochastic rounding draws from, on the layer's device
-            (``torch.rand`` cannot draw CUDA noise from a CPU generator). None (the default): the layer's
-            own generators, one made on each device at its first draw there from ``seed``, so the layer
-            draws on its weight's device after ``.to()`` / ``.cuda()`` too (``mixprec.lowbit.sr``). A
-            recipe that draws nothing (``sr`` off) never uses or checks a generator.
-        seed: the seed of the layer's own generators (default ``torch.initial_seed()``); only without
-            ``generator``.
+            (``torch.rand`` cannot draw CUDA noise from a CPU generator). None (the default): torch's
+            default generator of the device the layer runs on (the RNG state trainers checkpoint), or,
+            with ``seed``, the layer's own generators, one made on each device at its first draw there
+            (``mixprec.lowbit.sr``). A recipe that draws nothing (``sr`` off) never uses or checks one.
+        seed: the seed of the layer's own generators (default None: torch's default generator); only
+            without ``generator``.
 
     Raises:
         ValueError, TypeError: for a bad recipe, generator or seed, both a generator and a seed, or,
@@ -60,7 +60,7 @@ class LowbitLinear(nn.Linear):
         check_layer_generator(recipe, generator, torch.empty(0, device=device).device, "the layer's weight")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe, self.generator = recipe, generator
-        self.sr_generators = DeviceGenerators(seed)
+        self.sr_generators = None if seed is None else DeviceGenerators(seed)
 
     @classmethod
     def from_linear(
@@ -85,7 +85,7 @@ class LowbitLinear(nn.Linear):
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, generator=generator)
         new.weight, new.bias = linear.weight, linear.bias
-        new.sr_generators = DeviceGenerators(seed)
+        new.sr_generators = None if seed is None else DeviceGenerators(seed)
         new.train(linear.training)
         return new
 
@@ -169,7 +169,7 @@ class LowbitConv1D(Conv1DShape, nn.Module):
         check_layer_generator(recipe, generator, weight.device, "the layer's weight")
         super().__init__()
         self.recipe, self.generator = recipe, generator
-        self.sr_generators = DeviceGenerators(seed)
+        self.sr_generators = None if seed is None else DeviceGenerators(seed)
         self._hold(weight, bias)
         self.train(conv1d.training)
 
@@ -211,7 +211,7 @@ def _check(
             f"give a generator or a seed, not both (got generator={generator!r} and seed={seed!r}): the seed "
             "seeds the generators a layer makes itself when it is given none"
         )
-    return resolved, generator, torch.initial_seed() if seed is None else check_seed(seed)
+    return resolved, generator, None if seed is None else check_seed(seed)
 
 
 register_converted(LowbitLinear, lambda m: f"LowbitLinear, recipe {m.recipe}")

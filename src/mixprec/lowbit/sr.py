@@ -6,14 +6,14 @@ Only a recipe with stochastic rounding on a quantized gradient operand draws (:f
 A layer that draws takes the generator it was given (``generator=``), which must be on its weight's
 device: a CUDA layer's noise cannot come from a CPU generator (``torch.rand`` refuses it), so one on another
 device is refused, at construction and at a forward after ``.to()``, with a ``ValueError`` naming both
-devices (:func:`check_generator_device`). Without one it draws from its own
-:class:`~mixprec._generators.DeviceGenerators`: on each device a generator made at its first draw there,
-seeded with the layer's ``seed`` (default ``torch.initial_seed()``, so ``torch.manual_seed`` makes a run
-reproducible), so a layer moved by ``.to()`` / ``.cuda()`` draws on its new device.
+devices (:func:`check_generator_device`). Without one it draws from torch's default generator of the
+device it runs on (so it follows ``.to()`` / ``.cuda()``, and trainers that checkpoint torch's RNG states
+resume it bitwise); with a ``seed`` instead, from its own :class:`~mixprec._generators.DeviceGenerators`:
+on each device a generator made at its first draw there from that seed.
 
-Under ``torch.compile`` a layer without a generator draws from torch's default generator of its device
-(Dynamo cannot trace a ``torch.Generator`` argument, and compiled random ops are Inductor's own, seeded
-from it): compiled and eager runs round the same way in distribution, not bit for bit.
+Under ``torch.compile`` a layer with a ``seed`` draws from torch's default generator of its device
+(Dynamo cannot make a ``torch.Generator`` in a graph): compiled and eager runs of such a layer round the
+same way in distribution, not bit for bit.
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ def check_layer_generator(
 
 
 def sr_generator(
-    recipe: Recipe, generator: torch.Generator | None, generators: DeviceGenerators, device: torch.device
+    recipe: Recipe,
+    generator: torch.Generator | None,
+    generators: DeviceGenerators | None,
+    device: torch.device,
 ) -> torch.Generator | None:
     """The generator a forward on ``device`` hands to the GEMMs (None where nothing is drawn).
 
@@ -79,6 +82,6 @@ def sr_generator(
     if generator is not None:
         check_generator_device(generator, device, "the input")
         return generator
-    if torch.compiler.is_compiling():
+    if generators is None or torch.compiler.is_compiling():
         return None  # torch's default generator of the device (see the module doc)
     return generators.on(device)
