@@ -110,7 +110,7 @@ def convert_to_lowbit_training(
 
 
 def _lowbit_module(
-    module: nn.Module, recipe: Recipe, generator: torch.Generator | None, shared: DeviceGenerators
+    module: nn.Module, recipe: Recipe, generator: torch.Generator | None, shared: DeviceGenerators | None
 ) -> nn.Module:
     """The low-bit layer replacing ``module`` (a ``Conv1D`` keeps its (in, out) weight Parameter), drawing
     from ``generator`` or else from the generators the call's layers share."""
@@ -175,10 +175,11 @@ def load_sr_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
         raise TypeError(
             f"state must be a dict fqn -> generator state, as sr_state_dict returns, got {state!r:.80}"
         )
-    sources = {}
+    sources: dict[int, tuple[str, torch.Generator | DeviceGenerators]] = {}
     for fqn, module in lowbit_linears(model):
-        if _source(module) is not None:
-            sources.setdefault(id(_source(module)), (fqn, _source(module)))
+        source = _source(module)
+        if source is not None:
+            sources.setdefault(id(source), (fqn, source))
     expected = [fqn for fqn, _ in sources.values()]
     if sorted(state) != sorted(expected):
         raise ValueError(

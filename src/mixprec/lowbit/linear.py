@@ -201,8 +201,9 @@ def _lowbit_linear(
 
 def _check(
     recipe: Recipe | str, generator: object, seed: object
-) -> tuple[Recipe, torch.Generator | None, int]:
-    """The recipe resolved, the generator checked and the seed of the layer's own generators."""
+) -> tuple[Recipe, torch.Generator | None, int | None]:
+    """The recipe resolved, the generator checked and the seed of the layer's own generators (None:
+    torch's default generator draws)."""
     resolved = get_recipe(recipe)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

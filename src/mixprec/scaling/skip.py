@@ -256,7 +256,7 @@ class SkipMonitor:
         else:
             self._bound = run
         run += pending
-        if run < self.warn_after:
+        if self.warn_after is None or run < self.warn_after:  # may_warn ruled out None; mypy cannot see it
             return
         self._warned = True
         scale = scale() if callable(scale) else scale
