@@ -1,5 +1,5 @@
 """`mixprec report` (mixprec.bench.report_command) and mixprec.bench.write_report on bench's files: a
-`mixprec bench --log` JSON Lines log, a `--json` list, errors; and the old inspect paths, which warn."""
+`mixprec bench --log` JSON Lines log, a `--json` list, errors; and inspect's readers, which refuse them."""
 
 import json
 import subprocess
@@ -126,8 +126,8 @@ def test_bench_write_report_hands_a_scaler_log_to_inspect(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["log", "json", "folder"])
-def test_inspect_write_report_of_a_bench_file_warns_and_writes_the_same(kind, tmp_path):
-    """The old path, for one release: mixprec.inspect.write_report / report.incomplete given a bench file."""
+def test_inspect_readers_refuse_a_bench_file_and_name_mixprec_report(kind, tmp_path):
+    """inspect does not import bench: given a bench file, its readers say which command reads it."""
     from mixprec.inspect import write_report as inspect_write_report
     from mixprec.inspect.report import incomplete as inspect_incomplete
 
@@ -141,27 +141,18 @@ def test_inspect_write_report_of_a_bench_file_warns_and_writes_the_same(kind, tm
         path.mkdir()
         (path / "bench.json").write_text(json.dumps([{**_bench_record("fp32", 9.0, 1.0), "runs_planned": 2}]))
         _bench_log(path / "steps.jsonl")
-    new = mixprec.bench.write_report(path, tmp_path / "new")
-    with pytest.warns(DeprecationWarning, match=r"deprecated: call mixprec\.bench\.write_report"):
-        old = inspect_write_report(path, tmp_path / "old")
-    assert _files(old) == _files(new) and len(new) >= 2
-    with pytest.warns(DeprecationWarning, match=r"deprecated: call mixprec\.bench\.incomplete"):
-        assert inspect_incomplete(path) == incomplete(path)
+    refused = r"is a `mixprec bench` file .* use `mixprec report .*` or mixprec\.bench\."
+    with pytest.raises(ValueError, match=refused + "write_report"):
+        inspect_write_report(path, tmp_path / "old")
+    assert not (tmp_path / "old").exists()  # refused before writing anything
+    with pytest.raises(ValueError, match=refused + "incomplete"):
+        inspect_incomplete(path)
+    written = mixprec.bench.write_report(path, tmp_path / "new")  # what the message points at reads it
+    assert len(written) >= 2 and written[-1].name == "summary.md"
     assert (incomplete(path) is not None) == (kind == "folder")  # 1 of 2 planned runs in bench.json
 
 
-def test_the_report_command_and_readers_moved_to_bench_and_the_old_names_warn():
-    import mixprec.inspect.cli as old
-
-    for name in ("REPORT_HELP", "add_report_arguments", "run_report", "report_main"):
-        with pytest.warns(DeprecationWarning, match=f"moved to mixprec.bench.report_command.{name}"):
-            assert getattr(old, name) is getattr(cli, name)
-    import mixprec.bench.results
-    import mixprec.inspect.report as old_report
-
-    for name in ("BENCH_FILE", "BENCH_KEYS", "BENCH_LOG", "UNFINISHED", "load_bench_json"):
-        with pytest.warns(DeprecationWarning, match=f"moved to mixprec.bench.results.{name}"):
-            assert getattr(old_report, name) is getattr(mixprec.bench.results, name)
+def test_the_report_command_is_bench_s():
     from mixprec import cli as top_cli
 
     assert top_cli.SUBCOMMANDS["report"] == (

@@ -119,17 +119,3 @@ def test_examples_run(name, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [name, str(tmp_path)])
     runpy.run_path(str(EXAMPLES / name), run_name="__main__")
     assert capsys.readouterr().out
-
-
-def test_the_bench_report_names_moved_to_bench_and_the_old_path_warns():
-    import mixprec.bench.plots
-    import mixprec.bench.report
-    import mixprec.inspect.bench_report as old
-
-    with pytest.warns(DeprecationWarning, match="moved to mixprec.bench.report.bench_summary"):
-        assert old.bench_summary is mixprec.bench.report.bench_summary
-    with pytest.warns(DeprecationWarning, match="moved to mixprec.bench.plots.plot_bench_log"):
-        from mixprec.inspect.bench_report import plot_bench_log
-    assert plot_bench_log is mixprec.bench.plots.plot_bench_log
-    with pytest.raises(AttributeError, match="no attribute 'plot_everything'"):
-        old.plot_everything  # noqa: B018

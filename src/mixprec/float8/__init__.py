@@ -25,7 +25,6 @@ Example::
 The per-layer fp8 diagnostics are :func:`mixprec.inspect.fp8_report`.
 """
 
-from mixprec._moved import install
 from mixprec.float8.config import (
     CastConfig,
     Float8Config,
@@ -68,7 +67,3 @@ __all__ = [
     "skip_fqns",
     "sync_float8_amax_history",
 ]
-
-# ``mixprec.float8.casts``, torchao's per-operand vocabulary, is in ``config.py`` now (as in torchao), for
-# one release (see :mod:`mixprec._moved`).
-__getattr__ = install(__name__, {"casts": "mixprec.float8.config"}, {})

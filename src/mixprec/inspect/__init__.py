@@ -13,13 +13,9 @@
   pictures and a run log's report (bench's files are :func:`mixprec.bench.write_report`'s, behind
   ``mixprec report``).
 
-Nothing here is hooked or active unless one of these runs. The precision planner moved to
-:mod:`mixprec.plan`; its old names here (``plan_precision``, ``PrecisionPlan``, ``Replan`` and the modules
-``plan``, ``plan_cost``, ``plan_value``, ``plan_schedule``, ``plan_command``) still work for one release,
-with a ``DeprecationWarning``.
+Nothing here is hooked or active unless one of these runs. The precision planner is :mod:`mixprec.plan`.
 """
 
-from mixprec._moved import install
 from mixprec.inspect.fp8 import Fp8Report, fp8_report, plot_fp8_report
 from mixprec.inspect.grads import grad_amax, nonfinite_params
 from mixprec.inspect.lowbit import LowbitReport, lowbit_report
@@ -56,16 +52,3 @@ __all__ = [
     "underflow_report",
     "write_report",
 ]
-
-#: The planner's old places here, for one release (see :mod:`mixprec._moved`).
-__getattr__ = install(
-    __name__,
-    {
-        "plan": "mixprec.plan.planner",
-        "plan_cost": "mixprec.plan.cost",
-        "plan_value": "mixprec.plan.result",
-        "plan_schedule": "mixprec.plan.schedule",
-        "plan_command": "mixprec.plan.command",
-    },
-    dict.fromkeys(("plan_precision", "PrecisionPlan", "Replan"), "mixprec.plan"),
-)

@@ -2,9 +2,7 @@
 
 ``INSPECT_HELP``, ``add_inspect_arguments(parser)`` + ``run_inspect(args) -> int`` are the names
 ``mixprec.cli``'s ``SUBCOMMANDS`` table points to, plus a standalone ``inspect_main(argv) -> int``.
-``mixprec report`` moved to :mod:`mixprec.bench.report_command` (it reads bench's files); its old names
-here (``REPORT_HELP``, ``add_report_arguments``, ``run_report``, ``report_main``) still work for one
-release, with a ``DeprecationWarning``.
+``mixprec report`` (a run log's or bench file's report) is :mod:`mixprec.bench.report_command`.
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-from mixprec._moved import install
 
 INSPECT_HELP = "show mixprec's precision diagnostics end to end on small models built to fail"
 
@@ -66,13 +62,3 @@ def _main(
 def inspect_main(args: list[str] | None = None) -> int:
     """``mixprec inspect [--out DIR] [--steps N]``; returns the exit code."""
     return _main(args, "mixprec inspect", INSPECT_HELP, add_inspect_arguments, run_inspect)
-
-
-#: ``mixprec report``'s old place, for one release (see :mod:`mixprec._moved`; bench is imported only then).
-__getattr__ = install(
-    __name__,
-    {},
-    dict.fromkeys(
-        ("REPORT_HELP", "add_report_arguments", "run_report", "report_main"), "mixprec.bench.report_command"
-    ),
-)

@@ -2,23 +2,21 @@
 
 Reads the JSON Lines :class:`ScalerLog` writes (``step, scale, skipped, grad_amax, loss`` ...): the loss
 scale over steps (and loss, grad amax), the gradient histogram when logged. Bench's files (``mixprec bench
---json``, ``--log``, a results folder) are :func:`mixprec.bench.write_report`'s, which builds on the
-helpers here; given one, :func:`write_report` and :func:`incomplete` still hand it over for one release,
-with a ``DeprecationWarning`` (bench is imported only then, so inspect does not import bench).
+--json``, ``--log``, a results folder) are :func:`mixprec.bench.write_report`'s (``mixprec report``), which
+builds on the helpers here; given one, :func:`write_report` and :func:`incomplete` raise a ``ValueError``
+that names it (inspect does not import bench).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mixprec._files import TruncatedFile, read_jsonl, write_atomic
-from mixprec._moved import install
 from mixprec.inspect.plots import group_runs, plot_gradient_histogram, plot_scale_history
 from mixprec.inspect.summaries import Log2Histogram
 from mixprec.inspect.underflow_report import format_scale
@@ -70,13 +68,15 @@ def incomplete(path: str | Path) -> str | None:
     """Why the run log at ``path`` holds an unfinished run, or None: it has no end-of-log trailer (its
     writer was stopped before closing it, or is still writing).
 
-    Given a bench file (a results folder, a ``mixprec bench --json`` list, or a log whose trailer counts
-    planned runs), deprecated: it returns :func:`mixprec.bench.incomplete`'s answer, with a
-    ``DeprecationWarning``.
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the log is cut off (``TruncatedFile``), or ``path`` is a bench file (a results folder, a
+            ``mixprec bench --json`` list, or a log whose trailer counts planned runs), which
+            :func:`mixprec.bench.incomplete` reads.
     """
     path = Path(path)
     if path.is_dir() or _is_json_list(path):
-        return _moved_to_bench("incomplete")(path)
+        raise _bench_file(path, "incomplete")
     records, trailer = read_jsonl(path)
     if trailer is None:
         return (
@@ -84,7 +84,7 @@ def incomplete(path: str | Path) -> str | None:
             "it was stopped before closing the log, or is still running)"
         )
     if "runs_planned" in trailer:  # only bench's log counts runs
-        return _moved_to_bench("incomplete")(path)
+        raise _bench_file(path, "incomplete")
     return None
 
 
@@ -94,17 +94,13 @@ def _is_json_list(path: Path) -> bool:
         return stream.read(4096).lstrip().startswith("[")
 
 
-def _moved_to_bench(name: str) -> Any:
-    """Bench's ``name``, for a bench file given to inspect's: warns, then imports bench (only here)."""
-    warnings.warn(
-        f"mixprec.inspect.{name} of a bench file (results folder, `mixprec bench --json` or --log) is "
-        f"deprecated: call mixprec.bench.{name} (this path goes in the next release)",
-        DeprecationWarning,
-        stacklevel=3,
+def _bench_file(path: Path, name: str) -> ValueError:
+    """The error for a bench file given to inspect's ``name``: which reader takes it instead."""
+    return ValueError(
+        f"{path} is a `mixprec bench` file (a results folder, a `mixprec bench --json` list or a --log); "
+        f"mixprec.inspect.{name} reads ScalerLog run logs: use `mixprec report {path}` or "
+        f"mixprec.bench.{name}"
     )
-    import mixprec.bench
-
-    return getattr(mixprec.bench, name)
 
 
 def _run_row(label: str, run: Sequence[Mapping[str, Any]]) -> str:
@@ -158,9 +154,8 @@ def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
     """Write the pictures and ``summary.md`` for a :class:`ScalerLog` run log.
 
     An unfinished run (see ``mixprec.inspect.report.incomplete``) is reported on what it holds, and its
-    summary says so first. Bench's files are :func:`mixprec.bench.write_report`'s; given one (a results
-    folder, a ``mixprec bench --json`` list or a ``--log``), deprecated: it writes what that writes, with
-    a ``DeprecationWarning``.
+    summary says so first. Bench's files (a results folder, a ``mixprec bench --json`` list or a ``--log``)
+    are :func:`mixprec.bench.write_report`'s, behind ``mixprec report``.
 
     Args:
         log: a JSON Lines run log.
@@ -172,15 +167,15 @@ def write_report(log: str | Path, out_dir: str | Path) -> list[Path]:
     Raises:
         FileNotFoundError: ``log`` does not exist.
         ValueError: the log is cut off (``TruncatedFile``, a ValueError), or it is not a run log (the
-            message says which file is wanted).
+            message says which file is wanted; for a bench file, that ``mixprec report`` reads it).
         ImportError: matplotlib is missing.
     """
     log = Path(log)
     if log.is_dir() or _is_json_list(log):
-        return _moved_to_bench("write_report")(log, out_dir)
+        raise _bench_file(log, "write_report")
     records = load_log(log)
     if any(r.get("workload") is not None and r.get("mode") is not None for r in records):  # bench's log
-        return _moved_to_bench("write_report")(log, out_dir)
+        raise _bench_file(log, "write_report")
     note = incomplete(log)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,13 +211,3 @@ def histogram_images(records: Sequence[Mapping[str, Any]], out_dir: Path) -> lis
             title=f"parameter gradients at step {last['step']} against format ranges",
         )
     ]
-
-
-#: Bench's readers' old place here, for one release (see :mod:`mixprec._moved`; bench is imported only then).
-__getattr__ = install(
-    __name__,
-    {},
-    dict.fromkeys(
-        ("BENCH_FILE", "BENCH_KEYS", "BENCH_LOG", "UNFINISHED", "load_bench_json"), "mixprec.bench.results"
-    ),
-)

@@ -12,13 +12,7 @@
 Each is an optional extra (``pip install 'mixprec[lightning]'``, ``[transformers]``, ``[accelerate]``) and
 imports its framework only when it is itself imported: ``import mixprec`` and ``import
 mixprec.integrations`` import none of them. ``ReplanSchedule``, what both re-planning callbacks drive
-(Fabric and plain loops call it themselves), is :class:`mixprec.plan.ReplanSchedule`; its old module
-``mixprec.integrations.replan`` still works for one release, with a ``DeprecationWarning``.
+(Fabric and plain loops call it themselves), is :class:`mixprec.plan.ReplanSchedule`.
 """
 
-from mixprec._moved import install
-
 __all__: list[str] = []
-
-#: ``ReplanSchedule``'s old place, for one release (see :mod:`mixprec._moved`).
-__getattr__ = install(__name__, {"replan": "mixprec.plan.schedule"}, {})
