@@ -26,7 +26,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(20, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=40)
-    policy = mixprec.Policy.preset("fp16-mixed").with_modules({"4": torch.float32})  # the head in fp32
+    policy = mixprec.Policy.preset("16-mixed").with_modules({"4": torch.float32})  # the head in fp32
 
     accelerator = MixprecAccelerator(cpu=True, policy=policy, scaler=mixprec.GradScaler(hysteresis=2))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, data(), scheduler)

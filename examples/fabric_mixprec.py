@@ -33,7 +33,7 @@ def mean_loss(model: nn.Module, loader: torch.utils.data.DataLoader) -> float:
 def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 3))
-    policy = mixprec.Policy.preset("fp16-mixed").with_modules({"4": torch.float32})  # the head in fp32
+    policy = mixprec.Policy.preset("16-mixed").with_modules({"4": torch.float32})  # the head in fp32
     plugin = MixprecPrecision("16-mixed", policy=policy, scaler=mixprec.GradScaler(hysteresis=2))
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -51,7 +51,7 @@ def main() -> None:
     logging.getLogger("lightning").setLevel(logging.ERROR)
     torch.manual_seed(0)
     model, loader = Classifier(), data()
-    policy = mixprec.Policy.preset("fp16-mixed").with_modules({"head": torch.float32})
+    policy = mixprec.Policy.preset("16-mixed").with_modules({"head": torch.float32})
     plugin = MixprecPrecision("16-mixed", policy=policy, scaler=mixprec.GradScaler(hysteresis=2))
     diagnostics = MixprecDiagnostics()
     trainer = L.Trainer(

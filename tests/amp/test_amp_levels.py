@@ -110,6 +110,9 @@ def test_unknown_level_lists_o0_to_o3():
         resolve_level("O4", None, "cpu")
     with pytest.raises(ValueError, match="did you mean 'bf16-mixed'"):
         resolve_level("bf16_mixed", None, "cpu")
+    for spelling, name in (("fp16-mixed", "16-mixed"), ("fp16-true", "16-true")):  # Lightning's names only
+        with pytest.raises(ValueError, match=rf"'{spelling}' \(did you mean '{name}'\?\); accepted: O0"):
+            resolve_level(spelling, None, "cpu")
 
 
 def test_unknown_override_is_named_with_a_suggestion():

@@ -216,7 +216,7 @@ def test_bad_arguments() -> None:
 
 
 def test_device_strings_and_policy_strings(lin: nn.Linear, x: torch.Tensor) -> None:
-    with mixprec.autocast("cpu", policy="fp16-mixed"):
+    with mixprec.autocast("cpu", policy="16-mixed"):
         assert lin(x).dtype == FP16
     with mixprec.autocast(torch.device("cpu"), policy="p=f32,c=bf16,o=f32,fp32+=linear"):
         assert lin(x).dtype == FP32
@@ -279,7 +279,7 @@ def test_module_override_by_name_glob_and_filter(x: torch.Tensor, key: object) -
 def test_module_override_by_class_and_by_policy(x: torch.Tensor) -> None:
     torch.manual_seed(0)
     net = _Net()
-    policy = Policy.for_device("cpu").with_modules({_Block: "fp16-mixed"})
+    policy = Policy.for_device("cpu").with_modules({_Block: "16-mixed"})
     with mixprec.autocast("cpu", policy=policy):
         out = net(x)
     assert net.encoder[0].seen == [FP16] and net.encoder[1].seen == [FP16]

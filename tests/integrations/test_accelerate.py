@@ -128,7 +128,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="mixprec.GradScaler"):
         MixprecAccelerator(cpu=True, scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="compute dtype"):
-        MixprecAccelerator(cpu=True, policy="fp16-mixed", dtype=torch.bfloat16)
+        MixprecAccelerator(cpu=True, policy="16-mixed", dtype=torch.bfloat16)
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ValueError, match="contradicts mixed_precision='bf16'"):
         MixprecAccelerator(cpu=True, mixed_precision="bf16", dtype=torch.float16)

@@ -79,7 +79,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="'bf16-mixed' or '16-mixed'"):
         MixprecPrecision("32-true")
     with pytest.raises(ValueError, match="compute dtype"):
-        MixprecPrecision("bf16-mixed", policy="fp16-mixed")
+        MixprecPrecision("bf16-mixed", policy="16-mixed")
     with pytest.raises(TypeError, match="mixprec.GradScaler"):
         MixprecPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError):

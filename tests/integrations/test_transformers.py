@@ -137,7 +137,7 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="mixprec.GradScaler"):
         MixprecTrainer(model=model, args=args, scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="compute dtype"):
-        MixprecTrainer(model=model, args=args, policy="fp16-mixed")
+        MixprecTrainer(model=model, args=args, policy="16-mixed")
     with pytest.raises(ValueError, match="contradicts"):
         MixprecTrainer(model=model, args=args, dtype=torch.float16)
     with pytest.raises(ValueError, match="max_diagnoses"):

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import mixprec
 from mixprec import Policy
-from mixprec.policy import ops
+from mixprec.policy import POLICY_PRESETS, ops
 
 DTYPE_SPELLINGS = {
     torch.float32: ["float32", "fp32", "f32", "float", "torch.float32"],
@@ -74,13 +75,13 @@ def test_module_overrides_match_names_globs_classes_filters() -> None:
         {
             "encoder.*.norm": torch.float32,
             nn.Linear: "bf16",
-            (lambda m, name: name.startswith("head")): Policy.preset("fp16-mixed"),
+            (lambda m, name: name.startswith("head")): Policy.preset("16-mixed"),
         }
     )
     assert policy.module_override(norm, "encoder.3.norm") == torch.float32
     assert policy.module_override(norm, "decoder.3.norm") is None
     assert policy.module_override(nn.Linear(2, 2), "x") == torch.bfloat16
-    assert policy.module_override(nn.ReLU(), "head.act") == Policy.preset("fp16-mixed")
+    assert policy.module_override(nn.ReLU(), "head.act") == Policy.preset("16-mixed")
     with pytest.raises(TypeError, match="not an nn.Module subclass"):
         Policy().with_modules({int: torch.float32})
     with pytest.raises(ValueError, match="float64"):
@@ -91,13 +92,32 @@ def test_module_overrides_match_names_globs_classes_filters() -> None:
 
 def test_presets() -> None:
     assert Policy.preset("bf16-mixed").compute_dtype == torch.bfloat16
-    assert Policy.preset("fp16-mixed").compute_dtype == torch.float16
+    assert Policy.preset("16-mixed").compute_dtype == torch.float16
     for family in ("cpu", "cuda"):
         conservative = Policy.preset("conservative", family)
         for name in ("softmax", "layer_norm", "sum"):
             assert conservative.category(name) == "fp32", (family, name)
     with pytest.raises(ValueError, match="did you mean 'conservative'"):
         Policy.preset("conservativ")
+
+
+@pytest.mark.parametrize(
+    ("spelling", "preset"),
+    [("fp16-mixed", "16-mixed"), ("fp16", "16-mixed"), ("half", "16-mixed"), ("bf16", "bf16-mixed"),
+     ("bfloat16-mixed", "bf16-mixed")],
+)  # fmt: skip
+def test_a_preset_has_one_name_lightnings(spelling: str, preset: str) -> None:
+    """Presets take Lightning's precision names only (as mixprec.PRESETS): other spellings of the same dtype
+    are refused with the preset meant and the accepted names, everywhere a policy string is taken."""
+    assert POLICY_PRESETS == ("bf16-mixed", "16-mixed", "conservative")
+    assert set(POLICY_PRESETS) - {"conservative"} <= set(mixprec.PRESETS)
+    accepted = r"accepted: \['bf16-mixed', '16-mixed', 'conservative'\]"
+    refused = rf"unknown policy preset '{spelling}' \(did you mean '{preset}'\?.*{accepted}"
+    for parse in (Policy.preset, Policy.parse, lambda s: mixprec.autocast("cpu", policy=s)):
+        with pytest.raises(ValueError, match=refused):
+            parse(spelling)
+    assert Policy.preset(preset.upper()) == Policy.parse(f" {preset} ")  # case and blanks only
+    assert Policy.preset(preset).compute_dtype == mixprec.PRESETS[preset][1]
 
 
 def test_parse_long_and_short_forms() -> None:

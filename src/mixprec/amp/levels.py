@@ -119,7 +119,8 @@ def resolve_level(
         overrides = {**preset_overrides, **overrides}
     if opt_level not in OPT_LEVELS:
         choices = [*OPT_LEVELS, *PRESETS]
-        close = difflib.get_close_matches(str(opt_level), choices, n=2)
+        lightning = str(opt_level).replace("fp16", "16")  # Lightning's names drop fp16's "fp"
+        close = [lightning] if lightning in PRESETS else difflib.get_close_matches(lightning, choices, n=2)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         raise ValueError(
             f"unknown opt_level {opt_level!r}{hint}; accepted: O0, O1, O2, O3 or a preset {list(PRESETS)}"

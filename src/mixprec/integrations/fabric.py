@@ -5,7 +5,7 @@ Usage::
     import lightning as L
     from mixprec.integrations.fabric import MixprecPrecision
 
-    policy = mixprec.Policy.preset("fp16-mixed").with_modules({"head": torch.float32})
+    policy = mixprec.Policy.preset("16-mixed").with_modules({"head": torch.float32})
     fabric = L.Fabric(accelerator="cpu", plugins=[MixprecPrecision("16-mixed", policy=policy)])
     model, optimizer = fabric.setup(model, optimizer)
     loss = model(x).sum()          # the forward runs under mixprec.autocast

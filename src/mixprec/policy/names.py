@@ -142,8 +142,9 @@ def _op_label(op: OpKey) -> str:
     return op if isinstance(op, str) else f"<{getattr(op, '__qualname__', repr(op))}>"
 
 
-#: The names :meth:`mixprec.Policy.preset` accepts.
-POLICY_PRESETS = ("bf16-mixed", "fp16-mixed", "conservative")
+#: The names :meth:`mixprec.Policy.preset` accepts: Lightning's precision flags for the two autocast dtypes
+#: (``mixprec.PRESETS`` names the same ones), and the fp32-safe op lists.
+POLICY_PRESETS = ("bf16-mixed", "16-mixed", "conservative")
 
 
 def _torch_autocasts(family: str) -> bool:

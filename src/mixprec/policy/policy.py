@@ -14,8 +14,9 @@ Module pins keyed by a qualified name or glob, or by a ``torch.nn`` class, with 
 ``pins=``; pins keyed by a filter function or another class, or valued by a Policy, have no text form:
 ``str`` counts them as ``unprintable=N`` and :meth:`Policy.parse` refuses that string.
 
-Presets: ``"bf16-mixed"``, ``"fp16-mixed"``, ``"conservative"`` (softmax, log_softmax,
-layer_norm, group_norm and sum kept in fp32 on every device).
+Presets: ``"bf16-mixed"``, ``"16-mixed"`` (Lightning's names for bf16 and fp16 autocast, as in
+``mixprec.PRESETS``), ``"conservative"`` (softmax, log_softmax, layer_norm, group_norm and sum kept in fp32 on
+every device).
 """
 
 from __future__ import annotations
@@ -176,24 +177,34 @@ class Policy:
 
     @classmethod
     def preset(cls, name: str, device_type: str | None = None) -> Policy:
-        """A named preset: "bf16-mixed", "fp16-mixed" or "conservative".
+        """A named preset: "bf16-mixed", "16-mixed" (torch's op lists in bf16 / fp16) or "conservative".
+
+        Args:
+            name: one of :data:`POLICY_PRESETS` (case and surrounding blanks ignored).
+            device_type: the op-list family the policy starts from; None: the region's.
 
         Raises:
-            ValueError: for an unknown name, listing the presets.
+            TypeError: ``name`` is not a str.
+            ValueError: for any other name (a dtype name such as "bf16" too: a preset names a precision
+                recipe, a dtype goes to ``Policy(compute_dtype=...)``), listing the presets.
         """
         if not isinstance(name, str):
             raise TypeError(f"preset name must be a str, got {type(name).__name__}: {name!r}")
         key = name.strip().lower()
         family = None if device_type is None else _lists_of(_family(device_type))
-        if key in ("bf16-mixed", "bf16"):
+        if key == "bf16-mixed":
             return cls(compute_dtype=torch.bfloat16, device_type=family)
-        if key in ("fp16-mixed", "16-mixed", "fp16"):
+        if key == "16-mixed":
             return cls(compute_dtype=torch.float16, device_type=family)
         if key == "conservative":
             return cls(device_type=family).with_ops(fp32=_CONSERVATIVE_FP32)
-        raise ValueError(
-            f"unknown policy preset {name!r}{_suggest(key, POLICY_PRESETS)}; accepted: {list(POLICY_PRESETS)}"
-        )
+        dtype = _DTYPE_NAMES.get(key.removeprefix("torch.").removesuffix("-mixed"))
+        if dtype in (torch.bfloat16, torch.float16):  # "16-mixed", "bf16", "half": the preset of that dtype
+            preset = "bf16-mixed" if dtype == torch.bfloat16 else "16-mixed"
+            hint = f" (did you mean {preset!r}? a preset takes Lightning's precision names)"
+        else:
+            hint = _suggest(key, POLICY_PRESETS)
+        raise ValueError(f"unknown policy preset {name!r}{hint}; accepted: {list(POLICY_PRESETS)}")
 
     @classmethod
     def parse(cls, spec: str, device_type: str | None = None) -> Policy:

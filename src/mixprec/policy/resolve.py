@@ -141,7 +141,7 @@ def _torch_lists_only(policy: Policy, family: str, dtype: torch.dtype | None) ->
         raise ValueError(
             f"a policy with {' and '.join(edits)} cannot run on {family!r}: mixprec has op catalogues for "
             f"{sorted(_FAMILY_OPS)} only, and a region on {family!r} is torch.autocast's own state; "
-            f"use the default policy there (policy=None, a dtype, or the 'bf16-mixed'/'fp16-mixed' presets)"
+            f"use the default policy there (policy=None, a dtype, or the 'bf16-mixed'/'16-mixed' presets)"
         )
     compute = dtype or policy.compute_dtype or torch.get_autocast_dtype(family)
     return ResolvedPolicy(policy, family, compute, {}, {})
