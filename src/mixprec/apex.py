@@ -18,8 +18,8 @@ Nothing here is a second implementation: :meth:`amp.initialize <mixprec.apex.Amp
 :class:`FP16_Optimizer` is a :class:`~mixprec.MixedPrecisionOptimizer` with a
 :class:`~mixprec.GradScaler`, so a loop written either way trains bit for bit alike. Signatures follow
 apex's ``apex/amp/frontend.py``, ``apex/amp/handle.py`` and ``apex/fp16_utils/fp16_optimizer.py``. What
-apex did that mixprec does not raises :class:`NotImplementedError` naming the replacement; the README's
-"Known differences" lists where the two behave differently (a static scale skips inf/nan steps here).
+apex did that mixprec does not raises :class:`NotImplementedError` naming the replacement;
+docs/known-differences.md lists where the two behave differently (a static scale skips inf/nan steps here).
 """
 
 from __future__ import annotations

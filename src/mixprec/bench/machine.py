@@ -3,9 +3,9 @@
 torch runs each CPU op on a pool of threads (one per core by default) that wait for each other at the
 end of every op. When another program keeps a core busy, the thread on that core gets a fraction of a
 time slice per op and every op waits for it: a step can take several times longer and its time jumps
-from step to step (measured here: one lm step 3.5-6.7 s with 2 threads against 1.2-1.7 s with 1 thread
-on a 2-core machine running ~10 busy processes). So ``--threads auto`` uses torch's default on a quiet
-machine and, on a busy one, as many threads as there are idle cores (at least 1), and says so.
+from step to step (figures: docs/measured-figures.md, "threads on a busy CPU"). So ``--threads auto`` uses
+torch's default on a quiet machine and, on a busy one, as many threads as there are idle cores (at least
+1), and says so.
 """
 
 from __future__ import annotations

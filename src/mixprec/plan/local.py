@@ -11,8 +11,8 @@ kept ``g_y``; with ``dy = y_q - y`` over batch ``b``:
   Pruning", CVPR 2019). The second-order term ``0.5 dy^T H dy``, with ``H`` the empirical Fisher of the
   rows of ``y`` (``0.5 R sum_r <g_r, dy_r>^2`` for a loss that is the mean over the ``R`` rows), is
   recorded beside it (``loss_first_order``, ``loss_second_order``) but does not steer the plan: its
-  rows-are-independent Fisher overstates layers whose rows mix (attention), see the README's fidelity
-  figures;
+  rows-are-independent Fisher overstates layers whose rows mix (attention), see the fidelity figures in
+  docs/guide/planner.md;
 * weight-gradient divergence: the layer's own weight gradient's change (summed over batches) over the
   norm of all linears' reference weight gradients. Left out: how the changed output moves the other
   layers' weight gradients (exact mode measures every linear's change);

@@ -8,7 +8,7 @@
   loss divergence) whose cost fits ``max_cost`` and whose FLOPs left in high precision fit
   ``max_high_flops`` (the dual problem, the same knapsack with cost and divergence exchanged). The
   weight gradient decides here because a layer's loss change on a few batches is a signed scalar that
-  rounding can cancel, so two formats of very different error can change it alike (the README shows
+  rounding can cancel, so two formats of very different error can change it alike (docs/guide/planner.md shows
   one). The solver: every assignment is enumerated (vectorized, pruned as it goes) while
   there are at most ``2**20``; beyond that, dynamic programming over the two bounds with uses rounded up,
   which keeps every answer within the bounds but can miss one that lies within a rounding step of them.

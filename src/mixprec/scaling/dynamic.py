@@ -85,15 +85,15 @@ class DynamicScale(ScaleRule):
     Where amax comes from, and the trade-off: a non-fused step that checks the gradients itself syncs
     anyway for its skip decision; it reads the scale in that sync and, below 1 on a clean step, measures
     amax at once. A fused optimizer's step (``AdamW(fused=True)``) has no sync and only a check pass, and
-    torch's check op gives found_inf but no amax; measuring it there takes public-op kernels instead
-    (``python benchmarks/scaler_overhead.py --kernels``: per-tensor ``aminmax`` is ~3x torch's op at 0.4M
-    values and ~1.5x at 8M on one CPU thread; one ``_foreach_norm(inf)`` plus a reduction, the other
-    candidate, is slower still on a CPU). An explicit ``unscale_`` has no sync either, and the user may edit
+    torch's check op gives found_inf but no amax; measuring it there takes public-op kernels instead, which
+    cost more than torch's op (per-tensor ``aminmax``; one ``_foreach_norm(inf)`` plus a reduction is
+    slower still on a CPU). An explicit ``unscale_`` has no sync either, and the user may edit
     the gradients after it (clipping an inf norm zeroes them all, which is not underflow). So those passes
     measure amax only on every ``underflow_check_interval``-th update (a host-side counter, saved in
     ``state_dict``) and run torch's op on the others: a stall is noticed within ``underflow_check_interval``
     updates instead of at once, and the measuring pass costs 1/16 of itself per step at the default (the
-    README's scaler-overhead figures). ``underflow_check_interval=1`` measures on every such pass.
+    figures and their commands: docs/measured-figures.md, "loss-scaling overhead").
+    ``underflow_check_interval=1`` measures on every such pass.
 
     Args:
         init_scale: starting scale.

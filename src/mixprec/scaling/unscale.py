@@ -8,7 +8,7 @@ only when the scale is below 1) does not count as an overflow.
 A pass that measures no amax runs torch's own one-pass check-and-multiply op (:func:`_torch_op`; a check-only
 pass multiplies by 1, as torch's does): it is a dispatcher op with CPU, CUDA and MPS kernels, its results are
 torch's bit for bit by construction, and no public op checks and multiplies in one pass, so a public-op pass
-costs about 1.7x torch's (figures: README, "Measured figures", "the gradient pass").
+costs more than torch's (docs/measured-figures.md, "the gradient pass").
 Passes that measure amax (HeadroomScale; the default rule's every-K-th check), and devices or torch builds
 without the op, run one of two public-op kernels, chosen per device type as data (``KERNELS``):
 
