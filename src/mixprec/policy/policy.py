@@ -180,7 +180,7 @@ class Policy:
         """A named preset: "bf16-mixed", "16-mixed" (torch's op lists in bf16 / fp16) or "conservative".
 
         Args:
-            name: one of :data:`POLICY_PRESETS` (case and surrounding blanks ignored).
+            name: one of :data:`~mixprec.policy.POLICY_PRESETS` (case and surrounding blanks ignored).
             device_type: the op-list family the policy starts from; None: the region's.
 
         Raises:
