@@ -86,21 +86,17 @@ def test_bad_threshold_names_itself(name: str) -> None:
         fp8_report(_model(), torch.randn(2, 16), loss_fn=_loss, **{name: 1.5})
 
 
-def test_the_thresholds_take_lowbit_reports_names_and_the_old_ones_still_work() -> None:
+def test_the_thresholds_have_lowbit_reports_names_only() -> None:
     model = _model()
     x = torch.randn(4, 16)
     new = fp8_report(model, x, loss_fn=_loss, max_flushed=0.99, max_saturated=0.2)
-    with pytest.warns(DeprecationWarning, match=r"fp8_report\(max_underflow=\.\.\.\) is now max_flushed"):
-        old = fp8_report(model, x, loss_fn=_loss, max_underflow=0.99, max_saturate=0.2)
-    assert (old.max_flushed, old.max_saturated) == (new.max_flushed, new.max_saturated) == (0.99, 0.2)
-    assert old.to_dict() == new.to_dict() and new.keep_in_bf16() == []
+    assert (new.max_flushed, new.max_saturated) == (0.99, 0.2) and new.keep_in_bf16() == []
     assert fp8_report(model, x, loss_fn=_loss).keep_in_bf16() == ["0", "3"]  # the values are the ones used
-    with pytest.warns(DeprecationWarning, match="Fp8Report.max_saturate is now max_saturated"):
-        assert new.max_saturate == 0.2
-    with pytest.raises(TypeError, match="both max_flushed and its old name max_underflow"):
-        fp8_report(model, x, loss_fn=_loss, max_flushed=0.3, max_underflow=0.5)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'max_underflows'"):
-        fp8_report(model, x, loss_fn=_loss, max_underflows=0.5)
+    for old in ("max_underflow", "max_saturate"):  # the names before lowbit_report's: gone, not aliased
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            fp8_report(model, x, loss_fn=_loss, **{old: 0.5})
+        with pytest.raises(AttributeError, match=old):
+            getattr(new, old)
 
 
 def test_model_without_linear_layers_is_refused() -> None:

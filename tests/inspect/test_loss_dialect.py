@@ -1,5 +1,5 @@
-"""Every report takes the planner's ``loss_fn(model, batch)``; the old ``loss_fn(output)`` still works for a
-release, with a DeprecationWarning, and measures exactly the same."""
+"""Every report takes the planner's ``loss_fn(model, batch)``, and only that: a one-argument
+``loss_fn(output)`` is refused before the model runs, with the wrapper that makes it one."""
 
 from __future__ import annotations
 
@@ -29,24 +29,24 @@ REPORTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(REPORTS))
-def test_the_output_form_warns_and_measures_the_same(name: str) -> None:
-    run = REPORTS[name]
-    new = run(_model(), _x(), lambda m, x: m(x).float().square().mean())
-    warned = rf"{name}: loss_fn\(output\) is deprecated.*loss_fn\(model, batch\)"
-    with pytest.warns(DeprecationWarning, match=warned):
-        old = run(_model(), _x(), lambda out: out.float().square().mean())
-    assert old == new
+@pytest.mark.parametrize("name", [*sorted(REPORTS), "find_nonfinite"])
+def test_the_output_form_is_refused_before_the_model_runs(name: str) -> None:
+    calls = []
+    model = _model()
+    model.register_forward_hook(lambda *args: calls.append(1))
+    before = [p.clone() for p in model.parameters()]
+    run = REPORTS.get(name, lambda m, x, loss: find_nonfinite(m, x, loss_fn=loss))
+    refused = rf"{name}: loss_fn takes one required argument.*loss_fn\(model, batch\).*lambda model, x:"
+    with pytest.raises(TypeError, match=refused):
+        run(model, _x(), lambda out: out.float().square().mean())
+    assert calls == [] and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
-def test_find_nonfinite_both_forms_find_the_same_op() -> None:
+def test_find_nonfinite_takes_the_model_form() -> None:
     inputs = demo.demo_inputs()
-    new = find_nonfinite(demo.backward_overflow_model(), inputs, loss_fn=demo.scaled_loss(2.0**8))
-    with pytest.warns(DeprecationWarning, match="find_nonfinite: loss_fn"):
-        old = find_nonfinite(
-            demo.backward_overflow_model(), inputs, loss_fn=lambda out: out.float().square().mean() * 2.0**8
-        )
-    assert new is not None and old == new
+    report = find_nonfinite(demo.backward_overflow_model(), inputs, loss_fn=demo.scaled_loss(2.0**8))
+    assert report is not None
 
 
 def test_the_model_form_gets_the_batch_as_given() -> None:

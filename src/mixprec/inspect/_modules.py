@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -99,13 +98,12 @@ def check_loss(loss: Any) -> torch.Tensor:
 
 
 def model_loss(loss_fn: object, api: str) -> LossFn:
-    """``loss_fn`` in the one dialect: ``loss_fn(model, batch) -> scalar tensor``, as the planner takes.
-
-    A function of one required positional argument is the old ``loss_fn(output)`` form: it is wrapped as
-    ``lambda model, batch: loss_fn(model(batch))`` with a DeprecationWarning (accepted for one release).
+    """``loss_fn``, checked to be the one dialect: ``loss_fn(model, batch) -> scalar tensor``, as the planner
+    takes.
 
     Raises:
-        TypeError: for a ``loss_fn`` that is not callable (``api`` names the caller).
+        TypeError: for a ``loss_fn`` that is not callable, or that takes one required positional argument
+            (a loss of the model's output: the message shows the wrapper); ``api`` names the caller.
     """
     if not callable(loss_fn):
         raise TypeError(
@@ -113,20 +111,10 @@ def model_loss(loss_fn: object, api: str) -> LossFn:
         )
     if _required_positional(loss_fn) != 1:
         return loss_fn
-    warnings.warn(
-        f"{api}: loss_fn(output) is deprecated; pass loss_fn(model, batch) -> loss, as plan_precision takes "
-        "(for example lambda model, x: criterion(model(x), y)); the one-argument form goes in the next "
-        "release",
-        DeprecationWarning,
-        stacklevel=3,
+    raise TypeError(
+        f"{api}: loss_fn takes one required argument, {loss_fn!r:.60}; it must be loss_fn(model, batch) -> "
+        "loss, as plan_precision takes (for a loss of the output: lambda model, x: criterion(model(x), y))"
     )
-    return of_output(loss_fn)
-
-
-def of_output(loss_fn: Callable[[Any], torch.Tensor]) -> LossFn:
-    """``loss_fn(model, batch)`` from a loss of the model's output (``model(batch)``, as :func:`call_model`
-    calls it)."""
-    return lambda model, batch: loss_fn(call_model(model, batch))
 
 
 def _required_positional(fn: Callable[..., Any]) -> int | None:

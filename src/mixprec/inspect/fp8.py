@@ -17,7 +17,6 @@ ready filter for :func:`mixprec.float8.convert_to_float8_training`.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -95,18 +94,6 @@ class Fp8Report:
     max_saturated: float
     max_error: float
 
-    @property
-    def max_underflow(self) -> float:
-        """Deprecated name of ``max_flushed``."""
-        _warn_renamed("Fp8Report.max_underflow", "max_flushed")
-        return self.max_flushed
-
-    @property
-    def max_saturate(self) -> float:
-        """Deprecated name of ``max_saturated``."""
-        _warn_renamed("Fp8Report.max_saturate", "max_saturated")
-        return self.max_saturated
-
     def reasons(self, name: str) -> list[str]:
         """Why layer ``name`` should stay in bf16 (empty: fp8 is fine for it)."""
         out = []
@@ -181,33 +168,27 @@ def fp8_report(
     max_flushed: float = 0.01,
     max_saturated: float = 0.001,
     max_error: float = 0.1,
-    **renamed: float,
 ) -> Fp8Report:
     """Measure every linear layer's fp8 losses on one forward and backward (see the module doc).
 
     Args:
         model: the model (plain or converted); it is handed back exactly as it was.
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
-        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once with ``inputs`` as the batch; the
-            old ``loss_fn(output)`` form is accepted with a DeprecationWarning.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once with ``inputs`` as the batch.
         max_flushed: a layer whose tensors flush more than this fraction of non-zero values is kept in bf16.
         max_saturated: ... or saturate more than this fraction of values.
         max_error: ... or lose more than this relative L2 error in the round trip.
-        renamed: ``max_underflow`` and ``max_saturate``, the old names of ``max_flushed`` and
-            ``max_saturated``, still accepted with a DeprecationWarning.
 
     Returns:
         An :class:`Fp8Report`; ``print(report.table())``, ``report.module_filter_fn()``.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, for an unknown keyword, or for a threshold given
-            under both its names.
+        TypeError: if ``model`` is not an ``nn.Module``, or ``loss_fn`` is not ``loss_fn(model, batch)``.
         ValueError: for a threshold outside [0, 1] (name in the message), a model without ``nn.Linear``,
             or a loss that is not a one-element tensor requiring grad.
     """
     check_model(model)
     loss_fn = model_loss(loss_fn, "fp8_report")
-    max_flushed, max_saturated = _thresholds(renamed, max_flushed, max_saturated)
     check_fractions(max_flushed=max_flushed, max_saturated=max_saturated, max_error=max_error)
     layers = {}
     for name, seen in capture_linears(model, inputs, loss_fn).items():
@@ -219,37 +200,6 @@ def fp8_report(
         }
         layers[name] = Fp8LayerStats(stats["input"], stats["weight"], stats.get("grad_output"))
     return Fp8Report(layers, float(max_flushed), float(max_saturated), float(max_error))
-
-
-# The thresholds' names before fp8_report took lowbit_report's, kept for one release.
-_RENAMED = {"max_underflow": "max_flushed", "max_saturate": "max_saturated"}
-
-
-def _warn_renamed(old: str, new: str) -> None:
-    warnings.warn(
-        f"{old} is now {new} (the name lowbit_report uses); the old name goes in the next release",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-def _thresholds(renamed: dict[str, float], max_flushed: float, max_saturated: float) -> tuple[float, float]:
-    """``(max_flushed, max_saturated)`` with any value given under its old name (warned)."""
-    given = {"max_flushed": max_flushed, "max_saturated": max_saturated}
-    for old, value in renamed.items():
-        if old not in _RENAMED:
-            raise TypeError(f"fp8_report() got an unexpected keyword argument {old!r}")
-        new = _RENAMED[old]
-        if given[new] != (fp8_report.__kwdefaults__ or {})[new]:  # the new name was passed too
-            raise TypeError(f"fp8_report() got both {new} and its old name {old}: pass {new} only")
-        warnings.warn(
-            f"fp8_report({old}=...) is now {new}=... (the name lowbit_report uses); the old name goes in the "
-            "next release",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        given[new] = value
-    return given["max_flushed"], given["max_saturated"]
 
 
 def plot_fp8_report(report: Fp8Report, path: str | Path) -> Path:

@@ -194,8 +194,7 @@ def lowbit_report(
         model: the model (plain or converted); it is handed back exactly as it was.
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once with ``inputs`` as the batch (as
-            :func:`mixprec.plan.plan_precision` calls it); the old ``loss_fn(output)`` form is accepted
-            with a DeprecationWarning.
+            :func:`mixprec.plan.plan_precision` calls it).
         recipe: a :class:`~mixprec.lowbit.Recipe` or recipe string.
         max_error, max_flushed, max_saturated: thresholds in [0, 1] over which a layer is kept out. The
             defaults are for 4-bit formats too: e2m1 flushes every value below 1/24 of its block's amax,
@@ -204,7 +203,7 @@ def lowbit_report(
             block's scale (> 1).
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``.
+        TypeError: if ``model`` is not an ``nn.Module``, or ``loss_fn`` is not ``loss_fn(model, batch)``.
         ValueError: for a threshold out of range, an unknown recipe, a model without ``nn.Linear``, or a
             loss that is not a one-element tensor requiring grad.
     """

@@ -45,8 +45,7 @@ def find_nonfinite(
         inputs: a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a dict
             (``model(**inputs)``).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once inside the region with ``inputs``
-            as the batch; with it, a backward runs too (without it, one forward ``model(inputs)``). The old
-            ``loss_fn(output)`` form is accepted with a DeprecationWarning.
+            as the batch; with it, a backward runs too (without it, one forward ``model(inputs)``).
         dtype: the autocast dtype; default: the policy's compute dtype, else float16.
         device_type: autocast's device type; default: that of the model's first parameter.
         policy: a :class:`~mixprec.Policy` or policy string for the region.
@@ -56,8 +55,8 @@ def find_nonfinite(
         execution order: forward ops, then backward nodes) whose result was non-finite.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, ``loss_fn`` not callable, or ``policy`` of another
-            type.
+        TypeError: if ``model`` is not an ``nn.Module``, ``loss_fn`` not ``loss_fn(model, batch)``, or
+            ``policy`` of another type.
         ValueError: if ``loss_fn`` returns something other than a one-element tensor that requires grad.
     """
     check_model(model)

@@ -71,7 +71,7 @@ def underflow_report(
         model: the model (float32 parameters for a meaningful measurement).
         inputs: a tensor, a tuple/list (positional) or a dict (keyword) of model inputs.
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``, the unscaled loss, called once with ``inputs``
-            as the batch; the old ``loss_fn(output)`` form is accepted with a DeprecationWarning.
+            as the batch.
         dtype: the format the gradients would be cast to (a torch dtype or a format name like "e5m2").
         scale: the loss scale to judge at.
         target: the underflow fraction the recommended scale must stay under.
@@ -81,7 +81,8 @@ def underflow_report(
         An :class:`UnderflowReport`; ``print(report.table())`` for the per-module figures.
 
     Raises:
-        TypeError: for a ``loss_fn`` that is not callable, or a non-numeric scale, target or margin.
+        TypeError: for a ``loss_fn`` that is not ``loss_fn(model, batch)``, or a non-numeric scale, target or
+            margin.
         ValueError: for a non-positive or non-finite scale, a target outside [0, 1), a margin below 1, or
             a loss that is not a one-element tensor requiring grad.
     """
