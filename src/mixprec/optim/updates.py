@@ -31,19 +31,21 @@ et al. 2020, "Revisiting BFloat16 Training"; torchdistx AnyPrecisionAdamW; torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mixprec.optim.guard import grads_of, largest_norms
+from mixprec.optim.guard import grads_of
 from mixprec.optim.rounding import Workspace, chunks, kahan_fold, round_stochastic_into, views
 
 __all__ = [
     "FAST_OPTIMIZERS",
     "contiguous",
     "fast_algorithm",
-    "grads_fit",
+    "fused_adam_",
     "moment_dtypes",
+    "new_states",
     "round_into",
     "step_counters",
     "step_group",
@@ -102,15 +104,6 @@ def moment_dtypes(param_dtype: torch.dtype, algorithm: str, group: dict[str, Any
 
 def contiguous(*lists: list[torch.Tensor]) -> bool:
     return all(t.is_contiguous() for tensors in lists for t in tensors)
-
-
-def grads_fit(params: list[torch.Tensor]) -> bool:
-    """Whether every gradient of ``params`` is finite and its square fits fp32/bf16 optimizer state: each
-    group's largest L2 norm (:func:`~mixprec.optim.guard.largest_norms`, one host sync) at most
-    ``sqrt(max / 2)`` of fp32, about 1.3e19."""
-    limit = (torch.finfo(torch.float32).max / 2) ** 0.5
-    norms = largest_norms(grads_of(params))
-    return all(norm <= limit for norm in norms.values())  # nan compares False
 
 
 def step_group(
@@ -185,6 +178,38 @@ def step_counters(states: list[dict[str, Any]], device: torch.device) -> list[to
     if counters:
         torch._foreach_add_(counters, 1.0)
     return counters
+
+
+def new_states(
+    states: list[dict[str, Any]],
+    params: list[torch.Tensor],
+    moments: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+) -> None:
+    """Create each missing state as the fused steps keep it (torch's ``step`` counter, an fp32 0-dim tensor
+    on the param's device, then ``moments(param)``: the state format's zero moments) and count the step on
+    the params' device, where torch's fused kernel reads the counters (:func:`step_counters`)."""
+    for state, param in zip(states, params, strict=True):
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state.update(moments(param))
+    step_counters(states, params[0].device)  # torch: step_t += 1 first
+
+
+def fused_adam_(
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+) -> None:
+    """torch's fused Adam (AdamW when the group's ``decoupled_weight_decay`` is set) on fp32 lists, with
+    the group's hyperparameters: the kernel behind ``torch.optim.AdamW(fused=True)``, without amsgrad."""
+    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+    (beta1, beta2), maximize = group["betas"], group.get("maximize", False)
+    kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
+           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], amsgrad=False,
+           maximize=maximize)  # fmt: skip
 
 
 _HOST = torch.device("cpu")
