@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from mixprec.optim.guard import grads_fit, grads_of
-from mixprec.optim.rounding import ALIGN, Workspace, round_stochastic, segments, views
+from mixprec.optim.rounding import ALIGN, Workspace, narrow, segments, views, widen
 from mixprec.optim.updates import fused_adam_, new_states
 
 __all__ = ["AdamUnit", "adam_step"]
@@ -213,10 +213,8 @@ def _update(unit: AdamUnit, chunk: _Chunk, workspace: Workspace) -> None:
     group, work = unit.group, chunk.work
     p, m, v = chunk.state[:3]
     t, g32, m32 = work["values"], work["grad"], work["moment"]
-    torch._foreach_copy_(t, p)
-    if unit.kahan is not None:
-        torch._foreach_copy_(work["kahan"], chunk.state[3])
-        torch._foreach_add_(t, work["kahan"])
+    kahan = chunk.state[3] if unit.kahan is not None else None
+    widen(t, p, kahan, work.get("kahan", []))
     torch._foreach_copy_(m32, m)
     v32 = work.get("second", v)
     if v32 is not v:
@@ -225,10 +223,4 @@ def _update(unit: AdamUnit, chunk: _Chunk, workspace: Workspace) -> None:
     torch._foreach_copy_(m, m32)
     if v32 is not v:
         torch._foreach_copy_(v, v32)
-    if unit.kahan is not None:
-        torch._foreach_copy_(p, t)  # w = round(t)
-        torch._foreach_copy_(work["kahan"], p)
-        torch._foreach_sub_(t, work["kahan"])  # t - w, exact in fp32: w is t's neighbour
-        torch._foreach_copy_(chunk.state[3], t)
-    else:
-        round_stochastic(p, t, chunk.values, unit.generator, workspace)  # type: ignore[arg-type]
+    narrow(p, t, kahan, work.get("kahan", []), chunk.values, unit.generator, workspace)

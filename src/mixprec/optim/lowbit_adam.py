@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mixprec.optim import state_formats as sf
-from mixprec.optim.rounding import Workspace, round_stochastic, segments
+from mixprec.optim.rounding import Workspace, narrow, segments, widen
 from mixprec.optim.sharding import local_grads
 from mixprec.optim.updates import fused_adam_, new_states
 
@@ -135,9 +135,8 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
             targets.append(flat)  # stepped in place, exactly as torch steps an fp32 param
         else:
             value = work["values"][n]
-            value.copy_(flat)
-            if kahan[i] is not None:
-                value.add_(kahan[i].view(-1)[a:b].float())
+            buffer = None if kahan[i] is None else [kahan[i].view(-1)[a:b]]
+            widen([value], [flat], buffer, [work["grad"][n]])  # the grad copy goes there after
             targets.append(value)
             lows.append(n)
         work["grad"][n].copy_(params[i].grad.reshape(-1)[a:b])
@@ -152,15 +151,10 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
             sf.quantize_(fmt, key == "exp_avg_sq", work[role][n], codes, scale, workspace.tables)
     for n in lows:
         i, a, b, _ = segments[n]
-        weight, value = params[i].view(-1)[a:b], work["values"][n]
-        if kahan[i] is not None:
-            weight.copy_(value)  # w = round(t)
-            value.sub_(weight.float())  # t - w, exact in fp32: w is t's neighbour
-            kahan[i].view(-1)[a:b].copy_(value)
-        elif method == "stochastic":
-            round_stochastic([weight], [value], value, generator, workspace)
-        else:
-            weight.copy_(value)
+        value = work["values"][n]
+        buffer = None if kahan[i] is None else [kahan[i].view(-1)[a:b]]
+        bits = generator if method == "stochastic" else None
+        narrow([params[i].view(-1)[a:b]], [value], buffer, [work["grad"][n]], value, bits, workspace)
 
 
 def _codes(fmt: str, state: dict[str, Any], key: str, start: int, stop: int, block: int):

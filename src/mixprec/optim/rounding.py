@@ -39,10 +39,12 @@ __all__ = [
     "add_fresh_bits",
     "chunks",
     "kahan_fold",
+    "narrow",
     "round_stochastic",
     "round_stochastic_into",
     "segments",
     "views",
+    "widen",
 ]
 
 CHUNK = 2**18  # most elements per workspace buffer (1 MiB in fp32, cache-sized); never more than stepped
@@ -180,6 +182,49 @@ def round_stochastic_into(weight: torch.Tensor, value: torch.Tensor, generator: 
     noise = torch.randint(0, 2**16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
     bits.add_(noise).bitwise_and_(KEEP_HIGH_16_BITS)
     weight.copy_(value)  # exact: the low 16 bits are zero
+
+
+def widen(
+    values: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    kahan: list[torch.Tensor] | None,
+    scratch: list[torch.Tensor],
+) -> None:
+    """``values = fp32(w) + fp32(c)``, the value a Kahan-compensated weight tracks (``fp32(w)`` without
+    ``kahan``); ``scratch``: fp32 tensors shaped as the weights, for the buffers' fp32 copies."""
+    torch._foreach_copy_(values, weights)
+    if kahan is not None:
+        torch._foreach_copy_(scratch, kahan)
+        torch._foreach_add_(values, scratch)
+
+
+def narrow(
+    weights: list[torch.Tensor],
+    values: list[torch.Tensor],
+    kahan: list[torch.Tensor] | None,
+    scratch: list[torch.Tensor],
+    flat: torch.Tensor,
+    generator: torch.Generator | None,
+    workspace: Workspace,
+) -> None:
+    """Write the stepped fp32 ``values`` into the low-precision weights, each way the updates round:
+
+    * Kahan (``kahan`` given): ``w = round(t); c = t - w`` (exact in fp32: ``w`` is ``t``'s neighbour);
+    * stochastic (``generator`` given): :func:`round_stochastic` (``flat``: the fp32 buffer the values
+      cover);
+    * nearest: ``w = round(t)``.
+
+    ``values`` and ``scratch`` (fp32, shaped as the weights) are used as workspace.
+    """
+    if kahan is not None:
+        torch._foreach_copy_(weights, values)
+        torch._foreach_copy_(scratch, weights)
+        torch._foreach_sub_(values, scratch)
+        torch._foreach_copy_(kahan, values)
+    elif generator is not None:
+        round_stochastic(weights, values, flat, generator, workspace)
+    else:
+        torch._foreach_copy_(weights, values)
 
 
 def round_stochastic(
