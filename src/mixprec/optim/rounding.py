@@ -13,13 +13,13 @@ Precision") adds 16 uniform random bits below bf16's last bit of the fp32 patter
 carry into bf16's last bit happens with probability (dropped fraction): unbiased. Where the bits come from:
 
 * :func:`round_stochastic_into` (fp32-state paths): one ``randint`` per value from the generator;
-* :func:`round_stochastic` with :class:`RandomBits` (the fused and low-bit Adam paths): a pool of ``POOL`` int32 values holding every 16-bit pattern
-  equally often, shuffled once from a fixed seed and stored twice over, read at a window that starts at an
-  offset drawn from the generator for every piece of every step. Given a uniform offset each value is
-  exactly uniform over the 2**16 patterns, so each rounding stays unbiased; rounding errors of two weights
-  in one step may be correlated (their windows may overlap), never biased. Drawing the offsets costs one
-  small ``randint`` per chunk instead of 16 bits per weight; chunks under ``POOL // 4`` values draw fresh
-  bits (:func:`add_fresh_bits`, four values per int64 draw).
+* :func:`round_stochastic` with :class:`RandomBits` (the fused and low-bit Adam paths): a pool of ``POOL``
+  int32 values holding every 16-bit pattern equally often, shuffled once from a fixed seed and stored twice
+  over, read at a window that starts at an offset drawn from the generator for every piece of every step.
+  Given a uniform offset each value is exactly uniform over the 2**16 patterns, so each rounding stays
+  unbiased; rounding errors of two weights in one step may be correlated (their windows may overlap), never
+  biased. Drawing the offsets costs one small ``randint`` per chunk instead of 16 bits per weight; chunks
+  under ``POOL // 4`` values draw fresh bits (:func:`add_fresh_bits`, four values per int64 draw).
 """
 
 from __future__ import annotations
