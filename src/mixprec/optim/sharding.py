@@ -30,7 +30,7 @@ Only 1-D meshes with ``Shard(0)`` placements (FSDP2's default) are supported; ot
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +86,9 @@ def local_grads(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
 
 @contextmanager
 def replaced_params(
-    optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], replacement: dict[int, torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    groups: list[list[torch.Tensor]],
+    replacement: Mapping[int, torch.Tensor],
 ) -> Iterator[None]:
     """Inside the block the groups of ``optimizer`` hold ``groups`` (one list per group), and the state of
     each param in ``replacement`` (``id(param) -> stand-in``) is keyed to its stand-in; put back after."""
