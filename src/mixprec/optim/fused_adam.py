@@ -51,7 +51,7 @@ import torch
 
 from mixprec.optim.guard import grads_fit, grads_of
 from mixprec.optim.rounding import ALIGN, Workspace, narrow, segments, views, widen
-from mixprec.optim.updates import fused_adam_, new_states
+from mixprec.optim.updates import fused_adam_, keep_moment_dtypes, new_states
 
 __all__ = ["AdamUnit", "adam_step"]
 
@@ -193,10 +193,7 @@ def _narrowest_second_moment(units: list[AdamUnit]) -> torch.dtype:
 def _prepare(unit: AdamUnit) -> None:
     """Create missing state in torch's layout (``step``, ``exp_avg``, ``exp_avg_sq`` in the unit's moment
     dtypes) and count the step (:func:`~mixprec.optim.updates.new_states`)."""
-    for state in unit.states:
-        for key, dtype in zip(("exp_avg", "exp_avg_sq"), unit.moment_dtypes, strict=True):
-            if state and state[key].dtype != dtype:  # state loaded from elsewhere: continue in this dtype
-                state[key] = state[key].to(dtype)
+    keep_moment_dtypes(unit.states, unit.moment_dtypes)
     new_states(unit.states, unit.params, lambda param: _zero_moments(param, unit.moment_dtypes))
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "contiguous",
     "fast_algorithm",
     "fused_adam_",
+    "keep_moment_dtypes",
     "moment_dtypes",
     "new_states",
     "round_into",
@@ -184,15 +185,26 @@ def new_states(
     states: list[dict[str, Any]],
     params: list[torch.Tensor],
     moments: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-) -> None:
-    """Create each missing state as the fused steps keep it (torch's ``step`` counter, an fp32 0-dim tensor
-    on the param's device, then ``moments(param)``: the state format's zero moments) and count the step on
-    the params' device, where torch's fused kernel reads the counters (:func:`step_counters`)."""
+    counters_on: torch.device | None = None,
+) -> list[torch.Tensor]:
+    """Create each missing Adam state (torch's ``step`` counter, an fp32 0-dim tensor, then
+    ``moments(param)``: the path's zero moments) and count the step (:func:`step_counters`); returns the
+    counters. They live on ``counters_on``, by default the params' device, where torch's fused kernel reads
+    them (the foreach path keeps them on the host, its bias corrections being host numbers)."""
     for state, param in zip(states, params, strict=True):
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=counters_on or param.device)
             state.update(moments(param))
-    step_counters(states, params[0].device)  # torch: step_t += 1 first
+    return step_counters(states, counters_on or params[0].device)  # torch: step_t += 1 first
+
+
+def keep_moment_dtypes(states: list[dict[str, Any]], dtypes: tuple[torch.dtype, ...]) -> None:
+    """Cast ``exp_avg`` / ``exp_avg_sq`` held in another dtype (a state loaded from elsewhere) to the dtypes
+    this path keeps them in, so the run continues in those."""
+    for state in states:
+        for key, dtype in zip(("exp_avg", "exp_avg_sq"), dtypes, strict=True):
+            if key in state and state[key].dtype != dtype:
+                state[key] = state[key].to(dtype)
 
 
 def fused_adam_(
@@ -221,16 +233,15 @@ def adam_states(states: list[dict[str, Any]], like: list[torch.Tensor]) -> list[
     The counters live on the host (:func:`step_counters`): the bias corrections are host numbers here, so
     reading them costs no device sync.
     """
-    for state, grad in zip(states, like, strict=True):
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=_HOST)
-            state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state[key].dtype != grad.dtype:  # state loaded from elsewhere: continue in this state dtype
-                state[key] = state[key].to(grad.dtype)
-    counters = step_counters(states, _HOST)
+    if like:
+        keep_moment_dtypes(states, (like[0].dtype, like[0].dtype))
+    counters = new_states(states, like, _zero_moments, counters_on=_HOST)
     return torch.stack(counters).tolist() if counters else []
+
+
+def _zero_moments(like: torch.Tensor) -> dict[str, torch.Tensor]:
+    keys = ("exp_avg", "exp_avg_sq")
+    return {key: torch.zeros_like(like, memory_format=torch.preserve_format) for key in keys}
 
 
 def _decay_and_grads(group, grads, target, decay_base, additive):
