@@ -365,15 +365,14 @@ class CompensatedOptimizer(OptimizerWrapper):
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, Kahan compensation buffers, stochastic-rounding generator states and the
         ``state_format`` when one is set."""
-        return super().state_dict()
-
-    def _state_parts(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "optimizer": self.optimizer.state_dict(),
-            "compensation": [c.detach() for c in self.compensation],
-            "generators": self.generators.state_dict(),
-        }
+        return self._with_state_format(
+            {
+                "method": self.method,
+                "optimizer": self.optimizer.state_dict(),
+                "compensation": [c.detach() for c in self.compensation],
+                "generators": self.generators.state_dict(),
+            }
+        )
 
     def scaler_guard(self) -> HugeGradientGuard | None:
         """None for Kahan/stochastic updates (their update pass checks the gradients), else the guard of

@@ -301,16 +301,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, fp32 masters (references, as torch does), scaler state and the
         ``state_format`` when one is set."""
-        return super().state_dict()
-
-    def _state_parts(self) -> dict[str, Any]:
         self._follow_groups()
         self._follow_model()
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "master_params": [m.detach() for m in self.master_params],
-            "scaler": self.scaler.state_dict(),
-        }
+        return self._with_state_format(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "master_params": [m.detach() for m in self.master_params],
+                "scaler": self.scaler.state_dict(),
+            }
+        )
 
     def shard_parts(self) -> tuple[dict[str, Any], list[Any], list[Any], str] | None:
         """The inner state belongs to the model params behind the masters, ``master_params`` to

@@ -1,9 +1,9 @@
 """The pieces both optimizer wrappers share: the wrapper base class and the loss-scale spec.
 
 :class:`OptimizerWrapper` makes a wrapper an :class:`~torch.optim.Optimizer` whose ``param_groups``, ``state``
-and ``defaults`` are the inner optimizer's, and holds what the wrappers differ in as methods they override
-(the guard a scaler steps them with, their parts for resharding, their state dict);
-:func:`check_state_format` is the one check of a ``state_format=``; :func:`resolve_scaler` turns
+and ``defaults`` are the inner optimizer's, holds what the wrappers differ in as methods they override (the
+guard a scaler steps them with, their parts for resharding) and adds the ``state_format`` their state dicts
+carry; :func:`check_state_format` is the one check of a ``state_format=``; :func:`resolve_scaler` turns
 ``loss_scale=`` specs into a scaler.
 """
 
@@ -123,18 +123,11 @@ class OptimizerWrapper(Optimizer):
         list's key; None when the wrapper cannot be resharded."""
         return None
 
-    def state_dict(self) -> dict[str, Any]:
-        """:meth:`_state_parts`, plus ``"state_format"`` when one is set (absent for None: such a state
-        dict is as before low-bit states existed)."""
-        out = self._state_parts()
+    def _with_state_format(self, parts: dict[str, Any]) -> dict[str, Any]:
+        """A wrapper's state dict: its ``parts``, plus ``"state_format"`` when one is set (absent for None:
+        such a state dict is as before low-bit states existed)."""
         state_format = getattr(self, "state_format", None)
-        if state_format is not None:
-            out["state_format"] = state_format
-        return out
-
-    def _state_parts(self) -> dict[str, Any]:
-        """The wrapper's own parts of its state dict (the inner optimizer's among them)."""
-        return {"optimizer": self.optimizer.state_dict()}
+        return parts if state_format is None else {**parts, "state_format": state_format}
 
     def gradient_params(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` ``step()`` consumes: what a loss scaler must unscale first."""
