@@ -22,7 +22,7 @@ Example::
 
     from mixprec import lowbit
     lowbit.convert_to_lowbit_training(model, "nvfp4", module_filter_fn=lambda m, fqn: fqn != "head")
-    q = lowbit.quantize(x, "mxfp8")          # q.data float8_e4m3fn, q.scale float8_e8m0fnu (M, K // 32)
+    q = lowbit.quantize(x, "mxfp8_rceil")    # q.data float8_e4m3fn, q.scale float8_e8m0fnu (M, K // 32)
     err = (q.dequantize() - x).abs().max()
 """
 
@@ -35,7 +35,7 @@ from mixprec.lowbit.convert import (
     sr_state_dict,
 )
 from mixprec.lowbit.cost import auto_filter
-from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRule, get_format
+from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRounding, get_format
 from mixprec.lowbit.gemm import hadamard_16, lowbit_mm
 from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear
 from mixprec.lowbit.quantize import Quantized, quantize, round_to_element
@@ -52,7 +52,7 @@ __all__ = [
     "ModuleFilter",
     "Quantized",
     "Recipe",
-    "ScaleRule",
+    "ScaleRounding",
     "auto_filter",
     "convert_to_lowbit_training",
     "get_format",
