@@ -101,7 +101,11 @@ def test_nearest_rounding_keeps_its_balanced_clamp(name) -> None:
 @pytest.mark.parametrize("tensor", TENSORS)
 @pytest.mark.parametrize(
     ("name", "elem"),
-    [("mxfp8_floor", torch.float8_e4m3fn), ("mxfp8_e5m2", torch.float8_e5m2), ("mxfp4", torch.float4_e2m1fn_x2)],
+    [
+        ("mxfp8_floor", torch.float8_e4m3fn),
+        ("mxfp8_e5m2", torch.float8_e5m2),
+        ("mxfp4", torch.float4_e2m1fn_x2),
+    ],
 )
 def test_sr_mx_scales_are_torchao_rceil(name, elem, tensor) -> None:
     x = TENSORS[tensor]()

@@ -589,7 +589,9 @@ def _tensorwise_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor
     recipe, (_, dgrad, wgrad) = ctx.recipe, ctx.gemms or _DEFAULT_GEMMS
     grad_x = grad_w = None
     go2 = grad_out.reshape(-1, grad_out.shape[-1])
-    qgo, _ = _scale_cast(GRAD_OUTPUT, go2, recipe.dgrad_go, recipe.scaling, ctx.history, ctx.stats, ctx.update)
+    qgo, _ = _scale_cast(
+        GRAD_OUTPUT, go2, recipe.dgrad_go, recipe.scaling, ctx.history, ctx.stats, ctx.update
+    )
     if ctx.needs_input_grad[0]:
         qw_t = _tensorwise(w8.t(), w_scale, ctx.w_dtype, recipe.dgrad_w)
         grad_x = lowbit_mm(qgo, qw_t, grad_out.dtype, dgrad).reshape(ctx.x_shape).to(ctx.x_dtype)

@@ -146,7 +146,11 @@ def quantize(
     amax = block_scales.block_amax(x2, rows, cols)
     tensor_scale = None
     if fmt.two_level:
-        full = block_scales.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0] if tensor_amax is None else tensor_amax
+        full = (
+            block_scales.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0]
+            if tensor_amax is None
+            else tensor_amax
+        )
         full = _on_device(full, x.device)
         tensor_scale = block_scales.nvfp4_tensor_scale(full, headroom=stochastic)
     scaled, scale = _scale(x2, amax, fmt, rows, cols, tensor_scale, unsaturated=stochastic)

@@ -61,7 +61,7 @@ import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from mixprec.lowbit.formats import FORMATS
+from mixprec.lowbit.formats import _RENAMED, FORMATS
 from mixprec.lowbit.history import AMAX_COMPUTE_ALGOS, TensorScaling
 
 __all__ = ["HP", "OPERANDS", "RECIPES", "Recipe", "get_recipe"]
@@ -101,6 +101,8 @@ class Recipe:
     def __post_init__(self) -> None:
         for name in OPERANDS:
             value = getattr(self, name)
+            if value in _RENAMED:
+                raise ValueError(f"{name}={value!r}: {_RENAMED[value]}")
             if value != HP and value not in FORMATS:
                 near = difflib.get_close_matches(str(value), [*FORMATS, HP], n=2)
                 hint = f" (did you mean {', '.join(near)}?)" if near else ""
@@ -119,7 +121,9 @@ class Recipe:
         if not isinstance(self.scaling, TensorScaling):
             raise TypeError(f"scaling must be a TensorScaling or None, got {type(self.scaling).__name__}")
         # Each tensor is cast once and the cast serves both its GEMMs: only one scale per tensor allows it.
-        wrong = [f"{n}={self.operand(n)}" for n in OPERANDS if self.operand(n) == HP or not _tensorwise(self, n)]
+        wrong = [
+            f"{n}={self.operand(n)}" for n in OPERANDS if self.operand(n) == HP or not _tensorwise(self, n)
+        ]
         if wrong:
             raise ValueError(
                 f"scaling={self.scaling.kind} casts each tensor once with one scale: every operand must be a "
@@ -149,7 +153,9 @@ class Recipe:
         if self.scaling is not None:
             text += f" scaling={self.scaling.kind}"
             text += f" margin={self.scaling.margin}" if self.scaling.margin else ""
-            text += f" amax={self.scaling.amax_compute_algo}" if self.scaling.amax_compute_algo != "max" else ""
+            text += (
+                f" amax={self.scaling.amax_compute_algo}" if self.scaling.amax_compute_algo != "max" else ""
+            )
         return text
 
     def __str__(self) -> str:
