@@ -43,24 +43,26 @@ from scipy import stats
 
 from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
-from mixprec.lowbit import quantize, scaling
+from mixprec.lowbit import block_scales, quantize
 from mixprec.lowbit.formats import get_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lowbit_lm  # a sibling script, not a package
 
 _Q = sys.modules["mixprec.lowbit.quantize"]
-FORMATS = ("nvfp4", "mxfp4", "mxfp8")
+FORMATS = ("nvfp4", "mxfp4", "mxfp8_floor")
 LM_TINY = {**WORKLOADS["lm"].presets["tiny"].params, "batch": 8, "corpus_bytes": 400_000, "eval_windows": 32}
 
 
 @contextlib.contextmanager
 def old_rule() -> Iterator[None]:
     """quantize as before the fix: nearest block scales (clamping block maxima) and no tensor headroom."""
-    scale, tensor_scale = _Q._scale, scaling.nvfp4_tensor_scale
+    scale, tensor_scale = _Q._scale, block_scales.nvfp4_tensor_scale
     with (
         mock.patch.object(_Q, "_scale", lambda *a, unsaturated: scale(*a, unsaturated=False)),
-        mock.patch.object(scaling, "nvfp4_tensor_scale", lambda amax, headroom=False: tensor_scale(amax)),
+        mock.patch.object(
+            block_scales, "nvfp4_tensor_scale", lambda amax, headroom=False: tensor_scale(amax)
+        ),
     ):
         yield
 
@@ -81,7 +83,7 @@ def bias(x: torch.Tensor, name: str, draws: int, stochastic: bool) -> dict[str, 
     q = quantize(x.repeat(n, 1), name, stochastic=stochastic, generator=g)
     deq = q.dequantize().reshape(n, *x.shape).double()
     rows, cols = get_format(name).block
-    amax = scaling.block_amax(x, rows, cols).repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+    amax = block_scales.block_amax(x, rows, cols).repeat_interleave(rows, 0).repeat_interleave(cols, 1)
     err = (deq - x.double()) * x.sign() / amax * 100
     top = x.abs() == amax
     out = {}

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.lowbit import scaling
+from mixprec.lowbit import block_scales
 from mixprec.lowbit.formats import E4M3
 from mixprec.scaling.skip import RankSync
 
@@ -206,7 +206,7 @@ def _agreed_scale(grad: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[
     _, agreed = RankSync(True, group).max_across_ranks(torch.zeros((), device=grad.device), amax)
     amax = amax if agreed is None else agreed  # None only when amax was not passed
     finite = torch.isfinite(amax)
-    return scaling.fp32_scale(torch.where(finite, amax, 1.0), E4M3, False), finite
+    return block_scales.fp32_scale(torch.where(finite, amax, 1.0), E4M3, False), finite
 
 
 def _encode(grad: torch.Tensor, fmt: str, scale: torch.Tensor | None) -> torch.Tensor:

@@ -33,7 +33,7 @@ def _script(name: str):
 
 def test_numerics_covers_every_recipe_and_gemm_and_a_new_recipe_too(tmp_path: Path, monkeypatch) -> None:
     numerics = _script("gemm_numerics")
-    extra = Recipe("mxfp8", "mxfp8", "fp8_rowwise", "fp8_rowwise", "hp", "hp")
+    extra = Recipe("mxfp8_floor", "mxfp8_floor", "fp8_rowwise", "fp8_rowwise", "hp", "hp")
     monkeypatch.setitem(numerics.RECIPES, "test_extra", extra)
     out = tmp_path / "n.json"
     assert numerics.main(["--device", "cpu", "--shape", "16,64,32", "--json", str(out)]) == 0

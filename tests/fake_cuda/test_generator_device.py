@@ -38,7 +38,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 CPU_ON_CUDA = r"generator is on cpu, the layer's weight on cuda:0.*torch.Generator\(device='cuda:0'\)"
-SR_RECIPES = ["nvfp4", "fprop=mxfp8,mxfp8 dgrad=mxfp8,mxfp8 wgrad=mxfp8,mxfp8 sr=on rht=off"]
+SR_RECIPES = [
+    "nvfp4",
+    "fprop=mxfp8_floor,mxfp8_floor dgrad=mxfp8_floor,mxfp8_floor wgrad=mxfp8_floor,mxfp8_floor sr=on rht=off",
+]
 
 
 @pytest.mark.parametrize("recipe", SR_RECIPES)

@@ -57,7 +57,7 @@ def test_mx_floor_rule_saturation_is_measured_and_the_mxfp8_recipe_has_none() ->
     # maps them to ~490 > 448 + 16, so every value above (448 + 16) * 2**-12 is clamped.
     weight = _model()[0].weight.detach()
     report = lowbit_report(_model(), _inputs(), loss_fn=_loss, recipe="mxfp8_floor")
-    q = lowbit.quantize(weight, "mxfp8")  # the format: torchao's to_mx default, the floor rule
+    q = lowbit.quantize(weight, "mxfp8_floor")  # torchao's to_mx default, the floor rule
     over = (weight.reshape(64, 2, 32).abs() / q.block_descale()[:, :, None]) > 464
     assert report.layers["0"]["fprop_w"].saturated == pytest.approx(over.float().mean().item())
     assert report.layers["0"]["fprop_w"].saturated > 0.05

@@ -16,7 +16,7 @@ from mixprec.lowbit import quantize, save_activations
 from mixprec.lowbit.activations import MIN_NUMEL
 
 FMTS = ["fp8", "mxfp8"]
-LOWBIT = {"fp8": "fp8_rowwise_fp32", "mxfp8": "mxfp8"}
+LOWBIT = {"fp8": "fp8_rowwise_fp32", "mxfp8": "mxfp8_rceil"}
 
 
 def _block(seed: int = 0) -> torch.nn.Module:

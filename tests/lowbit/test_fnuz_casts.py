@@ -128,7 +128,7 @@ def test_the_scale_is_torchaos_and_finite_for_small_amax_in_fp16(fmt: formats.Fo
 def test_lowbit_names_and_a_user_fnuz_format() -> None:
     assert lowbit.formats.ELEMENTS["e4m3fnuz"] is formats.FP8_E4M3FNUZ
     assert lowbit.formats.ELEMENTS["e5m2fnuz"] is formats.FP8_E5M2FNUZ
-    fmt = lowbit.LowbitFormat("mx_fnuz", "e4m3fnuz", "e8m0", (1, 32), lowbit.ScaleRule.FLOOR)
+    fmt = lowbit.LowbitFormat("mx_fnuz", "e4m3fnuz", "e8m0", (1, 32), lowbit.ScaleRounding.FLOOR)
     x = torch.randn(4, 64)
     q = quantize(x, fmt)
     assert q.data.dtype == torch.float8_e4m3fnuz

@@ -67,7 +67,7 @@ def test_to_blocked_matches_torchao_bitwise(shape, dtype) -> None:
 def test_to_blocked_of_real_mx_and_nvfp4_scales_matches_torchao() -> None:
     utils = _torchao("torchao.prototype.mx_formats.utils")
     x = torch.randn(200, 96, generator=torch.Generator().manual_seed(1))
-    for name in ("mxfp8", "nvfp4"):  # e8m0 (200, 3) and e4m3 (200, 6): both padded to 256 x 4 / 256 x 8
+    for name in ("mxfp8_floor", "nvfp4"):  # e8m0 (200, 3) and e4m3 (200, 6): both padded to 256 x 4 / 256 x 8
         scale = quantize(x, name).scale
         assert torch.equal(to_blocked(scale).view(torch.uint8), utils.to_blocked(scale).view(torch.uint8))
 
@@ -129,7 +129,7 @@ def test_odd_sizes_fall_back_naming_the_size() -> None:
         ("fp8_tensorwise", "fp8_tensorwise", (32, 24), (48, 24), (9, 0), ["K=24", "multiple of 16"]),
         ("fp8_rowwise", "fp8_rowwise", (32, 32), (40, 32), (8, 9), ["N=40"]),
         ("nvfp4", "nvfp4", (32, 48), (32, 48), (10, 0), ["K=48", "multiple of 32"]),
-        ("mxfp8", "mxfp8", (32, 64), (24, 64), (10, 0), ["N=24"]),
+        ("mxfp8_floor", "mxfp8_floor", (32, 64), (24, 64), (10, 0), ["N=24"]),
         ("fp8_blockwise", "fp8_blockwise_2d", (32, 64), (128, 64), (9, 0), ["K=64", "multiple of 128"]),
         (
             "fp8_blockwise",
@@ -269,7 +269,7 @@ def test_lowbit_mm_warns_once_per_formats_device_and_reason(monkeypatch) -> None
     monkeypatch.setattr(gemm, "device_capability", lambda device: cap["now"])
     g = torch.Generator().manual_seed(0)
     x, w, small = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g), torch.randn(24, 128)
-    q = {f: (quantize(x, f), quantize(w, f), quantize(small, f)) for f in ("mxfp8", "mxfp4")}
+    q = {f: (quantize(x, f), quantize(w, f), quantize(small, f)) for f in ("mxfp8_floor", "mxfp4")}
 
     def calls(fmt: str, which: int = 1) -> list[str]:
         with warnings.catch_warnings(record=True) as record:  # a fresh filter state each time, as a loop's
@@ -279,24 +279,24 @@ def test_lowbit_mm_warns_once_per_formats_device_and_reason(monkeypatch) -> None
                 assert torch.equal(out, emulated_mm(q[fmt][0], q[fmt][which], torch.float32))
         return [str(r.message) for r in record if "mixprec.lowbit" in str(r.message)]
 
-    first = calls("mxfp8")
+    first = calls("mxfp8_floor")
     assert len(first) == 1
     assert (
-        "mxfp8 x mxfp8" in first[0]
+        "mxfp8_floor x mxfp8_floor" in first[0]
         and "cpu (compute capability 8.9)" in first[0]
         and "needs sm10x" in first[0]
     )
-    assert calls("mxfp8") == []
+    assert calls("mxfp8_floor") == []
     other_format = calls("mxfp4")
     assert len(other_format) == 1 and "mxfp4 x mxfp4" in other_format[0]
     cap["now"] = (10, 0)  # the kernel exists; the 24-row B refuses it: another reason, another warning
-    other_reason = calls("mxfp8", which=2)
+    other_reason = calls("mxfp8_floor", which=2)
     assert len(other_reason) == 1 and "N=24" in other_reason[0] and "10.0" in other_reason[0]
     cap["now"] = (12, 0)
-    other_device = calls("mxfp8")
+    other_device = calls("mxfp8_floor")
     assert len(other_device) == 1 and "12.0" in other_device[0]
     cap["now"] = (8, 9)
-    assert calls("mxfp8") == [] and calls("mxfp4") == []
+    assert calls("mxfp8_floor") == [] and calls("mxfp4") == []
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

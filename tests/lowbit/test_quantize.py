@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mixprec import lowbit
-from mixprec.lowbit import LowbitFormat, ScaleRule, quantize
+from mixprec.lowbit import LowbitFormat, ScaleRounding, quantize
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -25,7 +25,7 @@ with warnings.catch_warnings():
 
 DTYPES = [torch.float32, torch.bfloat16]
 MX_CASES = [  # mixprec format, torchao element dtype, torchao scale rule
-    ("mxfp8", torch.float8_e4m3fn, ScaleCalculationMode.FLOOR),
+    ("mxfp8_floor", torch.float8_e4m3fn, ScaleCalculationMode.FLOOR),
     ("mxfp8_e5m2", torch.float8_e5m2, ScaleCalculationMode.FLOOR),
     ("mxfp4", torch.float4_e2m1fn_x2, ScaleCalculationMode.FLOOR),
     ("mxfp8_rceil", torch.float8_e4m3fn, ScaleCalculationMode.RCEIL),
@@ -58,7 +58,7 @@ def test_mx_formats_match_torchao_to_mx_bitwise(name, elem, mode, dtype) -> None
     assert torch.equal(ours.dequantize(torch.float32), ref.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("rule", [ScaleRule.CEIL, ScaleRule.EVEN])
+@pytest.mark.parametrize("rule", [ScaleRounding.CEIL, ScaleRounding.EVEN])
 @pytest.mark.parametrize("element", ["e4m3", "e2m1"])
 def test_user_formats_with_other_scale_rules_match_torchao(rule, element) -> None:
     fmt = LowbitFormat("mine", element, "e8m0", (1, 32), rule)
@@ -72,7 +72,7 @@ def test_user_formats_with_other_scale_rules_match_torchao(rule, element) -> Non
 def test_mx_on_a_3d_tensor_matches_torchao() -> None:
     x = _hard(torch.float32, shape=(16, 256)).reshape(4, 16, 64)
     ref = mx.MXTensor.to_mx(x, torch.float8_e4m3fn, 32)
-    ours = quantize(x, "mxfp8")
+    ours = quantize(x, "mxfp8_floor")
     assert torch.equal(_bits(ours.data), _bits(ref.qdata).reshape(64, 64))  # (M, K) with M = 4 * 16
     assert torch.equal(ours.dequantize(), ref.dequantize(torch.float32))
 
@@ -132,13 +132,13 @@ def test_fp8_blockwise_scales_are_powers_of_two_per_block() -> None:
 def test_non_multiple_shapes_are_refused_or_padded() -> None:
     x = torch.randn(5, 40)
     with pytest.raises(
-        ValueError, match=r"mxfp8 needs the 5x40 matrix .* multiple of its 1x32 block.*pad=True"
+        ValueError, match=r"mxfp8_floor needs the 5x40 matrix .* multiple of its 1x32 block.*pad=True"
     ):
-        quantize(x, "mxfp8")
-    q = quantize(x, "mxfp8", pad=True)
+        quantize(x, "mxfp8_floor")
+    q = quantize(x, "mxfp8_floor", pad=True)
     assert q.data.shape == (5, 64) and q.dequantize().shape == (5, 40)
     padded = torch.nn.functional.pad(x, (0, 24))
-    assert torch.equal(q.dequantize(), quantize(padded, "mxfp8").dequantize()[:, :40])
+    assert torch.equal(q.dequantize(), quantize(padded, "mxfp8_floor").dequantize()[:, :40])
     q2 = quantize(torch.randn(3, 40), "fp8_blockwise_2d", pad=True)
     assert q2.data.shape == (128, 128) and q2.dequantize().shape == (3, 40)
 
@@ -167,24 +167,24 @@ def test_bad_arguments_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="unknown low-bit format 'mxfp9'.*mxfp8"):
         quantize(x, "mxfp9")
     with pytest.raises(TypeError, match="floating torch.Tensor.*torch.int64"):
-        quantize(torch.ones(4, 32, dtype=torch.long), "mxfp8")
+        quantize(torch.ones(4, 32, dtype=torch.long), "mxfp8_floor")
     with pytest.raises(ValueError, match=r"axis must be an int in \[-2, 1\]"):
-        quantize(x, "mxfp8", axis=2)
+        quantize(x, "mxfp8_floor", axis=2)
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):
-        quantize(x, "mxfp8", stochastic=True, generator=0)
+        quantize(x, "mxfp8_floor", stochastic=True, generator=0)
     with pytest.raises(TypeError, match="stochastic must be a bool"):
-        quantize(x, "mxfp8", stochastic=1)
+        quantize(x, "mxfp8_floor", stochastic=1)
     with pytest.raises(ValueError, match="tensor_amax is for two-level formats"):
-        quantize(x, "mxfp8", tensor_amax=1.0)
+        quantize(x, "mxfp8_floor", tensor_amax=1.0)
     with pytest.raises(ValueError, match="tensor_amax must be one finite number > 0"):
         quantize(x, "nvfp4", tensor_amax=float("nan"))
     with pytest.raises(ValueError, match="does not take rule"):
-        LowbitFormat("bad", "e4m3", "fp32", (1, 32), ScaleRule.FLOOR)
+        LowbitFormat("bad", "e4m3", "fp32", (1, 32), ScaleRounding.FLOOR)
     with pytest.raises(ValueError, match="block must be"):
         LowbitFormat("bad", "e4m3", "fp32", (2, -1))
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp8", "fp8_rowwise"])
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp8_floor", "mxfp8_rceil", "fp8_rowwise"])
 def test_stochastic_rounding_is_unbiased(name) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 64, generator=g)

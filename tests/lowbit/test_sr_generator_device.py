@@ -62,7 +62,9 @@ DRAW_NOTHING = [name for name, recipe in RECIPES.items() if not draws(recipe)]
 def test_only_stochastic_rounding_of_a_quantized_gradient_draws() -> None:
     assert DRAWS == ["nvfp4"] and "fp8_tensorwise" in DRAW_NOTHING
     assert not draws(get_recipe("nvfp4 sr=off")) and draws(get_recipe("mxfp8 sr=on"))
-    assert not draws(get_recipe("fprop=mxfp8,mxfp8 dgrad=hp,hp wgrad=hp,hp sr=on"))  # no go quantized
+    assert not draws(
+        get_recipe("fprop=mxfp8_rceil,mxfp8_rceil dgrad=hp,hp wgrad=hp,hp sr=on")
+    )  # no go quantized
 
 
 def test_the_check_compares_type_and_index_and_lets_meta_through() -> None:

@@ -34,7 +34,7 @@ import torch
 
 from mixprec.lowbit.gemm import GemmOptions
 from mixprec.lowbit.history import TensorScaling
-from mixprec.lowbit.recipes import Recipe, get_recipe
+from mixprec.lowbit.recipes import Recipe
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
@@ -313,10 +313,13 @@ class Float8Config:
             so the scales are the unpadded tensor's), which CUDA's ``torch._scaled_mm`` needs; the result is
             the same up to the order of accumulation.
 
-    Every config runs on the :mod:`mixprec.lowbit` engine: one that is dynamic tensorwise in all six casts
-    casts each tensor once with :attr:`tensor_scaling` (delayed scaling, margins); any other runs the
-    per-operand recipe of :attr:`lowbit_recipe` (per-row scales, high-precision operands). The CPU
-    runs torch's tensorwise fp8 kernel and emulates the rest (``mixprec.lowbit.kernels.CPU_RULE``).
+    A config is a torchao-compatible way to write a :class:`~mixprec.lowbit.Recipe`, the one
+    configuration the :mod:`mixprec.lowbit` engine runs, built once, field by field (no recipe text), as
+    :attr:`resolved_lowbit_recipe`: a config that is dynamic tensorwise in all six casts at their default
+    dtypes gives a recipe whose ``scaling`` is a :class:`~mixprec.lowbit.history.TensorScaling` (each
+    tensor cast once; ``scaling``, ``margin`` and ``amax_compute_algo`` are its data), any other a
+    per-operand recipe (per-row scales, high-precision operands). The CPU runs torch's tensorwise fp8
+    kernel and emulates the rest (``mixprec.lowbit.kernels.CPU_RULE``).
 
     Raises:
         ValueError: for a ``scaling`` or ``amax_compute_algo`` outside the accepted names, an
@@ -399,32 +402,25 @@ class Float8Config:
 
     @property
     def lowbit_recipe(self) -> str | None:
-        """The :mod:`mixprec.lowbit` recipe string this config runs (operands ``fprop=input,weight
-        dgrad=grad_output,weight_for_grad_input wgrad=grad_output_for_grad_weight,input_for_grad_weight``),
-        or None when every cast is dynamic tensorwise at its default dtype (mixprec.float8's own GEMMs)."""
-        if _all_tensorwise({n: getattr(self, n) for n in _OPERANDS}):
-            return None
-        return self._recipe_text()
-
-    def _recipe_text(self) -> str:
-        fmt = {n: lowbit_format(getattr(self, n), self.round_scales_to_power_of_2) for n in _OPERANDS}
-        return (
-            f"fprop={fmt['cast_config_input']},{fmt['cast_config_weight']} "
-            f"dgrad={fmt['cast_config_grad_output']},{fmt['cast_config_weight_for_grad_input']} "
-            f"wgrad={fmt['cast_config_grad_output_for_grad_weight']},{fmt['cast_config_input_for_grad_weight']}"
-        )
+        """The operands of the per-operand :mod:`mixprec.lowbit` recipe this config runs, as text
+        (``fprop=input,weight dgrad=grad_output,weight_for_grad_input
+        wgrad=grad_output_for_grad_weight,input_for_grad_weight``: :meth:`Recipe.operands_str
+        <mixprec.lowbit.Recipe.operands_str>` of :attr:`resolved_lowbit_recipe`), or None when every cast
+        is dynamic tensorwise at its default dtype (a per-tensor recipe, :attr:`tensor_scaling`)."""
+        recipe = self._engine.recipe
+        return None if recipe.scaling is not None else recipe.operands_str()
 
     @property
     def resolved_lowbit_recipe(self) -> Recipe:
-        """The :class:`~mixprec.lowbit.Recipe` the engine runs (the tensorwise casts' too), resolved once,
-        when the config is built: the config is frozen, so the forward never parses it again."""
+        """The :class:`~mixprec.lowbit.Recipe` the engine runs, built from the fields once, when the
+        config is built (the config is frozen): its ``scaling`` is :attr:`tensor_scaling`."""
         return self._engine.recipe
 
     @property
     def tensor_scaling(self) -> TensorScaling | None:
         """The engine's per-tensor scaling (delayed or dynamic, with the margin) for a config whose six
         casts are dynamic tensorwise at their default dtypes; None for per-operand recipes."""
-        return self._engine.tensor_scaling
+        return self._engine.recipe.scaling
 
     @property
     def gemm_options(self) -> tuple[GemmOptions, GemmOptions, GemmOptions]:
@@ -505,7 +501,6 @@ class _Engine(NamedTuple):
     """A config's values as the engine reads them (immutable and hashable, as the config is)."""
 
     recipe: Recipe
-    tensor_scaling: TensorScaling | None
     gemm_options: tuple[GemmOptions, GemmOptions, GemmOptions]
     linear_mm_config: LinearMMConfig
 
@@ -515,11 +510,26 @@ def _resolve_engine(config: Float8Config) -> _Engine:
     mm = LinearMMConfig(
         *(ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms)
     )
-    scaling = None
-    if config.lowbit_recipe is None:
-        scaling = TensorScaling(config.delayed, config.margin, config.amax_compute_algo)
     options = (_gemm_options(mm.output), _gemm_options(mm.grad_input), _gemm_options(mm.grad_weight))
-    return _Engine(get_recipe(config._recipe_text()), scaling, options, mm)
+    return _Engine(_recipe(config), options, mm)
+
+
+def _recipe(config: Float8Config) -> Recipe:
+    """The :class:`~mixprec.lowbit.Recipe` of ``config``'s resolved casts, operand by operand."""
+    casts = {n: getattr(config, n) for n in _OPERANDS}
+    scaling = None
+    if _all_tensorwise(casts):  # one scale per tensor: cast once, dynamic or delayed
+        scaling = TensorScaling(config.delayed, config.margin, config.amax_compute_algo)
+    fmt = {n: lowbit_format(cast, config.round_scales_to_power_of_2) for n, cast in casts.items()}
+    return Recipe(
+        fprop_x=fmt["cast_config_input"],
+        fprop_w=fmt["cast_config_weight"],
+        dgrad_go=fmt["cast_config_grad_output"],
+        dgrad_w=fmt["cast_config_weight_for_grad_input"],
+        wgrad_go=fmt["cast_config_grad_output_for_grad_weight"],
+        wgrad_x=fmt["cast_config_input_for_grad_weight"],
+        scaling=scaling,
+    )
 
 
 def _resolve_operands(config: Float8Config) -> dict[str, CastConfig | Float8GemmConfig]:

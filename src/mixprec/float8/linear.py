@@ -57,7 +57,7 @@ class Float8Layer(nn.Module):
         config = self.config  # its recipe, scaling and GEMM options are resolved once per config
         out = LowbitLinearFunction.apply(
             input, weight, config.resolved_lowbit_recipe, None, config.gemm_options,
-            config.tensor_scaling, self.amax_history, self.fp8_stats, self.training,
+            self.amax_history, self.fp8_stats, self.training,
         )  # fmt: skip
         if bias is not None:
             out = out + bias.to(out.dtype)

@@ -6,7 +6,9 @@
 * :func:`quantize` returns a :class:`Quantized` (data, scales, ``.dequantize(dtype)``), bit for bit
   torchao 0.18's pure-PyTorch references, with nearest or stochastic rounding;
 * recipes per GEMM operand (:class:`Recipe`, :data:`RECIPES`): which format quantizes which operand of the
-  forward, input-gradient and weight-gradient GEMMs, as Transformer Engine's and torchao's recipes;
+  forward, input-gradient and weight-gradient GEMMs, as Transformer Engine's and torchao's recipes, and
+  whether tensorwise operands are scaled once per tensor (:class:`~mixprec.lowbit.history.TensorScaling`,
+  dynamic or delayed): the one configuration the engine runs (``mixprec.float8.Float8Config`` builds one);
 * :func:`convert_to_lowbit_training` swaps ``nn.Linear`` for :class:`LowbitLinear` (torchao's
   ``module_filter_fn(module, fqn) -> bool`` contract). GEMMs are emulated on a CPU (dequantize, float32
   matmul); on CUDA each GEMM runs on the tensor-core kernel the device has (fp8 tensorwise / rowwise from
@@ -22,7 +24,7 @@ Example::
 
     from mixprec import lowbit
     lowbit.convert_to_lowbit_training(model, "nvfp4", module_filter_fn=lambda m, fqn: fqn != "head")
-    q = lowbit.quantize(x, "mxfp8")          # q.data float8_e4m3fn, q.scale float8_e8m0fnu (M, K // 32)
+    q = lowbit.quantize(x, "mxfp8_rceil")    # q.data float8_e4m3fn, q.scale float8_e8m0fnu (M, K // 32)
     err = (q.dequantize() - x).abs().max()
 """
 
@@ -35,8 +37,9 @@ from mixprec.lowbit.convert import (
     sr_state_dict,
 )
 from mixprec.lowbit.cost import auto_filter
-from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRule, get_format
+from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRounding, get_format
 from mixprec.lowbit.gemm import hadamard_16, lowbit_mm
+from mixprec.lowbit.history import TensorScaling
 from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear
 from mixprec.lowbit.quantize import Quantized, quantize, round_to_element
 from mixprec.lowbit.recipes import HP, OPERANDS, RECIPES, Recipe, get_recipe
@@ -52,7 +55,8 @@ __all__ = [
     "ModuleFilter",
     "Quantized",
     "Recipe",
-    "ScaleRule",
+    "ScaleRounding",
+    "TensorScaling",
     "auto_filter",
     "convert_to_lowbit_training",
     "get_format",

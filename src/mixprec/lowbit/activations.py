@@ -15,8 +15,9 @@ The encodings come from :func:`mixprec.lowbit.quantize`:
 * ``"fp8"``: e4m3 with one float32 scale per row of the last dimension (``fp8_rowwise_fp32``): a row
   (one token's features) with an outlier does not crush every other row's values into e4m3's subnormals,
   as one per-tensor scale would; the cost is 4 bytes per row.
-* ``"mxfp8"``: e4m3 in 32-value blocks along the last dimension with an e8m0 exponent each (OCP MX), the
-  last dimension zero-padded to a multiple of 32.
+* ``"mxfp8"``: e4m3 in 32-value blocks along the last dimension with an e8m0 exponent each (OCP MX),
+  rounded up as the ``"mxfp8"`` recipe rounds (``mxfp8_rceil``), so no block's largest value saturates;
+  the last dimension zero-padded to a multiple of 32.
 
 Composition: around a ``torch.utils.checkpoint`` (or :func:`mixprec.checkpoint`) call, the checkpointed
 part saves only its inputs and is recomputed in full precision; the rest is quantized. Inside a
@@ -42,7 +43,7 @@ from mixprec.lowbit.quantize import Quantized, quantize
 __all__ = ["ACTIVATION_FORMATS", "MIN_NUMEL", "save_activations"]
 
 #: Accepted names -> the lowbit format each one stores in.
-ACTIVATION_FORMATS: dict[str, str] = {"fp8": "fp8_rowwise_fp32", "mxfp8": "mxfp8"}
+ACTIVATION_FORMATS: dict[str, str] = {"fp8": "fp8_rowwise_fp32", "mxfp8": "mxfp8_rceil"}
 #: Tensors with fewer elements stay as they are: the scales and bookkeeping would eat what they save.
 MIN_NUMEL = 1024
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -12,7 +12,8 @@ A :class:`LowbitFormat` says everything :func:`mixprec.lowbit.quantize` needs::
                 "e4m3"  an fp8 e4m3 descale per block (NVFP4), optionally over a float32 per-tensor scale
     block     (rows, cols) of one scale block, -1 meaning the whole dimension: (-1, -1) tensor, (1, -1) row,
               (1, 128), (128, 128), (1, 32), (1, 16), (16, 16). ``cols`` runs along the quantization axis.
-    rule      how an e8m0 exponent is picked from a block's amax (torchao's ``ScaleCalculationMode``):
+    rule      a :class:`ScaleRounding`, how an e8m0 exponent is picked from a block's amax (torchao's
+              ``ScaleCalculationMode``):
               FLOOR (OCP: floor(log2 amax) - emax_elem), CEIL, EVEN (round the amax's mantissa first),
               RCEIL (cuBLAS: ceil(log2(amax / elem_max))). Other scale formats use ``AMAX`` (elem_max / amax).
     two_level NVFP4's float32 per-tensor scale amax / (448 * 6) under the e4m3 block scales.
@@ -38,7 +39,7 @@ __all__ = [
     "FORMATS",
     "SCALE_FORMATS",
     "LowbitFormat",
-    "ScaleRule",
+    "ScaleRounding",
     "get_format",
 ]
 
@@ -52,8 +53,11 @@ ELEMENTS = {"e4m3": E4M3, "e5m2": E5M2, "e4m3fnuz": E4M3FNUZ, "e5m2fnuz": E5M2FN
 SCALE_FORMATS = ("fp32", "pow2", "e8m0", "e4m3")
 
 
-class ScaleRule(str, Enum):
-    """How a block's scale follows from its amax (see the module doc)."""
+class ScaleRounding(str, Enum):
+    """How a block's scale is rounded from its amax: torchao's ``ScaleCalculationMode`` (see the module doc).
+
+    Not to be confused with :class:`mixprec.scaling.ScaleRule`, which updates a loss scale.
+    """
 
     AMAX = "amax"
     FLOOR = "floor"
@@ -76,7 +80,7 @@ class LowbitFormat:
     element: str
     scale: str
     block: tuple[int, int]
-    rule: ScaleRule = ScaleRule.AMAX
+    rule: ScaleRounding = ScaleRounding.AMAX
     two_level: bool = False
 
     def __post_init__(self) -> None:
@@ -86,8 +90,8 @@ class LowbitFormat:
             raise ValueError(f"scale must be one of {list(SCALE_FORMATS)}, got {self.scale!r}")
         rows, cols = _block(self.block)
         object.__setattr__(self, "block", (rows, cols))
-        object.__setattr__(self, "rule", ScaleRule(self.rule))
-        if (self.scale == "e8m0") != (self.rule is not ScaleRule.AMAX):
+        object.__setattr__(self, "rule", ScaleRounding(self.rule))
+        if (self.scale == "e8m0") != (self.rule is not ScaleRounding.AMAX):
             raise ValueError(f"scale {self.scale!r} does not take rule {self.rule.value!r}")
         if self.two_level and self.scale != "e4m3":
             raise ValueError(f"two_level needs e4m3 block scales, got scale {self.scale!r}")
@@ -127,7 +131,7 @@ def _block(block: object) -> tuple[int, int]:
 
 
 def _fmt(name: str, element: str, scale: str, block: tuple[int, int], rule: str = "amax", two: bool = False):
-    return LowbitFormat(name, element, scale, block, ScaleRule(rule), two)
+    return LowbitFormat(name, element, scale, block, ScaleRounding(rule), two)
 
 
 #: The named formats, by the names torchao and Transformer Engine use for their recipes.
@@ -153,7 +157,8 @@ FORMATS: dict[str, LowbitFormat] = {
         _fmt("fp8_rowwise_e5m2fnuz_fp32", "e5m2fnuz", "fp32", (1, -1)),
         _fmt("fp8_blockwise", "e4m3", "pow2", (1, 128)),
         _fmt("fp8_blockwise_2d", "e4m3", "pow2", (128, 128)),
-        _fmt("mxfp8", "e4m3", "e8m0", (1, 32), "floor"),
+        # MXFP8 names its scale rounding: the two are both in use (see mixprec.lowbit.recipes).
+        _fmt("mxfp8_floor", "e4m3", "e8m0", (1, 32), "floor"),
         _fmt("mxfp8_e5m2", "e5m2", "e8m0", (1, 32), "floor"),
         _fmt("mxfp8_rceil", "e4m3", "e8m0", (1, 32), "rceil"),
         _fmt("mxfp4", "e2m1", "e8m0", (1, 32), "floor"),
@@ -161,6 +166,14 @@ FORMATS: dict[str, LowbitFormat] = {
         _fmt("nvfp4_2d", "e2m1", "e4m3", (16, 16), two=True),
         _fmt("nvfp4_single", "e2m1", "e4m3", (1, 16)),
     )
+}
+
+
+# A name that meant one thing as a format and another as a recipe, kept out so it cannot mean either here.
+_RENAMED = {
+    "mxfp8": "'mxfp8' is a recipe (scales rounded up); as a format give the scale rounding: 'mxfp8_rceil' "
+    "(the mxfp8 recipe's, torchao's MXFP8 training recipes') or 'mxfp8_floor' (OCP MX v1.0, torchao's "
+    "MXTensor.to_mx default)",
 }
 
 
@@ -175,6 +188,8 @@ def get_format(fmt: LowbitFormat | str) -> LowbitFormat:
         return fmt
     if not isinstance(fmt, str):
         raise TypeError(f"fmt must be a LowbitFormat or a format name, got {type(fmt).__name__}")
+    if fmt in _RENAMED:
+        raise ValueError(_RENAMED[fmt])
     if fmt not in FORMATS:
         near = difflib.get_close_matches(fmt, FORMATS, n=3)
         hint = f" (did you mean {', '.join(near)}?)" if near else ""

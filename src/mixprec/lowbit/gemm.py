@@ -468,22 +468,33 @@ def gemm_kernel_paths(
 class LowbitLinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with the three GEMMs quantized by ``recipe``; bias is added by the caller.
 
-    Per operand (``scaling`` None): ``x`` (..., K) and ``weight`` (N, K) are saved in their own precision,
-    and each backward GEMM quantizes them along its own reduction axis (a rowwise or block format needs a
-    different quantization per GEMM). A quantized weight is cast from its own dtype (an fp32 master under
-    bf16 autocast is rounded once, to the low-bit format, as torchao's float8 and Transformer Engine
-    round it); a high-precision operand enters its GEMM in the output dtype.
+    Per operand (``recipe.scaling`` None, :func:`_per_operand_forward`): ``x`` (..., K) and ``weight``
+    (N, K) are saved in their own precision, and each backward GEMM quantizes them along its own reduction
+    axis (a rowwise or block format needs a different quantization per GEMM). A quantized weight is cast
+    from its own dtype (an fp32 master under bf16 autocast is rounded once, to the low-bit format, as
+    torchao's float8 and Transformer Engine round it); a high-precision operand enters its GEMM in the
+    output dtype.
 
-    Per tensor (``scaling`` a :class:`~mixprec.lowbit.history.TensorScaling`, tensorwise formats only):
-    input, weight and grad_output are each cast once, from their own dtypes, with ``scaling``'s scale
-    (dynamic, or delayed from ``history`` float32[3, L], pushed when ``update``); a tensorwise cast serves
-    both GEMMs a tensor is in, so the fp8 input and weight are what backward keeps, as torchao's.
-    ``stats`` float32[2, 3] receives each role's last amax and scale.
+    Per tensor (``recipe.scaling`` a :class:`~mixprec.lowbit.history.TensorScaling`, tensorwise formats
+    only, :func:`_per_tensor_forward`): input, weight and grad_output are each cast once, from their own
+    dtypes, with the recipe's scale (dynamic, or delayed from ``history`` float32[3, L], pushed when
+    ``update``); a tensorwise cast serves both GEMMs a tensor is in, so the fp8 input and weight are what
+    backward keeps, as torchao's. ``stats`` float32[2, 3] receives each role's last amax and scale.
 
-    After ``generator`` come, optionally and in this order, ``gemms`` (the fprop, dgrad, wgrad
-    :class:`GemmOptions`; None: the defaults), ``scaling``, ``history``, ``stats`` and ``update``.
+    Args:
+        x: (..., K) floating point.
+        weight: (N, K).
+        recipe: the :class:`~mixprec.lowbit.Recipe` (its ``scaling`` picks the algorithm above).
+        generator: feeds stochastic rounding (None: torch's global generator).
+        gemms: the fprop, dgrad, wgrad :class:`GemmOptions`; None: the defaults.
+        history: the float32[3, L] amax history of delayed scaling; None otherwise.
+        stats: the float32[2, 3] stats buffer; required with ``recipe.scaling``.
+        update: push the amax history (training).
+
     Autocast is off inside; the output has ``x``'s dtype, the gradients ``x``'s and ``weight``'s.
-    ``generator`` feeds stochastic rounding (None: torch's global generator).
+
+    Raises:
+        ValueError: for a per-tensor recipe without ``stats``, or a delayed one without ``history``.
     """
 
     @staticmethod
@@ -492,41 +503,70 @@ class LowbitLinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         recipe: Recipe,
-        generator: torch.Generator | None,
-        *options: Any,
+        generator: torch.Generator | None = None,
+        gemms: tuple[GemmOptions, GemmOptions, GemmOptions] | None = None,
+        history: torch.Tensor | None = None,
+        stats: torch.Tensor | None = None,
+        update: bool = True,
     ) -> torch.Tensor:
-        gemms, scaling, history, stats, update = _unpack(options)
-        ctx.n_options = len(options)  # backward returns one gradient per argument given
-        ctx.recipe, ctx.generator, ctx.gemms, ctx.scaling = recipe, generator, gemms, scaling
+        ctx.recipe, ctx.generator, ctx.gemms = recipe, generator, gemms
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
-            if scaling is None:  # the weight is quantized from its own dtype, as torchao and TE do
-                out = _gemm(x2, recipe.fprop_x, weight, recipe.fprop_w, x.dtype, options=gemms and gemms[0])
-                ctx.save_for_backward(x2, weight)
+            if recipe.scaling is None:
+                out = _per_operand_forward(ctx, x2, weight, recipe, gemms)
             else:
-                qx, x_scale = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update)
-                qw, w_scale = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update)
-                out = lowbit_mm(qx, qw, x.dtype, gemms[0])
-                ctx.save_for_backward(qx.data, x_scale, qw.data, w_scale)  # a gathered weight's own cast
-                ctx.history, ctx.stats, ctx.update = history, stats, update
+                out = _per_tensor_forward(ctx, x2, weight, recipe, gemms, history, stats, update)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         with torch.autocast(grad_out.device.type, enabled=False):
-            if ctx.scaling is None:
+            if ctx.recipe.scaling is None:
                 grad_x, grad_w = _recipe_backward(ctx, grad_out)
             else:
                 grad_x, grad_w = _tensorwise_backward(ctx, grad_out)
-        return grad_x, grad_w, None, None, *([None] * ctx.n_options)
+        # One gradient per forward argument; autograd drops the trailing Nones of arguments not given.
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
-def _unpack(options: tuple) -> tuple:
-    """``(gemms, scaling, history, stats, update)`` from the optional arguments, defaults filled in."""
-    if len(options) > 5:
-        raise TypeError(f"LowbitLinearFunction takes at most 9 arguments, got {4 + len(options)}")
-    return (*options, *(None, None, None, None, True)[len(options) :])
+def _per_operand_forward(
+    ctx: Any,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    recipe: Recipe,
+    gemms: tuple[GemmOptions, GemmOptions, GemmOptions] | None,
+) -> torch.Tensor:
+    """The fprop GEMM of a per-operand recipe; saves ``x2`` and ``weight`` in their own precision."""
+    # The weight is quantized from its own dtype, as torchao and TE do.
+    out = _gemm(x2, recipe.fprop_x, weight, recipe.fprop_w, x2.dtype, options=gemms and gemms[0])
+    ctx.save_for_backward(x2, weight)
+    return out
+
+
+def _per_tensor_forward(
+    ctx: Any,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    recipe: Recipe,
+    gemms: tuple[GemmOptions, GemmOptions, GemmOptions] | None,
+    history: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    update: bool,
+) -> torch.Tensor:
+    """The fprop GEMM of a per-tensor recipe; saves the fp8 input and weight with their scales."""
+    scaling = recipe.scaling
+    if stats is None:
+        raise ValueError("a recipe with per-tensor scaling needs a float32[2, 3] stats buffer, got None")
+    if scaling is not None and scaling.delayed and history is None:
+        raise ValueError("a recipe with scaling=delayed needs its float32[3, L] amax history, got None")
+    history = history if scaling is not None and scaling.delayed else None
+    qx, x_scale = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update)
+    qw, w_scale = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update)
+    out = lowbit_mm(qx, qw, x2.dtype, (gemms or _DEFAULT_GEMMS)[0])
+    ctx.save_for_backward(qx.data, x_scale, qw.data, w_scale)  # a gathered weight's own cast
+    ctx.history, ctx.stats, ctx.update = history, stats, update
+    return out
 
 
 def _recipe_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -549,7 +589,9 @@ def _tensorwise_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor
     recipe, (_, dgrad, wgrad) = ctx.recipe, ctx.gemms or _DEFAULT_GEMMS
     grad_x = grad_w = None
     go2 = grad_out.reshape(-1, grad_out.shape[-1])
-    qgo, _ = _scale_cast(GRAD_OUTPUT, go2, recipe.dgrad_go, ctx.scaling, ctx.history, ctx.stats, ctx.update)
+    qgo, _ = _scale_cast(
+        GRAD_OUTPUT, go2, recipe.dgrad_go, recipe.scaling, ctx.history, ctx.stats, ctx.update
+    )
     if ctx.needs_input_grad[0]:
         qw_t = _tensorwise(w8.t(), w_scale, ctx.w_dtype, recipe.dgrad_w)
         grad_x = lowbit_mm(qgo, qw_t, grad_out.dtype, dgrad).reshape(ctx.x_shape).to(ctx.x_dtype)

@@ -2,7 +2,8 @@
 
 :class:`TensorScaling` is how a tensorwise layer (a :class:`~mixprec.float8.Float8Linear`) scales its
 three tensors, dynamically or from an amax history, and :class:`~mixprec.lowbit.gemm.LowbitLinearFunction`
-applies it; the block formats' scaling is :mod:`mixprec.lowbit.scaling`.
+applies it: a :class:`~mixprec.lowbit.Recipe` whose ``scaling`` is one runs it. The block formats' scale
+math is :mod:`mixprec.lowbit.block_scales`.
 
 Conventions (torchao's and Transformer Engine's): a *scale* multiplies a high-precision tensor into the
 fp8 range, ``x_fp8 = saturate(x * scale)``, and ``x ~ x_fp8 / scale``. The scale of a tensor whose
@@ -44,6 +45,7 @@ import torch
 from mixprec import formats
 
 __all__ = [
+    "AMAX_COMPUTE_ALGOS",
     "AMAX_GROWTH_LIMIT",
     "EPS",
     "ROLES",
@@ -129,19 +131,48 @@ def to_float8(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Format) -> torc
     return scaled.clamp(min=-fmt.max, max=fmt.max).to(fmt.dtype)
 
 
+#: The accepted ``amax_compute_algo`` values of :class:`TensorScaling`.
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
 @dataclass(frozen=True)
 class TensorScaling:
-    """How a tensorwise layer scales its input, weight and grad_output: each once per use, by its own
-    amax (``delayed=False``) or by the amax history (see the module doc), divided by ``2**margin``, and
-    rounded down to a power of two where its format's scales are ``pow2``.
+    """How a tensorwise recipe scales its input, weight and grad_output: each once per use, by its own
+    amax (``delayed=False``, torchao's dynamic scaling) or by the amax history of earlier steps
+    (``delayed=True``, Transformer Engine's ``DelayedScaling``; see the module doc), divided by
+    ``2**margin``, and rounded down to a power of two where its format's scales are ``pow2``.
 
-    A frozen, hashable value (``torch.compile`` treats it as a constant); the tensors it reads and writes
-    (the float32[3, L] history, the float32[2, 3] last amax / scale stats) are the layer's buffers.
+    It is the ``scaling`` of a :class:`~mixprec.lowbit.Recipe` (None there: each operand is quantized
+    per GEMM by its format). A frozen, hashable value (``torch.compile`` treats it as a constant); the
+    tensors it reads and writes (the float32[3, L] history, the float32[2, 3] last amax / scale stats) are
+    the layer's buffers.
+
+    Raises:
+        TypeError: for a non-bool ``delayed`` or a non-int ``margin``.
+        ValueError: for a negative ``margin`` or an ``amax_compute_algo`` other than ``"max"`` /
+            ``"most_recent"``.
     """
 
     delayed: bool = False
     margin: int = 0
     amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.delayed, bool):
+            raise TypeError(f"delayed must be a bool, got {self.delayed!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
+            raise TypeError(f"margin must be an int, got {type(self.margin).__name__}: {self.margin!r}")
+        if self.margin < 0:
+            raise ValueError(f"margin must be an int >= 0, got {self.margin}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"amax_compute_algo must be one of {list(AMAX_COMPUTE_ALGOS)}, got {self.amax_compute_algo!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """``"delayed"`` or ``"dynamic"``."""
+        return "delayed" if self.delayed else "dynamic"
 
     def scale(
         self,

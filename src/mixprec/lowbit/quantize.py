@@ -2,7 +2,7 @@
 
 The tensor is seen as a 2-D (M, K) matrix whose K runs along ``axis`` (the GEMM's reduction dimension:
 ``axis=-1`` for ``x`` of ``x @ w.T``, ``axis=0`` for the operands of the weight-gradient GEMM); blocks are
-(rows, cols) tiles of that matrix. Per block: amax, scale (:mod:`mixprec.lowbit.scaling`), multiply into
+(rows, cols) tiles of that matrix. Per block: amax, scale (:mod:`mixprec.lowbit.block_scales`), multiply into
 the element range, saturate to ``±elem.max``, round (nearest-even, or stochastic), store. e4m3 / e5m2 are
 stored as torch's float8 dtypes, e2m1 as two 4-bit codes per uint8 (first value in the low nibble, as
 torchao's ``pack_uint4``). Without ``stochastic`` the results are bit for bit torchao 0.18's pure-PyTorch
@@ -12,7 +12,7 @@ Stochastic rounding rounds ``|v|`` to one of its two neighbours on the element g
 proportional to closeness, ``floor(|v| / ulp + u) * ulp`` with ``u ~ U[0, 1)`` drawn from ``generator``
 (computed in float64, so it is exact for every fp32 input), which makes ``E[q] = v`` within the range.
 To keep every value within the range, a stochastic ``quantize`` gives each block whose largest value the
-nearest scale puts above ``elem.max`` the next coarser scale (:func:`scaling.coarser_scale`: the e4m3
+nearest scale puts above ``elem.max`` the next coarser scale (:func:`block_scales.coarser_scale`: the e4m3
 descale rounded up for NVFP4, with a per-tensor scale ``TENSOR_HEADROOM`` larger; ``ceil(log2(amax /
 elem_max))`` for MX), so nothing saturates and ``E[dequantize(q)] = x`` on every element: a saturated value
 has no round-up to balance it. Values beyond a given ``tensor_amax`` still saturate, as asked.
@@ -26,7 +26,7 @@ from typing import TypeGuard
 import torch
 
 from mixprec import formats
-from mixprec.lowbit import scaling
+from mixprec.lowbit import block_scales
 from mixprec.lowbit.formats import LowbitFormat, get_format
 
 __all__ = ["Quantized", "e2m1_values", "hold_generator", "quantize", "round_to_element", "uniform_noise"]
@@ -82,7 +82,7 @@ class Quantized:
         if self.fmt.scale in ("fp32", "pow2"):
             return self.scale.reciprocal()
         if self.fmt.scale == "e8m0":
-            return scaling.e8m0_to_float(self.scale.view(torch.uint8))
+            return block_scales.e8m0_to_float(self.scale.view(torch.uint8))
         scale = self.scale.to(torch.float32)
         return scale if self.tensor_scale is None else self.tensor_scale * scale
 
@@ -143,12 +143,16 @@ def quantize(
     rows, cols = _block_of(fmt, x2.shape)
     x2 = _pad(x2, rows, cols, pad, fmt, x.shape, axis)
     x2 = x2.to(torch.float32)
-    amax = scaling.block_amax(x2, rows, cols)
+    amax = block_scales.block_amax(x2, rows, cols)
     tensor_scale = None
     if fmt.two_level:
-        full = scaling.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0] if tensor_amax is None else tensor_amax
+        full = (
+            block_scales.block_amax(x2, x2.shape[0], x2.shape[1])[0, 0]
+            if tensor_amax is None
+            else tensor_amax
+        )
         full = _on_device(full, x.device)
-        tensor_scale = scaling.nvfp4_tensor_scale(full, headroom=stochastic)
+        tensor_scale = block_scales.nvfp4_tensor_scale(full, headroom=stochastic)
     scaled, scale = _scale(x2, amax, fmt, rows, cols, tensor_scale, unsaturated=stochastic)
     scaled = torch.clamp(scaled, min=-fmt.elem.max, max=fmt.elem.max)
     if stochastic:
@@ -240,7 +244,7 @@ def _scale(x2, amax, fmt, rows, cols, tensor_scale, unsaturated) -> tuple[torch.
     if unsaturated:
         top = amax / factor if divide else amax * factor  # the block's largest value, scaled as the others
         over = (top > fmt.elem.max) & torch.isfinite(amax)
-        scale = scaling.coarser_scale(scale, fmt.scale, over)
+        scale = block_scales.coarser_scale(scale, fmt.scale, over)
         factor, divide = _factor(scale, fmt, tensor_scale)
     factor = factor[:, None, :, None]
     scaled = (blocks / factor if divide else blocks * factor).reshape(x2.shape)
@@ -250,10 +254,10 @@ def _scale(x2, amax, fmt, rows, cols, tensor_scale, unsaturated) -> tuple[torch.
 def _nearest_scale(amax, fmt, tensor_scale) -> torch.Tensor:
     """The per-block scale torchao's references store: fp32 multipliers, uint8 exponents, e4m3 descales."""
     if fmt.scale in ("fp32", "pow2"):
-        return scaling.fp32_scale(amax, fmt.elem, fmt.scale == "pow2")
+        return block_scales.fp32_scale(amax, fmt.elem, fmt.scale == "pow2")
     if fmt.scale == "e8m0":
-        return scaling.e8m0_exponent(amax, fmt.elem, fmt.rule)
-    return scaling.e4m3_descale(amax, tensor_scale)
+        return block_scales.e8m0_exponent(amax, fmt.elem, fmt.rule)
+    return block_scales.e4m3_descale(amax, tensor_scale)
 
 
 def _factor(scale, fmt, tensor_scale) -> tuple[torch.Tensor, bool]:
@@ -261,7 +265,7 @@ def _factor(scale, fmt, tensor_scale) -> tuple[torch.Tensor, bool]:
     if fmt.scale in ("fp32", "pow2"):
         return scale, False
     if fmt.scale == "e8m0":
-        return scaling.e8m0_quantize_factor(scale, fmt.rule)
+        return block_scales.e8m0_quantize_factor(scale, fmt.rule)
     d32 = scale.to(torch.float32)
     return (1.0 / d32 if tensor_scale is None else (1.0 / tensor_scale) / d32), False
 

@@ -27,7 +27,7 @@ import math
 import torch
 
 from mixprec import formats
-from mixprec.lowbit.formats import ScaleRule
+from mixprec.lowbit.formats import ScaleRounding
 
 __all__ = [
     "EPS",
@@ -70,9 +70,9 @@ def fp32_scale(amax: torch.Tensor, elem: formats.Format, pow2: bool) -> torch.Te
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
-def e8m0_exponent(amax: torch.Tensor, elem: formats.Format, rule: ScaleRule) -> torch.Tensor:
+def e8m0_exponent(amax: torch.Tensor, elem: formats.Format, rule: ScaleRounding) -> torch.Tensor:
     """The biased e8m0 exponent (uint8) of each block (see the module doc for the rules)."""
-    if rule is ScaleRule.RCEIL:
+    if rule is ScaleRounding.RCEIL:
         descale = amax / elem.max
         normal = torch.clamp(torch.ceil(torch.log2(descale)), min=-E8M0_BIAS, max=E8M0_BIAS) + E8M0_BIAS
         exp = torch.where(torch.isinf(descale), 254, normal.to(torch.uint8))
@@ -80,10 +80,10 @@ def e8m0_exponent(amax: torch.Tensor, elem: formats.Format, rule: ScaleRule) -> 
     # emax of the element format: the exponent of its largest power of two (8 for e4m3, 15 e5m2, 2 e2m1).
     elem_emax = math.floor(math.log2(elem.max))
     bits = amax.view(torch.int32)
-    if rule is ScaleRule.EVEN:
+    if rule is ScaleRounding.EVEN:
         bits = (bits + (1 << (23 - elem.mantissa_bits - 1))) & (0x1FF << 23)
     exp = (torch.bitwise_right_shift(bits, 23) & 0xFF) - E8M0_BIAS
-    if rule is ScaleRule.CEIL:
+    if rule is ScaleRounding.CEIL:
         exp = exp + ((bits & 0x7FFFFF) > 0).to(exp.dtype)
     unbiased = torch.clamp(exp - elem_emax, min=-E8M0_BIAS, max=E8M0_BIAS + 1)
     biased = (unbiased + E8M0_BIAS).to(torch.uint8)
@@ -96,9 +96,9 @@ def e8m0_to_float(exp: torch.Tensor) -> torch.Tensor:
     return torch.where(exp != E8M0_NAN, value, float("nan"))
 
 
-def e8m0_quantize_factor(exp: torch.Tensor, rule: ScaleRule) -> tuple[torch.Tensor, bool]:
+def e8m0_quantize_factor(exp: torch.Tensor, rule: ScaleRounding) -> tuple[torch.Tensor, bool]:
     """``(factor, divide)``: stored values are ``x / factor`` if ``divide`` else ``x * factor``."""
-    if rule is ScaleRule.RCEIL:
+    if rule is ScaleRounding.RCEIL:
         rcp = torch.where(exp == 0, 1.0, torch.exp2(E8M0_BIAS - exp.to(torch.float32)))
         rcp = torch.where(exp == 254, 2.0**-127, rcp)
         return torch.where(exp == E8M0_NAN, float("nan"), rcp), False
