@@ -30,7 +30,7 @@ def resolve_scaler(
     """Turn a loss-scale spec into a loss scaler with ``torch.amp.GradScaler``'s API.
 
     Args:
-        spec: None (no scaling, no skipping: a disabled scaler), ``"dynamic"`` (mixprec's GradScaler, starting
+        spec: None (no loss scaling, no skipping: a disabled scaler), ``"dynamic"`` (mixprec's GradScaler, starting
             at 2**16 clamped into the bounds), a positive finite number (a static scale: it never changes, but
             a step with inf/nan gradients is still skipped; at 1 fp16 gradients are accepted, as unscaling is
             a no-op) or a ready loss scaler (any object with GradScaler's methods, such as
