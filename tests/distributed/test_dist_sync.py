@@ -91,7 +91,7 @@ def test_sync_typo_gets_a_hint() -> None:
         mixprec.GradScaler(sync="true")
 
 
-def test_agree_max_is_the_max_over_ranks_in_one_collective_with_nan_as_inf(ranks: list[dict[str, Any]]) -> None:
+def test_agree_max_is_the_max_over_ranks_in_one_collective_nan_as_inf(ranks: list[dict[str, Any]]) -> None:
     assert both(ranks, "agree_max", "agreed") == [[3.0, 2.0, float("inf")]] * 2
     assert both(ranks, "agree_max", "collectives") == [1, 1]
     assert both(ranks, "agree_max", "given")[0] == [1.0, 2.0, 0.0]  # the caller's tensor is not written

@@ -47,7 +47,8 @@ def agree_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
         TypeError: for a ``values`` that is not a floating-point tensor.
     """
     if not isinstance(values, torch.Tensor) or not values.is_floating_point():
-        raise TypeError(f"agree_max takes a floating-point tensor, got {getattr(values, 'dtype', values)!r:.60}")
+        got = getattr(values, "dtype", values)
+        raise TypeError(f"agree_max takes a floating-point tensor, got {got!r:.60}")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return values
     agreed = values.nan_to_num(nan=math.inf, posinf=math.inf)

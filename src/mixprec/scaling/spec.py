@@ -30,10 +30,10 @@ def resolve_scaler(
     """Turn a loss-scale spec into a loss scaler with ``torch.amp.GradScaler``'s API.
 
     Args:
-        spec: None (no loss scaling, no skipping: a disabled scaler), ``"dynamic"`` (mixprec's GradScaler, starting
-            at 2**16 clamped into the bounds), a positive finite number (a static scale: it never changes, but
-            a step with inf/nan gradients is still skipped; at 1 fp16 gradients are accepted, as unscaling is
-            a no-op) or a ready loss scaler (any object with GradScaler's methods, such as
+        spec: None (no loss scaling, no skipping: a disabled scaler), ``"dynamic"`` (mixprec's GradScaler,
+            starting at 2**16 clamped into the bounds), a positive finite number (a static scale: it never
+            changes, but a step with inf/nan gradients is still skipped; at 1 fp16 gradients are accepted, as
+            unscaling is a no-op) or a ready loss scaler (any object with GradScaler's methods, such as
             ``torch.amp.GradScaler``), returned as is.
         device_type: where the scale tensor lives ("cuda", "cpu", ...).
         min_scale: lower bound of a dynamic scale.
@@ -44,7 +44,8 @@ def resolve_scaler(
 
     Raises:
         ValueError: for any other spec (``"loss_scale: unknown loss scale ...; accepted: ..."``, listing
-            :data:`ACCEPTED_LOSS_SCALES`), or bounds given with a spec they do not apply to.
+            :data:`~mixprec.scaling.spec.ACCEPTED_LOSS_SCALES`), or bounds given with a spec they do not
+            apply to.
     """
     if all(callable(getattr(spec, name, None)) for name in _SCALER_METHODS):
         _no_bounds(min_scale, max_scale, "a ready GradScaler (configure it directly)")
