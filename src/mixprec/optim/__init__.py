@@ -2,7 +2,8 @@
 
 Two wrappers share one base, one load-state check and one guard, and each may keep Adam's moments low-bit:
 
-* ``wrapper`` -- :class:`OptimizerWrapper` (the base both share), :func:`resolve_scaler` (loss-scale spec);
+* ``wrapper`` -- :class:`OptimizerWrapper` (the base both share, with what they differ in as methods),
+  ``check_state_format`` (the one check of ``state_format=``), :func:`resolve_scaler` (loss-scale spec);
 * ``state`` -- the checks that let ``load_state_dict`` validate everything before changing anything;
 * ``guard`` -- ``HugeGradientGuard``: skips a step whose gradient square would overflow the state;
 * ``masters`` -- :class:`~mixprec.MixedPrecisionOptimizer`: fp32 master weights behind a half model;
@@ -10,11 +11,16 @@ Two wrappers share one base, one load-state check and one guard, and each may ke
   (``METHODS``);
 * ``updates`` -- its foreach Adam, AdamW and SGD steps on the low-precision weights;
 * ``fused_adam`` -- its Adam/AdamW through torch's fused kernel on cache-sized fp32 chunk copies;
-* ``rounding`` -- the workspace, chunks, Kahan fold and stochastic-rounding bits those updates share;
+* ``rounding`` -- the workspace, chunks, Kahan fold, widening/write-back and stochastic-rounding bits those
+  updates share;
 * ``state_formats`` -- bf16 / int8 / fp8 block codecs for Adam's moments (``STATE_FORMATS``);
 * ``lowbit_adam`` -- Adam/AdamW on those states, chunk by chunk; both wrappers step with it;
 * ``sharding`` -- FSDP2 shards: each rank steps its own; :func:`full_state_dict` /
   :func:`load_full_state_dict` save on N ranks and load on M.
+
+``state``, ``masters`` and ``compensated`` build on ``wrapper``, which builds on the steps (``updates``,
+``fused_adam``, ``lowbit_adam``), which build on ``state_formats``, ``guard``, ``rounding`` and ``sharding``;
+no module imports one that builds on it, not even inside a function.
 
 The O0-O3 levels and presets that build these wrappers live in :mod:`mixprec.amp`.
 """

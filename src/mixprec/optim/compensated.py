@@ -34,11 +34,11 @@ inf/nan or (Adam) its square would overflow the second moment; the fused Adam pa
 ``rounding.FOLD`` values, the others and bigger steps check the gradients first. ``skipped_steps`` and
 ``last_step_skipped`` report it, and each skip warns.
 
-Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Measured in
-``benchmarks/precision_paths.py`` (README): the step time is comparable, but optimi's Adam has other
-hyperparameter semantics than the torch optimizer a user hands to ``initialize`` (debiased betas, eps 1e-6,
-decay outside the compensation), always keeps bf16 state (which freezes at beta2 = 0.999), overwrites
-``.grad`` as workspace, and has no stochastic rounding; it stays a benchmark peer, not a dependency.
+Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Its Adam has other hyperparameter
+semantics than the torch optimizer a user hands to ``initialize`` (debiased betas, eps 1e-6, decay outside
+the compensation), always keeps bf16 state (which freezes at beta2 = 0.999), overwrites ``.grad`` as
+workspace, and has no stochastic rounding; it stays a benchmark peer, not a dependency (step times side by
+side: docs/measured-figures.md).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ from torch.optim import Optimizer
 from mixprec._generators import DeviceGenerators
 from mixprec.optim import updates
 from mixprec.optim.fused_adam import AdamUnit, adam_step
-from mixprec.optim.guard import grads_of
+from mixprec.optim.guard import HugeGradientGuard, grads_fit, grads_of
 from mixprec.optim.lowbit_adam import check_lowbit_params, step_groups
 from mixprec.optim.rounding import CHUNK, FOLD, Workspace
-from mixprec.optim.sharding import agree_finite, local, local_params
-from mixprec.optim.state_formats import check_state_format
-from mixprec.optim.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper
+from mixprec.optim.sharding import agree_finite, local, local_params, replaced_params
+from mixprec.optim.state import check_compensated_state, load_inner_state
+from mixprec.optim.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper, check_state_format
 
 __all__ = ["METHODS", "CompensatedOptimizer"]
 
@@ -120,7 +120,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         _check_params(optimizer, method, [p for g in optimizer.param_groups for p in g["params"]])
-        _check_state_format(optimizer, state_format, state_dtype)
+        _check_storage(optimizer, state_format, state_dtype)
         super().__init__(optimizer)
         self.method = method
         self.scratch_numel = scratch_numel
@@ -216,7 +216,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             try:
                 if self.skip_nonfinite:
                     graded = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-                    if not agree_finite(held, updates.grads_fit(graded)):
+                    if not agree_finite(held, grads_fit(graded)):
                         return False
                 return self._step_fast() if self.algorithm is not None else self._step_generic()
             finally:
@@ -226,7 +226,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         """Adam/AdamW with low-bit moments; False when ``skip_nonfinite`` skipped it (checked before
         anything is created or written)."""
         graded = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self.skip_nonfinite and not updates.grads_fit(graded):
+        if self.skip_nonfinite and not grads_fit(graded):
             return False
         buffers = {id(p): c for p, c in zip(self.model_params, self.compensation, strict=False)}
         stochastic = self.method == "stochastic"
@@ -264,7 +264,7 @@ class CompensatedOptimizer(OptimizerWrapper):
                     fused.append(AdamUnit(group, states, bucket, kahan, dtypes, generator))
                 else:
                     unfused.append((group, bucket, low, torch.float32 if torch.float32 in dtypes else dtype))
-        unfused_fit = not (self.skip_nonfinite and unfused) or updates.grads_fit(
+        unfused_fit = not (self.skip_nonfinite and unfused) or grads_fit(
             [p for _, bucket, _, _ in unfused for p in bucket]
         )
         if not unfused_fit or (fused and not adam_step(fused, self.workspace, self.skip_nonfinite)):
@@ -336,27 +336,18 @@ class CompensatedOptimizer(OptimizerWrapper):
             graded = low + [
                 p for g in self.param_groups for p in g["params"] if id(p) in own and p.grad is not None
             ]
-            if graded and not updates.grads_fit(graded):
+            if graded and not grads_fit(graded):
                 return False
         originals = [group["params"] for group in self.param_groups]
         for n, chunk in enumerate(self._chunks(low) if low else [[]]):
             scratch = {id(p): _scratch(p) for p in chunk}
-            state = self.optimizer.state
-            try:
-                for p in chunk:
-                    if p in state:
-                        state[scratch[id(p)]] = state.pop(p)
-                for group, params in zip(self.param_groups, originals, strict=True):
-                    group["params"] = [scratch.get(id(p), p) for p in params if id(p) in scratch] + (
-                        [p for p in params if id(p) in own] if n == 0 else []
-                    )
+            groups = [
+                [scratch[id(p)] for p in params if id(p) in scratch]
+                + ([p for p in params if id(p) in own] if n == 0 else [])
+                for params in originals
+            ]
+            with replaced_params(self.optimizer, groups, scratch):
                 self.optimizer.step()
-            finally:
-                for group, params in zip(self.param_groups, originals, strict=True):
-                    group["params"] = params
-                for p in chunk:
-                    if scratch[id(p)] in state:
-                        state[p] = state.pop(scratch[id(p)])
             kahan = [self.compensation[slots[id(p)]] for p in chunk] if self.method == "kahan" else None
             if chunk:
                 device = chunk[0].device
@@ -372,16 +363,26 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.optimizer.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, Kahan compensation buffers and stochastic-rounding generator states."""
-        out = {
-            "method": self.method,
-            "optimizer": self.optimizer.state_dict(),
-            "compensation": [c.detach() for c in self.compensation],
-            "generators": self.generators.state_dict(),
-        }
-        if self.state_format is not None:  # absent for None: such a state dict is as before
-            out["state_format"] = self.state_format
-        return out
+        """Inner optimizer state, Kahan compensation buffers, stochastic-rounding generator states and the
+        ``state_format`` when one is set."""
+        return self._with_state_format(
+            {
+                "method": self.method,
+                "optimizer": self.optimizer.state_dict(),
+                "compensation": [c.detach() for c in self.compensation],
+                "generators": self.generators.state_dict(),
+            }
+        )
+
+    def scaler_guard(self) -> HugeGradientGuard | None:
+        """None for Kahan/stochastic updates (their update pass checks the gradients), else the guard of
+        its fp32 state."""
+        return None if self.method in ("kahan", "stochastic") else HugeGradientGuard(torch.float32)
+
+    def shard_parts(self) -> tuple[dict[str, Any], list[Any], list[Any], str]:
+        """The inner state belongs to the groups' params, ``compensation`` to :attr:`model_params`."""
+        inner = [p for g in self.param_groups for p in g["params"]]
+        return self.state_dict(), inner, list(self.model_params), "compensation"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; validated in full before anything changes.
@@ -395,8 +396,6 @@ class CompensatedOptimizer(OptimizerWrapper):
         none of (a GPU checkpoint read on a CPU-only machine) is kept for it, and a device without a saved
         state starts afresh from ``seed``.
         """
-        from mixprec.optim.state import check_compensated_state, load_inner_state
-
         check_compensated_state(self, state_dict)
         load_inner_state(self.optimizer, state_dict["optimizer"])
         for buffer, value in zip(self.compensation, state_dict["compensation"], strict=True):
@@ -430,19 +429,11 @@ def _check_args(optimizer: Any, method: Any, seed: Any, scratch_numel: Any, stat
         raise ValueError(f"state_dtype must be None (automatic) or torch.float32, got {state_dtype!r}")
 
 
-def _check_state_format(optimizer: Optimizer, state_format: Any, state_dtype: Any) -> None:
-    check_state_format(state_format)
-    if state_format is None:
-        return
-    if state_dtype is not None:
+def _check_storage(optimizer: Optimizer, state_format: Any, state_dtype: Any) -> None:
+    if check_state_format(optimizer, state_format) is not None and state_dtype is not None:
         raise ValueError(
             f"state_format={state_format!r} sets the moments' storage; state_dtype must stay None, "
             f"got {state_dtype!r}"
-        )
-    if updates.fast_algorithm(optimizer, capturable=True) != "adam":
-        raise ValueError(
-            f"state_format={state_format!r} needs torch.optim.Adam or AdamW (without amsgrad, "
-            f"differentiable, tensor hyperparameters), got {type(optimizer).__name__}"
         )
 
 

@@ -16,8 +16,8 @@ and written back rounded::
     stochastic:  w = round_stochastic(t)                  # rounding.RandomBits
 
 One step from fresh state is therefore bit for bit torch's fused AdamW stepping an fp32 copy of ``w + c``;
-later steps differ only by the moments' storage rounding. Seven copies and one kernel replace the dozen
-bf16 foreach passes of torch-optimi's Kahan AdamW (measured in ``benchmarks/precision_paths.py``).
+later steps differ only by the moments' storage rounding. Seven copies and one kernel per chunk do what a
+dozen bf16 foreach passes do unfused, each pass reading the whole state.
 
 The guard (``guard=True``) skips the whole step, before anything is created or written, when a gradient
 is inf/nan or so large (L2 norm over ``sqrt(max / 2)`` of v's dtype, about 1.3e19) that a square could
@@ -29,8 +29,9 @@ overflow the second moment: either would make ``exp_avg_sq`` inf or nan and free
   anyway, done for all chunks before the first kernel), the check is one ``torch.dot`` of that hot copy
   with itself (the squared norm of all gradients together: inf or nan exactly when a gradient is, or the
   squares overflow) and one host read, and the chunks then step from those copies;
-* above that, one multi-tensor ``_foreach_norm`` of the bf16 gradients first (:func:`grads_fit`, each
-  tensor's norm against the limit), a read the size of such a step amortizes.
+* above that, one multi-tensor ``_foreach_norm`` of the bf16 gradients first
+  (:func:`~mixprec.optim.guard.grads_fit`, each tensor's norm against the limit), a read the size of such
+  a step amortizes.
 
 The folded check bounds the norm of all gradients together, at least each tensor's, so it may skip a step
 of finite gradients a little earlier (norms near 1e19); a step it lets through is bit for bit the
@@ -48,14 +49,13 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.guard import grads_of, largest_norms
-from mixprec.optim.rounding import KEEP_HIGH_16_BITS, POOL, Workspace, add_fresh_bits, views
-from mixprec.optim.updates import step_counters
+from mixprec.optim.guard import grads_fit, grads_of
+from mixprec.optim.rounding import ALIGN, Workspace, narrow, segments, views, widen
+from mixprec.optim.updates import fused_adam_, keep_moment_dtypes, new_states
 
-__all__ = ["AdamUnit", "adam_step", "grads_fit"]
+__all__ = ["AdamUnit", "adam_step"]
 
 _F32 = torch.float32
-ALIGN = 64  # elements: a multiple of every vector width torch's kernels use
 
 
 @dataclass
@@ -89,7 +89,11 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     """
     used: dict[tuple[Any, ...], Any] = {}
     folded = guard and _foldable(units, workspace)
-    if guard and not (_copied_grads_fit(units, workspace, used) if folded else grads_fit(units)):
+    if guard and not (
+        _copied_grads_fit(units, workspace, used)
+        if folded
+        else grads_fit([param for unit in units for param in unit.params], _narrowest_second_moment(units))
+    ):
         return False
     offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
     for unit in units:
@@ -121,7 +125,7 @@ def _copied_grads_fit(units: list[AdamUnit], workspace: Workspace, used: dict[tu
     key = ("fold", workspace.generation, *(g.shape for g in grads))
     copies = used[key] = workspace.plans.get(key) or views(buffer, grads)
     torch._foreach_copy_(copies, grads)
-    limit = min(torch.finfo(unit.moment_dtypes[1]).max / 2 for unit in units)
+    limit = torch.finfo(_narrowest_second_moment(units)).max / 2
     return torch.dot(buffer[:total], buffer[:total]).item() <= limit  # nan compares False
 
 
@@ -161,41 +165,17 @@ def _plan(
         buffers["grad"] = workspace.get(unit.params[0].device, _F32, "grad", grads_at + total)[grads_at:]
     key = (workspace.generation, *key[1:])  # a buffer that grew starts a new generation
     plan, done = [], 0
-    for segments in _segments([p.numel() for p in unit.params], limit):
-        size = sum(stop - start for _, start, stop in segments)
-        flat = [[ts[i].view(-1)[a:b] for i, a, b in segments] for ts in tensors]
-        work = {role: _consecutive(buffer, segments) for role, buffer in buffers.items()}
+    for cut in segments([p.numel() for p in unit.params], limit):
+        size = sum(stop - start for _, start, stop in cut)
+        flat = [[ts[i].view(-1)[a:b] for i, a, b in cut] for ts in tensors]
+        work = {role: _consecutive(buffer, cut) for role, buffer in buffers.items()}
         if grads_at is not None:
-            work["grad"] = _consecutive(buffers["grad"][done:], segments)
-        steps = [unit.states[i]["step"] for i, _, _ in segments]
-        plan.append(_Chunk(segments, flat, work, buffers["values"][:size], steps))
+            work["grad"] = _consecutive(buffers["grad"][done:], cut)
+        steps = [unit.states[i]["step"] for i, _, _ in cut]
+        plan.append(_Chunk(cut, flat, work, buffers["values"][:size], steps))
         done += size
     used[key] = plan
     return plan
-
-
-def _segments(sizes: list[int], limit: int, align: int = ALIGN) -> list[list[tuple[int, int, int]]]:
-    """``(index, start, stop)`` pieces of tensors of ``sizes``, grouped into chunks of at most ``limit``.
-
-    A tensor is cut only ``align`` elements from its start: the kernel's vector lanes then see every element
-    where they see it in the whole tensor, and the result is bit for bit the unchunked one (low-bit states
-    cut at their block boundaries, a multiple of ``ALIGN``).
-    """
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = limit
-    for i, numel in enumerate(sizes):
-        start = 0
-        while start < numel:
-            take = min(numel - start, room)
-            if take < numel - start:
-                take -= take % align
-            if take:
-                out[-1].append((i, start, start + take))
-                start, room = start + take, room - take
-            if room == 0 or (room < align and start < numel):
-                out.append([])
-                room = limit
-    return [chunk for chunk in out if chunk]
 
 
 def _consecutive(buffer: torch.Tensor, segments: list[tuple[int, int, int]]) -> list[torch.Tensor]:
@@ -206,27 +186,22 @@ def _consecutive(buffer: torch.Tensor, segments: list[tuple[int, int, int]]) -> 
     return out
 
 
-def grads_fit(units: list[AdamUnit]) -> bool:
-    """Whether every gradient is finite and small enough that its square fits the second moment's dtype:
-    each group's largest L2 norm (:func:`~mixprec.optim.guard.largest_norms`, one host sync) at most
-    ``sqrt(max / 2)`` of the narrowest second-moment dtype."""
-    limit = min((torch.finfo(unit.moment_dtypes[1]).max / 2) ** 0.5 for unit in units)
-    norms = largest_norms(grads_of(param for unit in units for param in unit.params))
-    return all(norm <= limit for norm in norms.values())  # nan compares False
+def _narrowest_second_moment(units: list[AdamUnit]) -> torch.dtype:
+    return min((unit.moment_dtypes[1] for unit in units), key=lambda dtype: torch.finfo(dtype).max)
 
 
 def _prepare(unit: AdamUnit) -> None:
-    """Create missing state in torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``) and count the step;
-    the counters on the params' device, where the fused kernel reads them (``updates.step_counters``)."""
-    for state, param in zip(unit.states, unit.params, strict=True):
-        if not state:
-            state["step"] = torch.zeros((), dtype=_F32, device=param.device)
-            for key, dtype in zip(("exp_avg", "exp_avg_sq"), unit.moment_dtypes, strict=True):
-                state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-        for key, dtype in zip(("exp_avg", "exp_avg_sq"), unit.moment_dtypes, strict=True):
-            if state[key].dtype != dtype:  # state loaded from elsewhere: continue in this state dtype
-                state[key] = state[key].to(dtype)
-    step_counters(unit.states, unit.params[0].device)  # torch: step_t += 1 first
+    """Create missing state in torch's layout (``step``, ``exp_avg``, ``exp_avg_sq`` in the unit's moment
+    dtypes) and count the step (:func:`~mixprec.optim.updates.new_states`)."""
+    keep_moment_dtypes(unit.states, unit.moment_dtypes)
+    new_states(unit.states, unit.params, lambda param: _zero_moments(param, unit.moment_dtypes))
+
+
+def _zero_moments(param: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> dict[str, torch.Tensor]:
+    return {
+        key: torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        for key, dtype in zip(("exp_avg", "exp_avg_sq"), dtypes, strict=True)
+    }
 
 
 def _update(unit: AdamUnit, chunk: _Chunk, workspace: Workspace) -> None:
@@ -235,38 +210,14 @@ def _update(unit: AdamUnit, chunk: _Chunk, workspace: Workspace) -> None:
     group, work = unit.group, chunk.work
     p, m, v = chunk.state[:3]
     t, g32, m32 = work["values"], work["grad"], work["moment"]
-    torch._foreach_copy_(t, p)
-    if unit.kahan is not None:
-        torch._foreach_copy_(work["kahan"], chunk.state[3])
-        torch._foreach_add_(t, work["kahan"])
+    kahan = chunk.state[3] if unit.kahan is not None else None
+    widen(t, p, kahan, work.get("kahan", []))
     torch._foreach_copy_(m32, m)
     v32 = work.get("second", v)
     if v32 is not v:
         torch._foreach_copy_(v32, v)
-    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-    (beta1, beta2), options = group["betas"], {"maximize": group.get("maximize", False)}
-    kernel(t, g32, m32, v32, [], chunk.steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-           weight_decay=group["weight_decay"], amsgrad=False, **options)  # fmt: skip
+    fused_adam_(group, t, g32, m32, v32, chunk.steps)
     torch._foreach_copy_(m, m32)
     if v32 is not v:
         torch._foreach_copy_(v, v32)
-    if unit.kahan is not None:
-        torch._foreach_copy_(p, t)  # w = round(t)
-        torch._foreach_copy_(work["kahan"], p)
-        torch._foreach_sub_(t, work["kahan"])  # t - w, exact in fp32: w is t's neighbour
-        torch._foreach_copy_(chunk.state[3], t)
-    else:
-        _round_stochastic(p, t, chunk.values, unit.generator, workspace)
-
-
-def _round_stochastic(p, values, flat, generator, workspace) -> None:
-    """``p = round_stochastic(values)``; ``flat`` is the fp32 buffer the ``values`` views cover."""
-    bits = flat.view(torch.int32)
-    if flat.numel() < POOL // 4:  # small chunks: fresh bits cost little, and no pool is made
-        add_fresh_bits(
-            bits, generator, workspace.get(p[0].device, torch.int64, "bits", (flat.numel() + 3) // 4)
-        )
-    else:
-        workspace.random_bits(p[0].device).add_(bits, generator)
-    bits.bitwise_and_(KEEP_HIGH_16_BITS)  # carry into bf16's last bit with the dropped fraction
-    torch._foreach_copy_(p, values)  # exact: the low 16 bits are zero
+    narrow(p, t, kahan, work.get("kahan", []), chunk.values, unit.generator, workspace)

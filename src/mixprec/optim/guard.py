@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["HugeGradientGuard", "grads_of", "largest_norms", "square_limit"]
+__all__ = ["HugeGradientGuard", "grads_fit", "grads_of", "largest_norms", "square_limit"]
 
 
 def square_limit(dtype: torch.dtype) -> float:
@@ -90,6 +90,16 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             raise ValueError(f"parameter {i} of the step has no gradient; a step takes params with a .grad")
         grads.append(param.grad)
     return grads
+
+
+def grads_fit(params: Iterable[torch.Tensor], state_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether every gradient of ``params`` is finite and its square fits a ``state_dtype`` second moment:
+    each group's largest L2 norm (:func:`largest_norms`, one host sync) at most ``sqrt(max / 2)`` of
+    ``state_dtype`` (about 1.3e19 for fp32 and bf16), so that ``beta2 * v + (1 - beta2) * g * g`` stays
+    finite. The check every update path of the compensated optimizer makes before it writes anything."""
+    limit = (torch.finfo(state_dtype).max / 2) ** 0.5
+    norms = largest_norms(grads_of(params))
+    return all(norm <= limit for norm in norms.values())  # nan compares False
 
 
 def largest_norms(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], float]:

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from mixprec.optim import state_formats as sf
-from mixprec.optim.fused_adam import _round_stochastic, _segments
-from mixprec.optim.rounding import Workspace
+from mixprec.optim.rounding import Workspace, narrow, segments, widen
 from mixprec.optim.sharding import local_grads
-from mixprec.optim.updates import step_counters
+from mixprec.optim.updates import fused_adam_, new_states
 
 __all__ = ["check_lowbit_params", "lowbit_adam_step", "step_groups"]
 
@@ -74,16 +73,6 @@ def step_groups(
                 lowbit_adam_step(group, states, shards, kahan, method, fmt, generator, workspace)
 
 
-def _prepare(fmt: str, states: list[dict[str, Any]], params: list[torch.Tensor]) -> None:
-    """Create missing state (torch's ``step`` plus the format's moments) and count the step; the counters
-    on the params' device, where the fused kernel reads them (``updates.step_counters``)."""
-    for state, param in zip(states, params, strict=True):
-        if not state:  # a fresh state has one block grid (no ORIGINS key), from the tensor's start
-            state["step"] = torch.zeros((), dtype=_F32, device=param.device)
-            state.update(sf.new_moments(fmt, param))
-    step_counters(states, params[0].device)  # torch: step_t += 1 first
-
-
 def lowbit_adam_step(
     group: dict[str, Any],
     states: list[dict[str, Any]],
@@ -108,7 +97,7 @@ def lowbit_adam_step(
     """
     if not params:
         return
-    _prepare(fmt, states, params)
+    new_states(states, params, lambda param: sf.new_moments(fmt, param))  # one block grid, from the start
     device = params[0].device
     limit = max(sf.BLOCK, min(workspace.numel, sum(p.numel() for p in params)) // sf.BLOCK * sf.BLOCK)
     buffers = {
@@ -119,11 +108,11 @@ def lowbit_adam_step(
         for i, (param, state) in enumerate(zip(params, states, strict=True))
         for a, b, block in sf.pieces(param.numel(), _origins(state))
     ]
-    for cuts in _segments([b - a for _, a, b, _ in runs], limit, align=sf.BLOCK):
-        segments = [
+    for cuts in segments([b - a for _, a, b, _ in runs], limit, align=sf.BLOCK):
+        pieces = [
             (runs[k][0], runs[k][1] + a, runs[k][1] + b, runs[k][3] + a // sf.BLOCK) for k, a, b in cuts
         ]
-        _chunk(group, states, params, kahan, method, fmt, generator, workspace, segments, buffers)
+        _chunk(group, states, params, kahan, method, fmt, generator, workspace, pieces, buffers)
 
 
 def _origins(state: dict[str, Any]) -> list[int] | None:
@@ -146,9 +135,8 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
             targets.append(flat)  # stepped in place, exactly as torch steps an fp32 param
         else:
             value = work["values"][n]
-            value.copy_(flat)
-            if kahan[i] is not None:
-                value.add_(kahan[i].view(-1)[a:b].float())
+            buffer = None if kahan[i] is None else [kahan[i].view(-1)[a:b]]
+            widen([value], [flat], buffer, [work["grad"][n]])  # the grad copy goes there after
             targets.append(value)
             lows.append(n)
         work["grad"][n].copy_(params[i].grad.reshape(-1)[a:b])
@@ -156,26 +144,17 @@ def _chunk(group, states, params, kahan, method, fmt, generator, workspace, segm
             codes, scale = _codes(fmt, states[i], key, a, b, block)
             sf.dequantize_(fmt, key == "exp_avg_sq", codes, scale, work[role][n], workspace.tables)
     steps = [states[i]["step"] for i, _, _, _ in segments]
-    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-    (beta1, beta2), maximize = group["betas"], group.get("maximize", False)
-    kernel(targets, work["grad"], work["moment"], work["second"], [], steps, lr=group["lr"], beta1=beta1,
-           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], amsgrad=False,
-           maximize=maximize)  # fmt: skip
+    fused_adam_(group, targets, work["grad"], work["moment"], work["second"], steps)
     for n, (i, a, b, block) in enumerate(segments):
         for key, role in zip(sf.MOMENTS, ("moment", "second"), strict=True):
             codes, scale = _codes(fmt, states[i], key, a, b, block)
             sf.quantize_(fmt, key == "exp_avg_sq", work[role][n], codes, scale, workspace.tables)
     for n in lows:
         i, a, b, _ = segments[n]
-        weight, value = params[i].view(-1)[a:b], work["values"][n]
-        if kahan[i] is not None:
-            weight.copy_(value)  # w = round(t)
-            value.sub_(weight.float())  # t - w, exact in fp32: w is t's neighbour
-            kahan[i].view(-1)[a:b].copy_(value)
-        elif method == "stochastic":
-            _round_stochastic([weight], [value], value, generator, workspace)
-        else:
-            weight.copy_(value)
+        value = work["values"][n]
+        buffer = None if kahan[i] is None else [kahan[i].view(-1)[a:b]]
+        bits = generator if method == "stochastic" else None
+        narrow([params[i].view(-1)[a:b]], [value], buffer, [work["grad"][n]], value, bits, workspace)
 
 
 def _codes(fmt: str, state: dict[str, Any], key: str, start: int, stop: int, block: int):

@@ -31,10 +31,12 @@ from torch.optim import Optimizer
 
 from mixprec.optim.guard import HugeGradientGuard
 from mixprec.optim.sharding import local
+from mixprec.optim.state import load_mixed_precision_state
 from mixprec.optim.wrapper import (
     LOW_PRECISION_DTYPES,
     OptimizerWrapper,
     ScalerView,
+    check_state_format,
     first_device,
     resolve_scaler,
 )
@@ -97,7 +99,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             )
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be True or False, got {master_weights!r}")
-        _check_state_format(optimizer, state_format)
+        check_state_format(optimizer, state_format)
         resolved = resolve_scaler(scaler, first_device(optimizer).type)
         super().__init__(optimizer)
         self.master_weights = master_weights
@@ -297,17 +299,26 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._grads_ready = False
 
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, fp32 masters (references, as torch does) and scaler state."""
+        """Inner optimizer state, fp32 masters (references, as torch does), scaler state and the
+        ``state_format`` when one is set."""
         self._follow_groups()
         self._follow_model()
-        out = {
-            "optimizer": self.optimizer.state_dict(),
-            "master_params": [m.detach() for m in self.master_params],
-            "scaler": self.scaler.state_dict(),
-        }
-        if self.state_format is not None:  # absent for None: such a state dict is as before
-            out["state_format"] = self.state_format
-        return out
+        return self._with_state_format(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "master_params": [m.detach() for m in self.master_params],
+                "scaler": self.scaler.state_dict(),
+            }
+        )
+
+    def shard_parts(self) -> tuple[dict[str, Any], list[Any], list[Any], str] | None:
+        """The inner state belongs to the model params behind the masters, ``master_params`` to
+        :attr:`model_params`; None around another wrapper (reshard that one's state instead)."""
+        if isinstance(self.optimizer, OptimizerWrapper):
+            return None
+        behind = {id(m): p for p, m in zip(self.model_params, self.master_params, strict=True)}
+        inner = [behind.get(id(p), p) for g in self.param_groups for p in g["params"]]
+        return self.state_dict(), inner, list(self.model_params), "master_params"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the model's half-precision weights are set from the masters.
@@ -319,8 +330,6 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             TypeError: ``state_dict`` is not a dict.
             ValueError: when keys are missing or a part does not fit this optimizer.
         """
-        from mixprec.optim.state import load_mixed_precision_state
-
         load_mixed_precision_state(self, state_dict)
         self._grads_ready = False
         self._record()
@@ -349,37 +358,12 @@ def _check_new_params(
             )
 
 
-def _check_state_format(optimizer: Optimizer, state_format: Any) -> None:
-    from mixprec.optim import updates
-    from mixprec.optim.compensated import CompensatedOptimizer
-    from mixprec.optim.lowbit_adam import check_lowbit_params
-    from mixprec.optim.state_formats import check_state_format
-
-    if check_state_format(state_format) is None:
-        return
-    if isinstance(optimizer, CompensatedOptimizer):
-        raise ValueError(
-            f"state_format={state_format!r}: give it to the CompensatedOptimizer inside "
-            "(CompensatedOptimizer(..., state_format=...)), which steps the state"
-        )
-    if updates.fast_algorithm(optimizer, capturable=True) != "adam":
-        raise ValueError(
-            f"state_format={state_format!r} needs torch.optim.Adam or AdamW (without amsgrad, "
-            f"differentiable, tensor hyperparameters), got {type(optimizer).__name__}"
-        )
-    if any(optimizer.state.values()):
-        raise ValueError(f"state_format={state_format!r}: wrap the optimizer before its first step")
-    check_lowbit_params([p for group in optimizer.param_groups for p in group["params"]])
-
-
 def _guard_for(optimizer: Optimizer, scaler: Any) -> HugeGradientGuard | None:
-    """The huge-gradient guard of a wrapper, or None: without a scaler (``loss_scale=None``, as torch), and
-    for Kahan/stochastic updates (their own update pass checks the gradients)."""
-    from mixprec.optim.compensated import CompensatedOptimizer
-
+    """The huge-gradient guard of a wrapper, or None without a scaler (``loss_scale=None``, as torch); a
+    wrapper inside says its own (:meth:`~mixprec.optim.wrapper.OptimizerWrapper.scaler_guard`)."""
     enabled = getattr(scaler, "is_enabled", None)
     if callable(enabled) and not enabled():
         return None
-    if isinstance(optimizer, CompensatedOptimizer):
-        return None if optimizer.method in ("kahan", "stochastic") else HugeGradientGuard(torch.float32)
+    if isinstance(optimizer, OptimizerWrapper):
+        return optimizer.scaler_guard()
     return HugeGradientGuard()

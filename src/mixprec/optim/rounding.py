@@ -13,13 +13,13 @@ Precision") adds 16 uniform random bits below bf16's last bit of the fp32 patter
 carry into bf16's last bit happens with probability (dropped fraction): unbiased. Where the bits come from:
 
 * :func:`round_stochastic_into` (fp32-state paths): one ``randint`` per value from the generator;
-* :class:`RandomBits` (the fused Adam path): a pool of ``POOL`` int32 values holding every 16-bit pattern
-  equally often, shuffled once from a fixed seed and stored twice over, read at a window that starts at an
-  offset drawn from the generator for every piece of every step. Given a uniform offset each value is
-  exactly uniform over the 2**16 patterns, so each rounding stays unbiased; rounding errors of two weights
-  in one step may be correlated (their windows may overlap), never biased. Drawing the offsets costs one
-  small ``randint`` per chunk instead of 16 bits per weight (measured in ``benchmarks/precision_paths.py``);
-  chunks under ``POOL // 4`` values draw fresh bits (:func:`add_fresh_bits`, four values per int64 draw).
+* :func:`round_stochastic` with :class:`RandomBits` (the fused and low-bit Adam paths): a pool of ``POOL``
+  int32 values holding every 16-bit pattern equally often, shuffled once from a fixed seed and stored twice
+  over, read at a window that starts at an offset drawn from the generator for every piece of every step.
+  Given a uniform offset each value is exactly uniform over the 2**16 patterns, so each rounding stays
+  unbiased; rounding errors of two weights in one step may be correlated (their windows may overlap), never
+  biased. Drawing the offsets costs one small ``randint`` per chunk instead of 16 bits per weight; chunks
+  under ``POOL // 4`` values draw fresh bits (:func:`add_fresh_bits`, four values per int64 draw).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ALIGN",
     "CHUNK",
     "FOLD",
     "POOL",
@@ -38,14 +39,19 @@ __all__ = [
     "add_fresh_bits",
     "chunks",
     "kahan_fold",
+    "narrow",
+    "round_stochastic",
     "round_stochastic_into",
+    "segments",
     "views",
+    "widen",
 ]
 
 CHUNK = 2**18  # most elements per workspace buffer (1 MiB in fp32, cache-sized); never more than stepped
 FOLD = 2**20  # most gradient values a guarded fused Adam step copies up front to check them (4 MiB fp32)
 POOL = 2**18  # random-bit pool: every 16-bit pattern 4 times; chunks under POOL // 4 draw fresh bits
 KEEP_HIGH_16_BITS = -65536  # 0xFFFF0000 as int32: clears the low 16 bits of an fp32 pattern
+ALIGN = 64  # elements: a multiple of every vector width torch's kernels use
 ROLES = ("grad", "moment", "second", "values", "kahan", "denom", "bits")
 
 
@@ -137,6 +143,30 @@ def chunks(
         yield pieces, owners
 
 
+def segments(sizes: list[int], limit: int, align: int = ALIGN) -> list[list[tuple[int, int, int]]]:
+    """``(index, start, stop)`` pieces of tensors of ``sizes``, grouped into chunks of at most ``limit``.
+
+    A tensor is cut only ``align`` elements from its start: the kernel's vector lanes then see every element
+    where they see it in the whole tensor, and the result is bit for bit the unchunked one (low-bit states
+    cut at their block boundaries, a multiple of ``ALIGN``).
+    """
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = limit
+    for i, numel in enumerate(sizes):
+        start = 0
+        while start < numel:
+            take = min(numel - start, room)
+            if take < numel - start:
+                take -= take % align
+            if take:
+                out[-1].append((i, start, start + take))
+                start, room = start + take, room - take
+            if room == 0 or (room < align and start < numel):
+                out.append([])
+                room = limit
+    return [chunk for chunk in out if chunk]
+
+
 def kahan_fold(params: list[torch.Tensor], kahan: list[torch.Tensor], temp: list[torch.Tensor]) -> None:
     """``w, c = round(w + c), c + (w - round(w + c))`` in the weights' dtype; ``temp`` is workspace."""
     torch._foreach_copy_(temp, params)
@@ -152,6 +182,69 @@ def round_stochastic_into(weight: torch.Tensor, value: torch.Tensor, generator: 
     noise = torch.randint(0, 2**16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
     bits.add_(noise).bitwise_and_(KEEP_HIGH_16_BITS)
     weight.copy_(value)  # exact: the low 16 bits are zero
+
+
+def widen(
+    values: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    kahan: list[torch.Tensor] | None,
+    scratch: list[torch.Tensor],
+) -> None:
+    """``values = fp32(w) + fp32(c)``, the value a Kahan-compensated weight tracks (``fp32(w)`` without
+    ``kahan``); ``scratch``: fp32 tensors shaped as the weights, for the buffers' fp32 copies."""
+    torch._foreach_copy_(values, weights)
+    if kahan is not None:
+        torch._foreach_copy_(scratch, kahan)
+        torch._foreach_add_(values, scratch)
+
+
+def narrow(
+    weights: list[torch.Tensor],
+    values: list[torch.Tensor],
+    kahan: list[torch.Tensor] | None,
+    scratch: list[torch.Tensor],
+    flat: torch.Tensor,
+    generator: torch.Generator | None,
+    workspace: Workspace,
+) -> None:
+    """Write the stepped fp32 ``values`` into the low-precision weights, each way the updates round:
+
+    * Kahan (``kahan`` given): ``w = round(t); c = t - w`` (exact in fp32: ``w`` is ``t``'s neighbour);
+    * stochastic (``generator`` given): :func:`round_stochastic` (``flat``: the fp32 buffer the values
+      cover);
+    * nearest: ``w = round(t)``.
+
+    ``values`` and ``scratch`` (fp32, shaped as the weights) are used as workspace.
+    """
+    if kahan is not None:
+        torch._foreach_copy_(weights, values)
+        torch._foreach_copy_(scratch, weights)
+        torch._foreach_sub_(values, scratch)
+        torch._foreach_copy_(kahan, values)
+    elif generator is not None:
+        round_stochastic(weights, values, flat, generator, workspace)
+    else:
+        torch._foreach_copy_(weights, values)
+
+
+def round_stochastic(
+    weights: list[torch.Tensor],
+    values: list[torch.Tensor],
+    flat: torch.Tensor,
+    generator: torch.Generator,
+    workspace: Workspace,
+) -> None:
+    """``weights = round_stochastic(values)`` (bf16) with bits from the workspace's pool, or fresh ones for
+    a chunk under ``POOL // 4`` values; ``flat`` is the fp32 buffer the ``values`` views cover, used as
+    workspace."""
+    bits = flat.view(torch.int32)
+    device = weights[0].device
+    if flat.numel() < POOL // 4:  # small chunks: fresh bits cost little, and no pool is made
+        add_fresh_bits(bits, generator, workspace.get(device, torch.int64, "bits", (flat.numel() + 3) // 4))
+    else:
+        workspace.random_bits(device).add_(bits, generator)
+    bits.bitwise_and_(KEEP_HIGH_16_BITS)  # carry into bf16's last bit with the dropped fraction
+    torch._foreach_copy_(weights, values)  # exact: the low 16 bits are zero
 
 
 class RandomBits:

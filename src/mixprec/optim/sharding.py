@@ -30,7 +30,7 @@ Only 1-D meshes with ``Shard(0)`` placements (FSDP2's default) are supported; ot
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,14 @@ import torch.distributed as dist
 
 from mixprec.optim import state_formats as sf
 
-__all__ = ["full_state_dict", "load_full_state_dict", "local", "local_grads", "local_params"]
+__all__ = [
+    "full_state_dict",
+    "load_full_state_dict",
+    "local",
+    "local_grads",
+    "local_params",
+    "replaced_params",
+]
 
 
 def _dtensor_type() -> type | None:
@@ -78,6 +85,32 @@ def local_grads(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
 
 
 @contextmanager
+def replaced_params(
+    optimizer: torch.optim.Optimizer,
+    groups: list[list[torch.Tensor]],
+    replacement: Mapping[int, torch.Tensor],
+) -> Iterator[None]:
+    """Inside the block the groups of ``optimizer`` hold ``groups`` (one list per group), and the state of
+    each param in ``replacement`` (``id(param) -> stand-in``) is keyed to its stand-in; put back after."""
+    originals = [group["params"] for group in optimizer.param_groups]
+    held = [p for params in originals for p in params if id(p) in replacement]
+    state = optimizer.state
+    try:
+        for param in held:
+            if param in state:
+                state[replacement[id(param)]] = state.pop(param)
+        for group, params in zip(optimizer.param_groups, groups, strict=True):
+            group["params"] = params
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, originals, strict=True):
+            group["params"] = params
+        for param in held:
+            if replacement[id(param)] in state:
+                state[param] = state.pop(replacement[id(param)])
+
+
+@contextmanager
 def local_params(optimizer: torch.optim.Optimizer) -> Iterator[dict[int, torch.Tensor]]:
     """The groups of ``optimizer`` hold their params' local shards (with gradient shards), their state keyed
     to those, inside the block; put back after. Yields ``id(param) -> shard`` of the DTensors swapped."""
@@ -87,21 +120,9 @@ def local_params(optimizer: torch.optim.Optimizer) -> Iterator[dict[int, torch.T
         yield swapped
         return
     held = [p for params in originals for p in params if id(p) in swapped]
-    state = optimizer.state
-    try:
-        with local_grads(held):
-            for param in held:
-                if param in state:
-                    state[swapped[id(param)]] = state.pop(param)
-            for group, params in zip(optimizer.param_groups, originals, strict=True):
-                group["params"] = [swapped.get(id(p), p) for p in params]
-            yield swapped
-    finally:
-        for group, params in zip(optimizer.param_groups, originals, strict=True):
-            group["params"] = params
-        for param in held:
-            if swapped[id(param)] in state:
-                state[param] = state.pop(swapped[id(param)])
+    shards = [[swapped.get(id(p), p) for p in params] for params in originals]
+    with local_grads(held), replaced_params(optimizer, shards, swapped):
+        yield swapped
 
 
 def agree_finite(params: list[torch.Tensor], fits: bool) -> bool:
@@ -148,21 +169,16 @@ def _shard_of(param: Any) -> _Shard | None:
 
 def _parts(optimizer: Any) -> tuple[dict[str, Any], list[Any], list[Any], str]:
     """The wrapper's state dict, the param behind each inner state id (the DTensor whose shard it holds),
-    the param behind each entry of the per-param list (``compensation`` / ``master_params``) and its key."""
-    from mixprec.optim.compensated import CompensatedOptimizer
-    from mixprec.optim.masters import MixedPrecisionOptimizer
-
-    if isinstance(optimizer, CompensatedOptimizer):
-        inner = [p for g in optimizer.param_groups for p in g["params"]]
-        return optimizer.state_dict(), inner, list(optimizer.model_params), "compensation"
-    if isinstance(optimizer, MixedPrecisionOptimizer) and not hasattr(optimizer.optimizer, "compensation"):
-        behind = {id(m): p for p, m in zip(optimizer.model_params, optimizer.master_params, strict=True)}
-        inner = [behind.get(id(p), p) for g in optimizer.param_groups for p in g["params"]]
-        return optimizer.state_dict(), inner, list(optimizer.model_params), "master_params"
-    raise TypeError(
-        "full_state_dict / load_full_state_dict take a CompensatedOptimizer or a MixedPrecisionOptimizer "
-        f"around a torch optimizer, got {type(optimizer).__name__}"
-    )
+    the param behind each entry of the per-param list (``compensation`` / ``master_params``) and its key:
+    the wrapper's ``shard_parts()`` (:meth:`mixprec.optim.wrapper.OptimizerWrapper.shard_parts`)."""
+    shard_parts = getattr(optimizer, "shard_parts", None)
+    parts = shard_parts() if callable(shard_parts) else None
+    if parts is None:
+        raise TypeError(
+            "full_state_dict / load_full_state_dict take a CompensatedOptimizer or a MixedPrecisionOptimizer "
+            f"around a torch optimizer, got {type(optimizer).__name__}"
+        )
+    return parts
 
 
 def _shards(params: list[Any]) -> tuple[list[_Shard | None], Any]:

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from mixprec._generators import DeviceGenerators
 from mixprec.optim.sharding import local
+from mixprec.optim.state_formats import ORIGINS, check_origins, expected_layout
 
 __all__ = ["check_compensated_state", "check_inner_state", "check_scaler_state", "load_inner_state"]
 
@@ -84,11 +85,9 @@ def check_scaler_state(scaler: Any, state_dict: Any) -> None:
         copy.deepcopy(scaler).load_state_dict(state_dict)
 
 
-def check_state_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any, what: str) -> None:
+def check_saved_format(inner: Optimizer, fmt: str | None, saved: Any, state: Any, what: str) -> None:
     """Refuse a state dict saved with another ``state_format`` (``saved``), or whose moments do not have
     the layout ``fmt`` stores (:func:`mixprec.optim.state_formats.expected_layout`); changes nothing."""
-    from mixprec.optim.state_formats import ORIGINS, check_origins, expected_layout
-
     if saved != fmt:
         raise ValueError(
             f"{what} state_dict was saved with state_format={saved!r}, this optimizer uses "
@@ -130,7 +129,7 @@ def check_compensated_state(optimizer: Any, state_dict: Any) -> None:
     """Validate a :class:`CompensatedOptimizer` state dict (its generator states as
     :meth:`~mixprec._generators.DeviceGenerators.check_state` does)."""
     _require(state_dict, ("method", "optimizer", "compensation", "generators"), "CompensatedOptimizer")
-    check_state_format(
+    check_saved_format(
         optimizer.optimizer,
         getattr(optimizer, "state_format", None),
         state_dict.get("state_format"),
@@ -172,7 +171,7 @@ def load_mixed_precision_state(optimizer: Any, state_dict: Any) -> None:
     if not all(t.is_floating_point() for t in saved):
         raise ValueError("saved master params must be floating-point tensors")
     inner = optimizer.optimizer
-    check_state_format(
+    check_saved_format(
         inner,
         getattr(optimizer, "state_format", None),
         state_dict.get("state_format"),

@@ -37,7 +37,6 @@ __all__ = [
     "STATE_FORMATS",
     "block_count",
     "check_origins",
-    "check_state_format",
     "dequantize_",
     "dynamic_map",
     "new_moments",
@@ -55,20 +54,6 @@ _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = torch.finfo(_E4M3).max
 _TINY = 1e-12  # the smallest block absmax, as torchao: an all-zero block gets a finite scale
 _CODE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.uint8, "fp8": _E4M3}
-
-
-def check_state_format(value: Any) -> str | None:
-    """``value`` when it is None or one of ``STATE_FORMATS``.
-
-    Raises:
-        ValueError: for anything else, naming the value and the accepted ones.
-    """
-    if value is None or (isinstance(value, str) and value in STATE_FORMATS):
-        return value
-    raise ValueError(
-        f"unknown state_format {value!r}; accepted: None (the moments as today), "
-        + ", ".join(repr(f) for f in STATE_FORMATS)
-    )
 
 
 def scale_key(key: str) -> str:

@@ -31,19 +31,22 @@ et al. 2020, "Revisiting BFloat16 Training"; torchdistx AnyPrecisionAdamW; torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mixprec.optim.guard import grads_of, largest_norms
+from mixprec.optim.guard import grads_of
 from mixprec.optim.rounding import Workspace, chunks, kahan_fold, round_stochastic_into, views
 
 __all__ = [
     "FAST_OPTIMIZERS",
     "contiguous",
     "fast_algorithm",
-    "grads_fit",
+    "fused_adam_",
+    "keep_moment_dtypes",
     "moment_dtypes",
+    "new_states",
     "round_into",
     "step_counters",
     "step_group",
@@ -102,15 +105,6 @@ def moment_dtypes(param_dtype: torch.dtype, algorithm: str, group: dict[str, Any
 
 def contiguous(*lists: list[torch.Tensor]) -> bool:
     return all(t.is_contiguous() for tensors in lists for t in tensors)
-
-
-def grads_fit(params: list[torch.Tensor]) -> bool:
-    """Whether every gradient of ``params`` is finite and its square fits fp32/bf16 optimizer state: each
-    group's largest L2 norm (:func:`~mixprec.optim.guard.largest_norms`, one host sync) at most
-    ``sqrt(max / 2)`` of fp32, about 1.3e19."""
-    limit = (torch.finfo(torch.float32).max / 2) ** 0.5
-    norms = largest_norms(grads_of(params))
-    return all(norm <= limit for norm in norms.values())  # nan compares False
 
 
 def step_group(
@@ -187,6 +181,49 @@ def step_counters(states: list[dict[str, Any]], device: torch.device) -> list[to
     return counters
 
 
+def new_states(
+    states: list[dict[str, Any]],
+    params: list[torch.Tensor],
+    moments: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    counters_on: torch.device | None = None,
+) -> list[torch.Tensor]:
+    """Create each missing Adam state (torch's ``step`` counter, an fp32 0-dim tensor, then
+    ``moments(param)``: the path's zero moments) and count the step (:func:`step_counters`); returns the
+    counters. They live on ``counters_on``, by default the params' device, where torch's fused kernel reads
+    them (the foreach path keeps them on the host, its bias corrections being host numbers)."""
+    for state, param in zip(states, params, strict=True):
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=counters_on or param.device)
+            state.update(moments(param))
+    return step_counters(states, counters_on or params[0].device)  # torch: step_t += 1 first
+
+
+def keep_moment_dtypes(states: list[dict[str, Any]], dtypes: tuple[torch.dtype, ...]) -> None:
+    """Cast ``exp_avg`` / ``exp_avg_sq`` held in another dtype (a state loaded from elsewhere) to the dtypes
+    this path keeps them in, so the run continues in those."""
+    for state in states:
+        for key, dtype in zip(("exp_avg", "exp_avg_sq"), dtypes, strict=True):
+            if key in state and state[key].dtype != dtype:
+                state[key] = state[key].to(dtype)
+
+
+def fused_adam_(
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+) -> None:
+    """torch's fused Adam (AdamW when the group's ``decoupled_weight_decay`` is set) on fp32 lists, with
+    the group's hyperparameters: the kernel behind ``torch.optim.AdamW(fused=True)``, without amsgrad."""
+    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+    (beta1, beta2), maximize = group["betas"], group.get("maximize", False)
+    kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
+           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], amsgrad=False,
+           maximize=maximize)  # fmt: skip
+
+
 _HOST = torch.device("cpu")
 
 
@@ -196,16 +233,15 @@ def adam_states(states: list[dict[str, Any]], like: list[torch.Tensor]) -> list[
     The counters live on the host (:func:`step_counters`): the bias corrections are host numbers here, so
     reading them costs no device sync.
     """
-    for state, grad in zip(states, like, strict=True):
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=_HOST)
-            state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state[key].dtype != grad.dtype:  # state loaded from elsewhere: continue in this state dtype
-                state[key] = state[key].to(grad.dtype)
-    counters = step_counters(states, _HOST)
+    if like:
+        keep_moment_dtypes(states, (like[0].dtype, like[0].dtype))
+    counters = new_states(states, like, _zero_moments, counters_on=_HOST)
     return torch.stack(counters).tolist() if counters else []
+
+
+def _zero_moments(like: torch.Tensor) -> dict[str, torch.Tensor]:
+    keys = ("exp_avg", "exp_avg_sq")
+    return {key: torch.zeros_like(like, memory_format=torch.preserve_format) for key in keys}
 
 
 def _decay_and_grads(group, grads, target, decay_base, additive):

@@ -1,7 +1,10 @@
 """The pieces both optimizer wrappers share: the wrapper base class and the loss-scale spec.
 
 :class:`OptimizerWrapper` makes a wrapper an :class:`~torch.optim.Optimizer` whose ``param_groups``, ``state``
-and ``defaults`` are the inner optimizer's; :func:`resolve_scaler` turns ``loss_scale=`` specs into a scaler.
+and ``defaults`` are the inner optimizer's, holds what the wrappers differ in as methods they override (the
+guard a scaler steps them with, their parts for resharding) and adds the ``state_format`` their state dicts
+carry; :func:`check_state_format` is the one check of a ``state_format=``; :func:`resolve_scaler` turns
+``loss_scale=`` specs into a scaler.
 """
 
 from __future__ import annotations
@@ -12,7 +15,20 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["LOW_PRECISION_DTYPES", "OptimizerWrapper", "ScalerView", "first_device", "resolve_scaler"]
+from mixprec.optim.guard import HugeGradientGuard
+from mixprec.optim.lowbit_adam import check_lowbit_params, step_groups
+from mixprec.optim.rounding import Workspace
+from mixprec.optim.state_formats import STATE_FORMATS
+from mixprec.optim.updates import fast_algorithm
+
+__all__ = [
+    "LOW_PRECISION_DTYPES",
+    "OptimizerWrapper",
+    "ScalerView",
+    "check_state_format",
+    "first_device",
+    "resolve_scaler",
+]
 
 #: The low-precision floating dtypes (fp16, bf16) the optimizer wrappers treat as half parameters.
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -96,6 +112,23 @@ class OptimizerWrapper(Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
+    def scaler_guard(self) -> HugeGradientGuard | None:
+        """The huge-gradient guard a loss scaler around this wrapper steps it with (None: the wrapper's own
+        update pass checks the gradients); the state dtype's guard by default."""
+        return HugeGradientGuard()
+
+    def shard_parts(self) -> tuple[dict[str, Any], list[Any], list[Any], str] | None:
+        """What :func:`~mixprec.optim.sharding.full_state_dict` gathers: this wrapper's state dict, the
+        param behind each inner state id, the param behind each entry of its per-param list and that
+        list's key; None when the wrapper cannot be resharded."""
+        return None
+
+    def _with_state_format(self, parts: dict[str, Any]) -> dict[str, Any]:
+        """A wrapper's state dict: its ``parts``, plus ``"state_format"`` when one is set (absent for None:
+        such a state dict is as before low-bit states existed)."""
+        state_format = getattr(self, "state_format", None)
+        return parts if state_format is None else {**parts, "state_format": state_format}
+
     def gradient_params(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` ``step()`` consumes: what a loss scaler must unscale first."""
         return [p for group in self.param_groups for p in group["params"]]
@@ -118,6 +151,40 @@ class OptimizerWrapper(Optimizer):
         Optimizer.__setstate__(self, {})
 
 
+def check_state_format(optimizer: Optimizer, state_format: Any) -> str | None:
+    """The ``state_format`` a wrapper of ``optimizer`` may keep Adam's moments in: None, or one of
+    ``STATE_FORMATS`` with a fresh ``torch.optim.Adam``/``AdamW`` (any foreach/fused/capturable flag) of
+    contiguous params.
+
+    Raises:
+        ValueError: an unknown format (naming it and the accepted ones), an optimizer that is itself a
+            wrapper (the format goes to that one), not Adam/AdamW (or with amsgrad, differentiable or tensor
+            hyperparameters), that already holds state, or a param that is not contiguous.
+    """
+    if state_format is None:
+        return None
+    if not (isinstance(state_format, str) and state_format in STATE_FORMATS):
+        raise ValueError(
+            f"unknown state_format {state_format!r}; accepted: None (the moments as today), "
+            + ", ".join(repr(f) for f in STATE_FORMATS)
+        )
+    if isinstance(optimizer, OptimizerWrapper):
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"state_format={state_format!r}: give it to the {name} inside ({name}(..., state_format=...)), "
+            "which steps the state"
+        )
+    if fast_algorithm(optimizer, capturable=True) != "adam":
+        raise ValueError(
+            f"state_format={state_format!r} needs torch.optim.Adam or AdamW (without amsgrad, "
+            f"differentiable, tensor hyperparameters), got {type(optimizer).__name__}"
+        )
+    if any(optimizer.state.values()):
+        raise ValueError(f"state_format={state_format!r}: wrap the optimizer before its first step")
+    check_lowbit_params([p for group in optimizer.param_groups for p in group["params"]])
+    return state_format
+
+
 def first_device(optimizer: Optimizer) -> torch.device:
     """Device of the optimizer's first parameter (where the loss scale should live)."""
     for group in optimizer.param_groups:
@@ -137,8 +204,6 @@ class ScalerView:
     """
 
     def __init__(self, optimizer: Optimizer, guard: Any = None, state_format: str | None = None) -> None:
-        from mixprec.optim.rounding import Workspace
-
         self.optimizer = optimizer
         self.guard = guard  # a HugeGradientGuard, or None
         self.param_groups: list[dict[str, Any]] = []
@@ -163,8 +228,6 @@ class ScalerView:
         ):
             return None
         if self.state_format is not None:
-            from mixprec.optim.lowbit_adam import step_groups
-
             with torch.no_grad():
                 step_groups(self.optimizer, self.state_format, self.workspace)  # type: ignore[arg-type]
             return None
