@@ -57,16 +57,15 @@ def _bool_flag(name: str, value: Any) -> bool | None:
 
 
 def _loss_scale(value: Any) -> Any:
-    """apex's ``loss_scale``: "dynamic", a number or a string holding one (None: the level's)."""
-    if value is None or value == "dynamic":
-        return value
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}") from None
-    if not (math.isfinite(number) and number > 0) or isinstance(value, bool):
-        raise ValueError(f"loss_scale must be 'dynamic' or a positive finite number, got {value!r}")
-    return number
+    """apex's ``loss_scale`` in mixprec's loss-scale spec: a string holding a number (apex parses its options
+    from text) becomes the number; anything else is passed on as it is, for
+    :func:`mixprec.scaling.resolve_scaler` to accept or refuse with the message every entry point gives."""
+    if isinstance(value, str) and value != "dynamic":
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 class Amp:
@@ -240,9 +239,10 @@ def _overrides(keep_bn: Any, master_weights: Any, loss_scale: Any, outputs: Any)
 def _scaler_state(scaler: Any, entry: dict[str, Any]) -> dict[str, Any]:
     scale = _loss_scale(entry["loss_scale"])
     unskipped = entry["unskipped"]
-    if not isinstance(scale, float) or not isinstance(unskipped, int) or unskipped < 0:
+    positive = isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf
+    if not positive or not isinstance(unskipped, int) or isinstance(unskipped, bool) or unskipped < 0:
         raise ValueError(f"amp loss scaler state must be a positive scale and a count >= 0, got {entry!r}")
-    state = {**scaler.state_dict(), "scale": scale}
+    state = {**scaler.state_dict(), "scale": float(scale)}
     if "_growth_tracker" in state:
         state["_growth_tracker"] = unskipped
     return state
@@ -256,7 +256,8 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
 
     Args:
         init_optimizer: a torch optimizer on a half-precision model (fp32 params are their own masters).
-        static_loss_scale: the scale when ``dynamic_loss_scale`` is False (default 1.0).
+        static_loss_scale: the loss scale when ``dynamic_loss_scale`` is False (default 1.0): any loss-scale
+            spec :func:`mixprec.scaling.resolve_scaler` accepts, or a string holding a number.
         dynamic_loss_scale: dynamic scaling (a :class:`~mixprec.GradScaler` floored at 1, as apex's).
         dynamic_loss_args: apex's ``DynamicLossScaler`` arguments: ``init_scale`` (default 2**32),
             ``scale_factor`` (2.0), ``scale_window`` (1000 clean steps before growing).
@@ -264,6 +265,8 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
 
     Raises:
         TypeError: unknown ``dynamic_loss_args`` keys, or what MixedPrecisionOptimizer refuses.
+        ValueError: a ``static_loss_scale`` that is not a loss-scale spec (the message lists the accepted
+            ones), or ``dynamic_loss_args`` without ``dynamic_loss_scale``.
     """
 
     def __init__(
@@ -314,12 +317,16 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
 
     @property
     def loss_scale(self) -> float:  # type: ignore[override]
-        """The current loss scale; setting it replaces the scale (as apex's ``cur_scale``)."""
+        """The current loss scale; setting it replaces the scale (as apex's ``cur_scale``).
+
+        Raises:
+            ValueError: on setting a value that is not a finite number > 0 (the scale is unchanged).
+        """
         return float(self.scaler.get_scale())
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": _loss_scale(float(value))})
+        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": _loss_scale(value)})
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """Step the masters unless the gradients overflowed, then copy them to the model."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mixprec.lowbit import block_scales
 from mixprec.lowbit.formats import E4M3
-from mixprec.scaling.skip import RankSync
+from mixprec.scaling.skip import agree_max
 
 __all__ = [
     "COMPRESSION_HOOKS",
@@ -203,8 +203,7 @@ class LowbitCommState:
 def _agreed_scale(grad: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the e4m3 scale from the MAX over the ranks of ``max|grad|``, whether that amax is finite)."""
     amax = grad.abs().max().to(torch.float32) if grad.numel() else grad.new_zeros((), dtype=torch.float32)
-    _, agreed = RankSync(True, group).max_across_ranks(torch.zeros((), device=grad.device), amax)
-    amax = amax if agreed is None else agreed  # None only when amax was not passed
+    amax = agree_max(amax, group)
     finite = torch.isfinite(amax)
     return block_scales.fp32_scale(torch.where(finite, amax, 1.0), E4M3, False), finite
 
@@ -245,7 +244,7 @@ def lowbit_allreduce_hook(fmt: str) -> Callable[[LowbitCommState | None, Any], t
     (a None state means the default group and no error feedback). Per bucket::
 
         g = bucket + residual                   (error feedback only)
-        fp8:  amax = all_reduce(max|g|, MAX)     one scale for every rank (RankSync, as GradScaler's)
+        fp8:  amax = all_reduce(max|g|, MAX)     one scale for every rank (agree_max, as GradScaler's)
               q = e4m3(saturate(g * 448 / amax)); gathered = all_gather(q)
               out = float32 sum of gathered in rank order / scale / world size   (nan everywhere if amax
               is not finite, so a loss scaler skips on every rank)

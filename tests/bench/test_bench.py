@@ -27,7 +27,6 @@ def tabular_results() -> list[runner.RunResult]:
 
 def test_registries_are_consistent() -> None:
     assert list(WORKLOADS) == ["lm", "cnn", "tabular-regression"]
-    assert "seed-loop" not in WORKLOADS
     for device, names in modes.DEFAULT_MODES.items():
         assert set(names) <= set(MODES), device
     for alias, per_device in modes.ALIASES.items():
@@ -106,8 +105,6 @@ def test_a_mode_whose_probe_step_fails_is_unavailable_with_the_reason() -> None:
 
 
 def test_unknown_names_list_the_accepted_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown workload 'seed-loop' \(renamed 'tabular-regression'\)"):
-        jobs.make_plan(workloads=["seed-loop"], device="cpu")
     with pytest.raises(
         ValueError, match=r"unknown workload 'lmm' \(did you mean 'lm'\?\); accepted: lm, cnn"
     ):

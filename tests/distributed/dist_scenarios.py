@@ -176,7 +176,18 @@ def sharded(rank: int, world_size: int) -> Result:
         "master_default_scaler": _default_scaler_of_master_optimizer(rank),
         "headroom": _headroom(rank, sync="auto"),
         "headroom_nosync": _headroom(rank, sync=False),
+        "agree_max": _agree_max(rank, group),
     }
+
+
+def _agree_max(rank: int, group: dist.ProcessGroup) -> Result:
+    """mixprec's one rank agreement on its own: rank 1 holds the larger value of the first entry and a nan."""
+    from mixprec.scaling.skip import agree_max
+
+    values = torch.tensor([1.0, 2.0, 0.0]) if rank == 0 else torch.tensor([3.0, 1.0, float("nan")])
+    with counting_all_reduce() as calls:
+        agreed = agree_max(values, group)
+    return {"agreed": agreed.tolist(), "given": values.tolist(), "collectives": calls[0]}
 
 
 # -- (2) DDP ------------------------------------------------------------------------------------------------

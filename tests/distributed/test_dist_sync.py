@@ -11,7 +11,7 @@ import torch
 from dist_harness import requires_gloo, run_ranks
 
 import mixprec
-from mixprec.scaling.skip import RankSync
+from mixprec.scaling.skip import RankSync, agree_max
 
 pytestmark = requires_gloo
 
@@ -89,6 +89,19 @@ def test_sync_accepts_auto_true_false_only(bad: Any) -> None:
 def test_sync_typo_gets_a_hint() -> None:
     with pytest.raises(ValueError, match=r"did you mean True\?"):
         mixprec.GradScaler(sync="true")
+
+
+def test_agree_max_is_the_max_over_ranks_in_one_collective_nan_as_inf(ranks: list[dict[str, Any]]) -> None:
+    assert both(ranks, "agree_max", "agreed") == [[3.0, 2.0, float("inf")]] * 2
+    assert both(ranks, "agree_max", "collectives") == [1, 1]
+    assert both(ranks, "agree_max", "given")[0] == [1.0, 2.0, 0.0]  # the caller's tensor is not written
+
+
+def test_agree_max_on_one_process_returns_the_values_and_refuses_integers() -> None:
+    values = torch.tensor([1.0, float("nan")])
+    assert agree_max(values) is values
+    with pytest.raises(TypeError, match="floating-point tensor, got torch.int64"):
+        agree_max(torch.tensor([1]))
 
 
 def test_process_group_must_be_a_process_group() -> None:

@@ -93,7 +93,9 @@ def test_fp16_inf_batches_are_skipped_counted_and_diagnosed(caplog: pytest.LogCa
         skipped.append(scaler.skipped_steps)
         heads.append(model[1].weight.detach().clone())
         x, y = batch
-        accelerator.diagnose_step(model, x, loss, loss_fn=lambda out: nn.functional.cross_entropy(out, y))
+        accelerator.diagnose_step(
+            model, x, loss, loss_fn=lambda model, x: nn.functional.cross_entropy(model(x), y)
+        )
 
     with caplog.at_level(logging.WARNING, logger="mixprec.integrations"):
         # fused AdamW skips inside its kernel: Accelerate alone would not notice the skip
@@ -132,3 +134,23 @@ def test_bad_arguments_are_refused() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ValueError, match="contradicts mixed_precision='bf16'"):
         MixprecAccelerator(cpu=True, mixed_precision="bf16", dtype=torch.float16)
+
+
+def test_diagnose_step_takes_the_reports_loss_fn_and_refuses_a_loss_of_the_output() -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = MixprecAccelerator(cpu=True, dtype=torch.float16, scaler=mixprec.GradScaler())
+    model = accelerator.prepare(nn.Sequential(nn.Linear(4, 3)))
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    with pytest.raises(TypeError, match=r"diagnose_step: loss_fn takes one required argument.*model, batch"):
+        accelerator.diagnose_step(model, x, torch.tensor(float("nan")), loss_fn=lambda out: out.sum())
+    with pytest.raises(TypeError, match="must be callable"):
+        accelerator.diagnose_step(model, x, torch.tensor(1.0), loss_fn="cross_entropy")
+    assert accelerator.mixprec_diagnoses == []  # refused before anything ran
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")
+    sentence = accelerator.diagnose_step(
+        model, x, torch.tensor(float("nan")), loss_fn=lambda m, b: nn.functional.cross_entropy(m(b), y)
+    )
+    assert sentence is not None and sentence.startswith("mixprec: step 0 gave a non-finite loss")
+    assert "module '0'" in sentence
+    assert accelerator.mixprec_diagnoses == [sentence]

@@ -43,7 +43,8 @@ from torch import nn
 from mixprec import formats
 from mixprec._tree import map_tensors
 from mixprec.amp.casting import cast_model, cast_with_undo
-from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer, resolve_scaler
+from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer
+from mixprec.scaling import resolve_scaler
 
 __all__ = [
     "OPT_LEVELS",
@@ -266,8 +267,9 @@ def initialize(
         optimizer: a torch optimizer over the model's parameters.
         opt_level: "O0", "O1", "O2", "O3", "32-true", "16-mixed", "bf16-mixed", "16-true" or "bf16-true".
         dtype: half type for O1-O3 (torch dtype or name); default fp16 on CUDA, bf16 elsewhere.
-        **overrides: ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale`` ("dynamic", a number, None or
-            a GradScaler), ``min_loss_scale``, ``max_loss_scale``, ``weight_update`` ("nearest", "kahan",
+        **overrides: ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale`` (a loss-scale spec: None,
+            "dynamic", a number or a GradScaler, read by :func:`mixprec.scaling.resolve_scaler`),
+            ``min_loss_scale``, ``max_loss_scale``, ``weight_update`` ("nearest", "kahan",
             "stochastic"; for pure low-precision weights) and the table's other columns.
 
     Returns:

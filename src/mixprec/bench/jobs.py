@@ -16,7 +16,7 @@ import torch
 from mixprec.bench import data as datasets
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
 from mixprec.bench.runner import Job
-from mixprec.bench.workloads import RENAMED, SIZES, WORKLOADS
+from mixprec.bench.workloads import SIZES, WORKLOADS
 
 CPU_FP16_NOTE = (
     "fp16 on a CPU: there is no fast fp16 matmul/conv kernel (about 100x slower than fp32), so fp16 modes "
@@ -40,9 +40,8 @@ def split_names(values: Iterable[str] | None) -> list[str]:
 
 
 def _unknown(kind: str, name: str, accepted: Sequence[str]) -> ValueError:
-    close = [RENAMED[name]] if name in RENAMED else difflib.get_close_matches(name, accepted, n=1)
-    renamed = f" (renamed {close[0]!r})" if name in RENAMED else ""
-    hint = renamed or (f" (did you mean {close[0]!r}?)" if close else "")
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ValueError(f"unknown {kind} {name!r}{hint}; accepted: {', '.join(accepted)}")
 
 

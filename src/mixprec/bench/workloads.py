@@ -275,6 +275,3 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         build=_build_tabular,
     ),
 }
-
-# Former names, so that an old command line gets a pointer instead of a bare "unknown workload".
-RENAMED = {"seed-loop": "tabular-regression"}

@@ -225,11 +225,11 @@ class Diagnoser:
         region: Any,
         scale: float = 1.0,
         rename: Callable[[str], str] | None = None,
-        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         window: list[Any] | None = None,
     ) -> str:
-        """Run find_nonfinite on ``model(inputs)`` (loss from :func:`loss_of`, times ``scale``); log and keep
-        the sentence.
+        """Run find_nonfinite on ``inputs`` (the loss ``loss_fn(model, batch)``, or :func:`loss_of` the output
+        of ``model(inputs)``, times ``scale``); log and keep the sentence.
 
         Args:
             model: what to call on ``inputs`` (a tensor, a tuple of positional args or a dict of kwargs).
@@ -237,7 +237,8 @@ class Diagnoser:
             reason: what happened ("skipped its optimizer step", "gave a non-finite loss").
             region: the mixprec.autocast the step ran under (its device type, dtype and policy are reused).
             scale: the loss scale at that step.
-            loss_fn: ``loss_fn(output) -> loss`` instead of :func:`loss_of`.
+            loss_fn: ``loss_fn(model, batch) -> loss``, as :func:`mixprec.inspect.find_nonfinite` takes it,
+                instead of :func:`loss_of` the model's output.
             rename: maps the report's module name (e.g. strips a wrapper's prefix).
             window: every micro-batch of a gradient accumulation, in order (``inputs`` is then ignored):
                 each is re-run until one reports, and the sentence names it.
@@ -245,16 +246,17 @@ class Diagnoser:
         from mixprec.inspect import find_nonfinite  # only a diagnosis pays for importing inspect
         from mixprec.inspect._modules import call_model
 
-        get_loss = loss_of if loss_fn is None else loss_fn
+        def output_loss(model: nn.Module, batch: Any) -> torch.Tensor | None:
+            return loss_of(call_model(model, batch))
+
+        get_loss = output_loss if loss_fn is None else loss_fn
         batches = [inputs] if not window else list(window)
         report, where_found = None, 0
         for where_found, batch in enumerate(batches):  # noqa: B007 - the index of the batch that reported
             report = find_nonfinite(
                 model,
                 batch,
-                loss_fn=lambda model, batch: (
-                    _require_loss(get_loss(call_model(model, batch))).float() * scale
-                ),
+                loss_fn=lambda model, batch: _require_loss(get_loss(model, batch)).float() * scale,
                 dtype=region.fast_dtype,
                 device_type=region.device_type,
                 policy=region.policy,

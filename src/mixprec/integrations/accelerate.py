@@ -213,7 +213,7 @@ class MixprecAccelerator(Accelerator):
         inputs: Any,
         loss: torch.Tensor | None = None,
         *,
-        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         step: int | None = None,
     ) -> str | None:
         """After ``optimizer.step()``: if that step was skipped or ``loss`` is non-finite, re-run ``inputs``
@@ -225,10 +225,19 @@ class MixprecAccelerator(Accelerator):
                 ``**inputs`` for a dict).
             inputs: the batch as the model takes it.
             loss: the step's loss, checked for inf/nan.
-            loss_fn: ``loss_fn(output) -> loss`` when the output is not the loss (nor holds ``loss``).
+            loss_fn: ``loss_fn(model, batch) -> loss`` when the output is not the loss (nor holds ``loss``),
+                as :func:`mixprec.inspect.find_nonfinite` takes it; ``batch`` is ``inputs``.
             step: the step number for the sentence (default: :attr:`mixprec_steps`, the backward passes
                 that ended an accumulation, so the 1-based number of the step just taken).
+
+        Raises:
+            TypeError: a ``loss_fn`` that is not callable or takes one required argument (a loss of the
+                output, ``loss_fn(output)``: the message shows the ``loss_fn(model, batch)`` to write).
         """
+        if loss_fn is not None:
+            from mixprec.inspect._modules import model_loss  # the one check of inspect's loss_fn dialect
+
+            loss_fn = model_loss(loss_fn, "MixprecAccelerator.diagnose_step")
         if not self._diagnoser.wanted:
             return None
         nonfinite = loss is not None and not bool(torch.isfinite(loss.detach()).all())

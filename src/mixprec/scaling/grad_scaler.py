@@ -150,7 +150,7 @@ class GradScaler:
         self._records: dict[int, _Record] = {}
 
     def is_enabled(self) -> bool:
-        """Whether scaling is on."""
+        """Whether loss scaling is on."""
         return self._enabled
 
     # -- scale -----------------------------------------------------------------------------------------

@@ -304,7 +304,8 @@ class StaticScale(ScaleRule):
 
 
 class NoScale(StaticScale):
-    """No scaling (scale 1). The scaler still detects non-finite gradients and skips those steps."""
+    """No loss scaling (a loss scale of 1). The scaler still detects non-finite gradients and skips those
+    steps."""
 
     is_identity: ClassVar[bool] = True
 

@@ -1,5 +1,8 @@
 """After a non-finite gradient: every rank skips together (RankSync), and skips are counted (SkipMonitor).
 
+:func:`agree_max` is mixprec's one rank agreement, the MAX over the ranks of a group in one all-reduce: the
+scaler's found_inf and amax (RankSync) and the fp8 gradient hooks' amax (mixprec.distributed) go through it.
+
 torch's GradScaler decides per rank. Under plain data parallelism (DDP) that is harmless: gradients are
 averaged before the check, so an inf anywhere reaches every rank. With sharded parameters (FSDP, ZeRO) each
 rank checks only its own shard: the rank whose shard overflowed skips while the others step, the replicas
@@ -21,9 +24,36 @@ import torch.distributed as dist
 
 from mixprec.scaling.rules import check_count, optional
 
-__all__ = ["RankSync", "SkipMonitor", "check_sync"]
+__all__ = ["RankSync", "SkipMonitor", "agree_max", "check_sync"]
 
 _SPELLINGS = {"true": True, "false": False, "on": True, "off": False, "none": False}
+
+
+def agree_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The MAX over the ranks of ``group`` of a float tensor, in one all-reduce (nan is sent as +inf).
+
+    Every rank of ``group`` must call it with a tensor of the same shape and dtype. Without torch.distributed
+    initialised, or with one rank, it returns ``values`` (nan kept) and communicates nothing. The ``wait()``
+    blocks the host on gloo; on NCCL it only orders the CUDA streams, so the caller adds no host sync.
+
+    Args:
+        values: a floating-point tensor (any shape; a flag is 0.0/1.0, an amax >= 0).
+        group: the ranks that agree; None means the default group.
+
+    Returns:
+        A new tensor of the agreed values (``values`` itself when nothing is communicated).
+
+    Raises:
+        TypeError: for a ``values`` that is not a floating-point tensor.
+    """
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        got = getattr(values, "dtype", values)
+        raise TypeError(f"agree_max takes a floating-point tensor, got {got!r:.60}")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return values
+    agreed = values.nan_to_num(nan=math.inf, posinf=math.inf)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()
+    return agreed
 
 
 def check_sync(sync: Any) -> str | bool:
@@ -45,8 +75,8 @@ class RankSync:
         all_reduce(values, MAX, group, async_op=True).wait()      # ONE collective, any number of devices
         return values
 
-    found_inf is 0.0 or 1.0 and a nan amax is sent as +inf, so MAX is well defined. The ``wait()`` blocks the
-    host on gloo; on NCCL it only orders the CUDA streams, so the scaler still adds no host sync of its own.
+    found_inf is 0.0 or 1.0 and a nan amax is sent as +inf, so MAX is well defined (:func:`agree_max`, which
+    adds no host sync on NCCL).
 
     Args:
         sync: ``"auto"`` (default): agree when torch.distributed is initialised and the group has more than
@@ -98,12 +128,8 @@ class RankSync:
         """The MAX over the ranks of ``found_inf`` (and ``amax``): 0-dim float32 tensors, one collective."""
         if not self.is_active():
             return found_inf, amax
-        if amax is None:
-            parts = [found_inf]
-        else:
-            parts = [found_inf, amax.to(found_inf.device).nan_to_num(nan=math.inf, posinf=math.inf)]
-        values = torch.stack(parts)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True).wait()
+        parts = [found_inf] if amax is None else [found_inf, amax.to(found_inf.device)]
+        values = agree_max(torch.stack(parts), self.process_group)
         return values[0], None if amax is None else values[1]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RankSync:
