@@ -9,7 +9,6 @@ carry; :func:`check_state_format` is the one check of a ``state_format=``; :func
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from mixprec.optim.lowbit_adam import check_lowbit_params, step_groups
 from mixprec.optim.rounding import Workspace
 from mixprec.optim.state_formats import STATE_FORMATS
 from mixprec.optim.updates import fast_algorithm
+from mixprec.scaling.spec import resolve_scaler
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
@@ -32,55 +32,6 @@ __all__ = [
 
 #: The low-precision floating dtypes (fp16, bf16) the optimizer wrappers treat as half parameters.
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
-
-_SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
-_ACCEPTED_SCALERS = (
-    "None (no loss scaling), 'dynamic', a positive finite number (static scale) or a GradScaler"
-)
-
-
-def resolve_scaler(
-    spec: Any, device_type: str, *, min_scale: float | None = None, max_scale: float | None = None
-) -> Any:
-    """Turn a loss-scale spec into a scaler object with ``torch.amp.GradScaler``'s API.
-
-    Args:
-        spec: None (no scaling, no skipping: a disabled scaler), ``"dynamic"`` (mixprec's GradScaler, starting
-            at 2**16 clamped into the bounds), a positive number (a static scale: it never changes, but a step
-            with inf/nan gradients is still skipped; at 1.0 fp16 gradients are accepted, as unscaling is a
-            no-op) or a ready scaler, returned as is.
-        device_type: where the scale tensor lives ("cuda", "cpu", ...).
-        min_scale: lower bound of a dynamic scale.
-        max_scale: upper bound of a dynamic scale.
-
-    Raises:
-        ValueError: for any other spec, or bounds given with a spec they do not apply to.
-    """
-    if all(callable(getattr(spec, name, None)) for name in _SCALER_METHODS):
-        _no_bounds(min_scale, max_scale, "a ready GradScaler (configure it directly)")
-        return spec
-    from mixprec.scaling import GradScaler, NoScale, StaticScale
-
-    if spec is None:
-        _no_bounds(min_scale, max_scale, "loss_scale=None")
-        return GradScaler(device_type, enabled=False)
-    if spec == "dynamic":
-        init_scale = min(max(2.0**16, min_scale or 0.0), max_scale or math.inf)
-        return GradScaler(device_type, init_scale, min_scale=min_scale, max_scale=max_scale)
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and math.isfinite(spec) and spec > 0:
-        _no_bounds(min_scale, max_scale, f"a static loss_scale ({spec})")
-        if spec == 1:
-            return GradScaler(device_type, rule=NoScale(), allow_fp16_grads=True)
-        return GradScaler(device_type, rule=StaticScale(float(spec)))
-    raise ValueError(f"loss_scale: unknown loss scale {spec!r}; accepted: {_ACCEPTED_SCALERS}")
-
-
-def _no_bounds(min_scale: float | None, max_scale: float | None, what: str) -> None:
-    if min_scale is not None or max_scale is not None:
-        raise ValueError(
-            f"min/max loss scale ({min_scale}, {max_scale}) apply to 'dynamic' scaling only, not to {what}"
-        )
-
 
 class OptimizerWrapper(Optimizer):
     """Base for an optimizer that wraps another: ``param_groups``, ``state`` and ``defaults`` are the inner's.
