@@ -380,7 +380,7 @@ class CompensatedOptimizer(OptimizerWrapper):
         return None if self.method in ("kahan", "stochastic") else HugeGradientGuard(torch.float32)
 
     def shard_parts(self) -> tuple[dict[str, Any], list[Any], list[Any], str]:
-        """The inner state belongs to the groups' params, ``compensation`` to :attr:`model_params`."""
+        """The inner state belongs to the groups' params, ``compensation`` to ``model_params``."""
         inner = [p for g in self.param_groups for p in g["params"]]
         return self.state_dict(), inner, list(self.model_params), "compensation"
 

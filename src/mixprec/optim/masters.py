@@ -313,7 +313,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def shard_parts(self) -> tuple[dict[str, Any], list[Any], list[Any], str] | None:
         """The inner state belongs to the model params behind the masters, ``master_params`` to
-        :attr:`model_params`; None around another wrapper (reshard that one's state instead)."""
+        ``model_params``; None around another wrapper (reshard that one's state instead)."""
         if isinstance(self.optimizer, OptimizerWrapper):
             return None
         behind = {id(m): p for p, m in zip(self.model_params, self.master_params, strict=True)}

@@ -33,6 +33,7 @@ __all__ = [
 #: The low-precision floating dtypes (fp16, bf16) the optimizer wrappers treat as half parameters.
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
+
 class OptimizerWrapper(Optimizer):
     """Base for an optimizer that wraps another: ``param_groups``, ``state`` and ``defaults`` are the inner's.
 
@@ -69,7 +70,7 @@ class OptimizerWrapper(Optimizer):
         return HugeGradientGuard()
 
     def shard_parts(self) -> tuple[dict[str, Any], list[Any], list[Any], str] | None:
-        """What :func:`~mixprec.optim.sharding.full_state_dict` gathers: this wrapper's state dict, the
+        """What ``mixprec.optim.sharding.full_state_dict`` gathers: this wrapper's state dict, the
         param behind each inner state id, the param behind each entry of its per-param list and that
         list's key; None when the wrapper cannot be resharded."""
         return None
