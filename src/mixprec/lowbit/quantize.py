@@ -20,6 +20,7 @@ has no round-up to balance it. Values beyond a given ``tensor_amax`` still satur
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -141,6 +142,10 @@ def quantize(
         _check_tensor_amax(tensor_amax, fmt)
     x2 = _as_matrix(x, axis)
     rows, cols = _block_of(fmt, x2.shape)
+    if not stochastic and tensor_amax is None and (pad or not (x2.shape[0] % rows or x2.shape[1] % cols)):
+        fused = _fused(x2, fmt)
+        if fused is not None:  # the same bits from one or two Triton kernels (CUDA, eager)
+            return Quantized(fused.data, fused.scale, None, fmt, x.shape, x.dtype, axis)
     x2 = _pad(x2, rows, cols, pad, fmt, x.shape, axis)
     x2 = x2.to(torch.float32)
     amax = scaling.block_amax(x2, rows, cols)
@@ -155,6 +160,17 @@ def quantize(
         scaled = round_to_element(scaled, fmt.elem, stochastic=True, generator=generator)
     data = _store(scaled, fmt)
     return Quantized(data, scale, tensor_scale, fmt, x.shape, x.dtype, axis)
+
+
+def _fused(x2: torch.Tensor, fmt: LowbitFormat) -> Quantized | None:
+    """``x2`` quantized by :mod:`mixprec.lowbit.triton_quantize` where it is eligible, else None."""
+    if torch.compiler.is_compiling() or (
+        x2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+    ):
+        return None  # compiled: inductor fuses the pure-torch ops; a CPU tensor: not without the interpreter
+    from mixprec.lowbit import triton_quantize
+
+    return triton_quantize.quantize(x2, fmt)[0] if triton_quantize.fused_eligible(x2, fmt) else None
 
 
 def _on_device(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
