@@ -51,7 +51,7 @@ import torch
 from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.quantize import Quantized
 
-__all__ = ["ENV_SWITCH", "fused_eligible", "quantize", "scaled_cast", "triton_available"]
+__all__ = ["ENV_SWITCH", "format_supported", "fused_eligible", "quantize", "scaled_cast", "triton_available"]
 
 #: The environment variable that forces the pure-torch quantizers when set to ``0``.
 ENV_SWITCH = "MIXPREC_FUSED_QUANTIZE"
