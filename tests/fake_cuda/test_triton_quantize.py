@@ -132,7 +132,7 @@ def _interpreter_cast_error(pre: torch.Tensor, got: torch.Tensor, ref: torch.Ten
     between two neighbours on the grid rounded away from zero (``got`` the larger, ``ref`` the even one),
     or a subnormal of the format truncated (``got`` the neighbour toward zero, ``ref`` the other)."""
     g, r, p = got.float().abs(), ref.float().abs(), pre.abs()
-    mant, exp = torch.frexp(r)
+    mant = torch.frexp(r).mantissa
     carry = (mant == 0.5) & (p < r) & (g * 2 == r)
     ulp = torch.exp2(torch.clamp(torch.floor(torch.log2(p)), min=1 - elem.bias) - elem.mantissa_bits)
     low = torch.floor(p / ulp) * ulp
@@ -214,5 +214,6 @@ def test_on_a_gpu_every_bit_is_the_pure_torch_quantizers(monkeypatch, fmt):
         for kind in ("randn", "outliers", "zeros", "inf", "nan", "bf16"):
             x = _input(shape, kind).cuda()
             got, got_t = triton_quantize.quantize(x, fmt, transpose=True)
-            for g, r in ((got, _reference(x, fmt, monkeypatch)), (got_t, _reference(x.t(), fmt, monkeypatch))):
+            refs = _reference(x, fmt, monkeypatch), _reference(x.t(), fmt, monkeypatch)
+            for g, r in zip((got, got_t), refs, strict=True):
                 assert _same(g.scale, r.scale) and _same(g.data, r.data), (fmt, shape, kind)
