@@ -39,6 +39,7 @@ float32 values instead of the fp8 ones.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -75,12 +76,13 @@ def format_supported(fmt: LowbitFormat | str) -> bool:
 
 
 def fused_eligible(x: torch.Tensor, fmt: LowbitFormat | str) -> bool:
-    """Whether quantizing ``x`` to ``fmt`` takes the fused kernels: a non-empty plain (not subclassed,
-    not fake) CUDA tensor of one or two dims (or a CPU one under ``TRITON_INTERPRET=1``), in eager
-    mode, Triton importable, ``fmt`` supported and ``MIXPREC_FUSED_QUANTIZE`` not ``0``.
-    Stochastic rounding and a given per-tensor amax are the caller's to exclude."""
+    """Whether quantizing ``x`` to ``fmt`` takes the fused kernels: a non-empty plain CUDA tensor or
+    Parameter (no other subclass, not fake) of one or two dims (or a CPU one under
+    ``TRITON_INTERPRET=1``), in eager mode, Triton importable, ``fmt`` supported and
+    ``MIXPREC_FUSED_QUANTIZE`` not ``0``. Stochastic rounding and a given per-tensor amax are the
+    caller's to exclude."""
     return (
-        type(x) is torch.Tensor
+        type(x) in (torch.Tensor, torch.nn.Parameter)
         and (x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting()))
         and 0 < x.dim() <= 2
         and x.numel() > 0
@@ -121,6 +123,18 @@ def quantize(
         raise ValueError(f"no fused kernel for {fmt.name}; fused: fp8 e4m3/e5m2, fp32/pow2 scales, {_BLOCKS}")
     if not x.is_floating_point() or not 0 < x.dim() <= 2:
         raise ValueError(f"x must be a floating 1-D or 2-D tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    with _device_of(x):
+        return _quantize(x, fmt, transpose, cast)
+
+
+def _device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The tensor's CUDA device made current: Triton launches on the current device."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _quantize(
+    x: torch.Tensor, fmt: LowbitFormat, transpose: bool, cast: bool
+) -> tuple[Quantized, Quantized | None]:
     x2 = x.reshape(1, -1) if x.dim() == 1 else x
     m, k = x2.shape
     rows = fmt.block[0]
@@ -199,6 +213,11 @@ def scaled_cast(
         raise ValueError(
             f"scaled_cast takes a 2-D tensor and a fused format, got {tuple(x.shape)}, {fmt.name}"
         )
+    with _device_of(x):
+        return _scaled_cast(x, scale, fmt, transpose, cast)
+
+
+def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, k = x.shape
     kern = _kernels(_interpreting())
     out_dtype = fmt.elem.dtype if cast else torch.float32
