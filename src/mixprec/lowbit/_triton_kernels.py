@@ -38,6 +38,14 @@ def _scale_of(amax_bits, ELEM_MAX: tl.constexpr, POW2: tl.constexpr, PRECISE: tl
 
 
 @triton.jit
+def _amax(bits, axis: tl.constexpr):
+    # tl.max's own reduction, called directly: tl.max is a @jit function made when Triton was imported,
+    # which the interpreter cannot call unless that import was already under TRITON_INTERPRET=1 (a test
+    # sets it for itself); the interpreter runs this combine function as numpy's max, by its identity.
+    return tl.reduce(bits, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
 def _saturate(v, ELEM_MAX: tl.constexpr):
     # clamp(v, -max, max) with a nan kept (torch.clamp's), not dropped as min/max may drop it
     return tl.where(v != v, v, tl.minimum(tl.maximum(v, -ELEM_MAX), ELEM_MAX))
@@ -62,11 +70,11 @@ def amax(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, BM: tl.constexpr, BK: tl.const
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
     bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if ROWWISE:
-        tl.atomic_max(row_ptr + rm, tl.max(bits, axis=1), mask=rm < M)
+        tl.atomic_max(row_ptr + rm, _amax(bits, 1), mask=rm < M)
         if COLS:
-            tl.atomic_max(col_ptr + rk, tl.max(bits, axis=0), mask=rk < K)
+            tl.atomic_max(col_ptr + rk, _amax(bits, 0), mask=rk < K)
     else:
-        tl.atomic_max(row_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+        tl.atomic_max(row_ptr, _amax(_amax(bits, 1), 0))
 
 
 @triton.jit
@@ -129,13 +137,13 @@ def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
     n_kb = KP // BK
     n_mb = MP // BK
     if TWO_D:
-        s = _scale_of(tl.max(tl.max(bits, axis=1), axis=0), ELEM_MAX, POW2, PRECISE)
+        s = _scale_of(_amax(_amax(bits, 1), 0), ELEM_MAX, POW2, PRECISE)
         y = _saturate(x * s, ELEM_MAX)
         tl.store(scale_ptr + pid_m * n_kb + pid_k, s)
         if TRANSPOSE:
             tl.store(scale_t_ptr + pid_k * n_mb + pid_m, s)
     else:
-        s_row = _scale_of(tl.max(bits, axis=1), ELEM_MAX, POW2, PRECISE)
+        s_row = _scale_of(_amax(bits, 1), ELEM_MAX, POW2, PRECISE)
         y = _saturate(x * s_row[:, None], ELEM_MAX)
         tl.store(scale_ptr + rm.to(tl.int64) * n_kb + pid_k, s_row, mask=rm < OUT_ROWS)
     out_mask = (rm[:, None] < OUT_ROWS) & (rk[None, :] < KP)
@@ -144,7 +152,7 @@ def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
         if TWO_D:
             yt = y
         else:
-            s_col = _scale_of(tl.max(bits, axis=0), ELEM_MAX, POW2, PRECISE)
+            s_col = _scale_of(_amax(bits, 0), ELEM_MAX, POW2, PRECISE)
             yt = _saturate(x * s_col[None, :], ELEM_MAX)
             tl.store(scale_t_ptr + rk.to(tl.int64) * n_mb + pid_m, s_col, mask=rk < OUT_T_ROWS)
         mask_t = (rk[:, None] < OUT_T_ROWS) & (rm[None, :] < MP)
