@@ -217,3 +217,41 @@ def test_on_a_gpu_every_bit_is_the_pure_torch_quantizers(monkeypatch, fmt):
             refs = _reference(x, fmt, monkeypatch), _reference(x.t(), fmt, monkeypatch)
             for g, r in zip((got, got_t), refs, strict=True):
                 assert _same(g.scale, r.scale) and _same(g.data, r.data), (fmt, shape, kind)
+
+
+_SIGNATURES = {
+    "block": "x_ptr M K sxm sxk out_ptr out_t_ptr scale_ptr scale_t_ptr OUT_ROWS OUT_T_ROWS KP MP",
+    "cast": "x_ptr M K sxm sxk row_ptr col_ptr scale_in_ptr out_ptr out_t_ptr scale_ptr scale_t_ptr",
+    "amax": "x_ptr M K sxm sxk row_ptr col_ptr",
+}
+_TYPES = {"x_ptr": "*bf16", "row_ptr": "*i32", "col_ptr": "*i32", "out_ptr": "*F8", "out_t_ptr": "*F8"}
+
+
+def _ptx(kernel, name: str, f8: str, **constexprs) -> str:
+    """The sm90 PTX of one kernel (Triton compiles without a GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    args = _SIGNATURES[name].split()
+    signature = {a: _TYPES.get(a, "*fp32" if a.endswith("_ptr") else "i32").replace("F8", f8) for a in args}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def test_the_gpu_kernels_compile_with_torchs_rounding(monkeypatch):
+    """For sm90: the scale divided in float64 with div.rn and rounded once (cvt.rn.f32.f64), libdevice's
+    log2f (not lg2.approx), no approximate float32 division, and the saturating nearest-even fp8 cast."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from mixprec.lowbit import triton_quantize
+
+    k = triton_quantize._kernels(False)
+    common = {"ELEM_MAX": 448.0, "POW2": True, "CAST": True, "F8": k.DTYPES["e4m3"], "PRECISE": True}
+    ptx = _ptx(k.block, "block", "fp8e4nv", BM=128, BK=128, TWO_D=False, TRANSPOSE=True, **common)
+    for needed in ("div.rn.f64", "cvt.rn.f32.f64", "cvt.rn.satfinite.e4m3x2.f32"):
+        assert needed in ptx, needed
+    assert "lg2.approx" not in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
+    e5m2 = {**common, "ELEM_MAX": 57344.0, "POW2": False, "F8": k.DTYPES["e5m2"]}
+    ptx = _ptx(k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, **e5m2)
+    assert "div.rn.f64" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.full.f32" not in ptx
+    assert "atom.global" in _ptx(k.amax, "amax", "fp8e4nv", BM=64, BK=64, ROWWISE=True, COLS=True)

@@ -7,6 +7,7 @@ kernels compute them; the interpreter, which has no libdevice, passes False and 
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -14,9 +15,8 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-libdevice: Any = None
-if not INTERPRET:  # the interpreter has no libdevice (numpy's functions stand in for tl.log2 and the like)
-    from triton.language.extra import libdevice
+# The interpreter has no libdevice (numpy's functions stand in for tl.log2 and the like).
+libdevice: Any = None if INTERPRET else importlib.import_module("triton.language.extra.libdevice")
 
 #: scaling.EPS: the smallest amax a scale is computed from.
 EPS: Any = tl.constexpr(1e-12)
