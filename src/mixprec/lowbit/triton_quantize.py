@@ -182,7 +182,7 @@ def _quantize(
             x2, m, k, x2.stride(0), x2.stride(1), data, data_t, scale, scale_t,
             out_rows, out_t_rows, kp, mp,
             BM=bm, BK=_TILE, TWO_D=two_d, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
-            CAST=cast, F8=f8, PRECISE=not _interpreting(),
+            CAST=cast, F8=f8, PRECISE=not _interpreting(), num_warps=8 if bm == _TILE else 4,
         )  # fmt: skip
     q = Quantized(data, scale, None, fmt, x.shape, x.dtype, x.dim() - 1)
     if not transpose:
