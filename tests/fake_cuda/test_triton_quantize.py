@@ -255,3 +255,14 @@ def test_the_gpu_kernels_compile_with_torchs_rounding(monkeypatch):
     ptx = _ptx(k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, **e5m2)
     assert "div.rn.f64" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.full.f32" not in ptx
     assert "atom.global" in _ptx(k.amax, "amax", "fp8e4nv", BM=64, BK=64, ROWWISE=True, COLS=True)
+
+
+@pytest.mark.parametrize("kind", ["randn", "outliers", "zeros", "inf", "nan", "bf16"])
+def test_tensor_amax_is_amax_of(interpret, kind):
+    from mixprec.lowbit.history import amax_of
+
+    x = _input((130, 300), kind, seed=7)
+    for view in (x, x.t(), x[3]):  # 2-D, a transposed view, 1-D
+        got = interpret.tensor_amax(view)
+        assert got.shape == () and got.dtype == torch.float32
+        assert _same(got, amax_of(view)), (got, amax_of(view))

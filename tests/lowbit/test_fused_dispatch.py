@@ -85,3 +85,10 @@ def test_the_tensorwise_cast_on_a_cpu_is_history_to_float8():
     fmt = get_format("fp8_tensorwise_e5m2")
     out = gemm._to_float8(x, scale, fmt)
     assert torch.equal(out.view(torch.uint8), history.to_float8(x, scale, fmt.elem).view(torch.uint8))
+
+
+def test_the_amax_of_a_cpu_tensor_is_torchs(monkeypatch):
+    monkeypatch.setattr(triton_quantize, "tensor_amax", lambda x: pytest.fail("fused amax on a CPU"))
+    x = torch.randn(8, 16)
+    x[2, 3] = -50.0
+    assert history.amax_of(x).item() == 50.0

@@ -52,7 +52,15 @@ import torch
 from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.quantize import Quantized
 
-__all__ = ["ENV_SWITCH", "format_supported", "fused_eligible", "quantize", "scaled_cast", "triton_available"]
+__all__ = [
+    "ENV_SWITCH",
+    "format_supported",
+    "fused_eligible",
+    "quantize",
+    "scaled_cast",
+    "tensor_amax",
+    "triton_available",
+]
 
 #: The environment variable that forces the pure-torch quantizers when set to ``0``.
 ENV_SWITCH = "MIXPREC_FUSED_QUANTIZE"
@@ -232,6 +240,24 @@ def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Te
         CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not _interpreting(),
     )  # fmt: skip
     return data, (data_t if transpose else None)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a float32 0-dim tensor in one pass, :func:`mixprec.lowbit.history.amax_of`'s value
+    (an integer max of the magnitude bits: exact, a nan kept, its payload aside).
+
+    ``x``: a non-empty floating tensor of 1 or 2 dims (any strides) on a CUDA device (a CPU one under
+    the interpreter).
+    """
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    m, k = x2.shape
+    with _device_of(x):
+        out = torch.zeros(1, dtype=torch.int32, device=x.device)
+        bm, bk = 64, 64
+        _kernels(_interpreting()).amax[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
+            x2, m, k, x2.stride(0), x2.stride(1), out, out, BM=bm, BK=bk, ROWWISE=False, COLS=False
+        )
+    return out.view(torch.float32).reshape(())
 
 
 def triton_cdiv(a: int, b: int) -> int:
