@@ -114,6 +114,15 @@ def test_everything_before_the_cast_is_bitwise(interpret, monkeypatch, fmt, shap
     _check_before_cast(got_t, _reference(x.t(), fmt, monkeypatch), x.t())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(70, 200), (130, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_without_the_transposed_copy_the_same_bits(interpret, monkeypatch, fmt, shape):
+    x = _input(shape, "outliers", seed=8).to(torch.float16)
+    got, none = interpret.quantize(x, fmt, cast=False)  # 1x128 blocks: a narrower tile than with the copy
+    assert none is None
+    _check_before_cast(got, _reference(x, fmt, monkeypatch), x)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise", "fp8_blockwise_2d", "fp8_tensorwise"])
 def test_a_transposed_view_is_read_in_place_and_one_dim_is_one_row(interpret, monkeypatch, fmt):
     base = _input((200, 70), "randn", seed=1)
