@@ -23,8 +23,9 @@ and rounded once to float32 as :func:`mixprec.lowbit.scaling.fp32_scale` does, a
 ``exp2(floor(log2 s))`` uses libdevice's ``log2f``, the CUDA math library function torch's CUDA
 ``log2`` calls.
 
-:func:`quantize` (the module's) is what :func:`mixprec.lowbit.quantize` and the GEMMs of
-:mod:`mixprec.lowbit.gemm` dispatch to when :func:`fused_eligible` says so: a plain CUDA tensor in
+:func:`mixprec.lowbit.quantize` dispatches to :func:`quantize` (the module's), the per-tensor layers
+(:mod:`mixprec.lowbit.gemm`, :mod:`mixprec.lowbit.history`) to :func:`tensor_amax` and
+:func:`scaled_cast`, when :func:`fused_eligible` says so: a plain CUDA tensor in
 eager mode (under ``torch.compile`` inductor fuses the pure-torch quantizers itself; a FakeTensor or
 another tensor subclass has no storage to launch on), Triton importable, a supported format, and the
 environment variable ``MIXPREC_FUSED_QUANTIZE`` not set to ``0`` (the switch that forces the pure-torch
