@@ -11,7 +11,8 @@
 #                        against a twin, the fp8 comm hook) and FSDP2 with the fp8 all-gather train 8 steps
 #   fp8             105  benchmarks/gpu_fp8.py --budget-s 90: 2-layer GPT d=4096, seq 2048, batch 4, step time
 #                        and transient memory of bf16, torchao and mixprec float8 (tensorwise, rowwise), eager
-#                        and compiled, interleaved rounds; quantize+GEMM fwd+bwd at 8192^3 per format
+#                        and compiled, interleaved rounds; quantize+GEMM fwd+bwd at 8192^3 per format;
+#                        pure-torch vs fused (Triton) quantization at 8192x8192 per fp8 format, bitwise checked
 #   bench            80  mixprec bench --size large --workload lm --time 50s: fp32, torch.amp and mixprec bf16,
 #                        mixprec fp16, O2 bf16, bf16-true(+kahan) and the fp8 modes interleaved, cut by the
 #                        bench to fit 50 s (at least 4 rounds of 20 steps); MODES=... for others, BENCH_STEPS=N

@@ -27,7 +27,12 @@ activations and temporaries; weights, gradients kept by ``set_to_none`` zeroing 
 Dynamo counted while compiling it. Then the GEMM level, at ``--gemm-shape`` (8192^3 on CUDA): one
 ``nn.Linear``'s forward and both backward GEMMs with their quantization, per format, timed by
 ``benchmarks/plan_cost.py``'s ``measure`` (``mixprec.plan.cost.MeasuredCost``: interleaved repeats,
-median and IQR), relative to bf16.
+median and IQR), relative to bf16. Then the quantize level, at ``--quant-shape`` (8192x8192 bf16 on
+CUDA): per fp8 format, an operand quantized along K and its transposed copy quantized along M (what the
+forward and the backward need), by the pure-torch quantizers (``MIXPREC_FUSED_QUANTIZE=0``) and by the
+fused Triton kernels (``mixprec.lowbit.triton_quantize``, where the device has them), interleaved
+rounds of ``--quant-repeats`` timed calls each, the median and range in ms and in GB/s (the input read
+once and two fp8 copies written), and whether the fused result is the pure-torch one bit for bit.
 
 A config that fails (to convert, to compile, in a step) gets its row with the error and the others go on.
 ``--json`` is rewritten after every round and every row (``benchmarks/checkpoint.py``; ``"partial"``
@@ -45,6 +50,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
 import statistics
 import sys
 import time
@@ -61,6 +68,7 @@ from torch import nn
 from mixprec.bench.models import CharGPT
 from mixprec.float8 import Float8Config
 from mixprec.float8 import convert_to_float8_training as mixprec_convert
+from mixprec.lowbit.triton_quantize import ENV_SWITCH
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plan_cost  # a sibling script, not a package: its GEMM timing is reused, not copied
@@ -81,6 +89,8 @@ CONFIGS = (
 )
 GEMM_FORMATS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_rowwise_gw_hp")
 GEMM_SHAPE = {"cuda": "8192,8192,8192", "cpu": "64,64,64"}
+QUANT_FORMATS = ("fp8_tensorwise", "fp8_tensorwise_e5m2", "fp8_rowwise", "fp8_blockwise", "fp8_blockwise_2d")
+QUANT_SHAPE = {"cuda": "8192,8192", "cpu": "64,256"}
 #: A guess at one config's compile warm-up before any has run (seconds), for ``--budget-s``.
 FIRST_COMPILE_GUESS_S = {"cuda": 25.0, "cpu": 10.0}
 #: Seconds kept for the compiled configs' rounds when deciding whether one more compile fits.
@@ -249,6 +259,7 @@ class Results:
         self.configs: dict[bool, list[Config]] = {False: [], True: []}
         self.skipped: list[dict[str, Any]] = []
         self.gemm: list[dict[str, Any]] = []
+        self.quantize: list[dict[str, Any]] = []
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -258,7 +269,8 @@ class Results:
         return out + self.skipped
 
     def save(self, partial: str | None) -> None:
-        write_json(self.path, {"meta": self.meta, "rows": self.rows(), "gemm": self.gemm}, partial)
+        data = {"meta": self.meta, "rows": self.rows(), "gemm": self.gemm, "quantize": self.quantize}
+        write_json(self.path, data, partial)
 
 
 def run_configs(results: Results, compiled: bool, args: argparse.Namespace, started: float) -> None:
@@ -315,6 +327,91 @@ def run_gemm(results: Results, args: argparse.Namespace) -> None:
     ]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pure_pair(x: torch.Tensor, fmt: str) -> tuple[Any, Any]:
+    """``x`` quantized along K and ``x.T`` along M by the pure-torch quantizers (the switch set)."""
+    from mixprec.lowbit.quantize import quantize
+
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        return quantize(x, fmt, pad=True), quantize(x.t(), fmt, pad=True)
+    finally:
+        if before is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
+def _bitwise(a: Any, b: Any) -> bool:
+    """Two Quantized: the same scales and fp8 bits (a nan equal to a nan)."""
+
+    def same(u: torch.Tensor, v: torch.Tensor) -> bool:
+        nan_u, nan_v = torch.isnan(u.float()), torch.isnan(v.float())
+        bits = torch.uint8 if u.element_size() == 1 else torch.int32
+        return bool(torch.equal(nan_u, nan_v) and torch.equal(u.view(bits)[~nan_u], v.view(bits)[~nan_v]))
+
+    return a.data.shape == b.data.shape and same(a.scale, b.scale) and same(a.data, b.data)
+
+
+def run_quantize(results: Results, args: argparse.Namespace) -> None:
+    """The quantize level: pure-torch against fused quantization of one operand and its transposed copy,
+    every (format, path) timed in turn each round (the order rotated), with a bitwise check."""
+    from mixprec.lowbit import triton_quantize
+
+    device = torch.device(args.device)
+    m, k = (int(v) for v in args.quant_shape.split(","))
+    x = torch.randn(m, k, device=device, generator=torch.Generator(device).manual_seed(0))
+    x = (x * torch.logspace(-2, 2, k, device=device)).to(torch.bfloat16)  # columns of many magnitudes
+    moved = x.numel() * x.element_size() + 2 * x.numel()  # bf16 read once, two fp8 copies written
+    runs: dict[tuple[str, str], Callable[[], object]] = {}
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for fmt in QUANT_FORMATS:
+        rows[fmt, "pure torch"] = {"format": fmt, "path": "pure torch", "shape": [m, k]}
+        runs[fmt, "pure torch"] = functools.partial(_pure_pair, x, fmt)
+        fused = {"format": fmt, "path": "fused", "shape": [m, k]}
+        rows[fmt, "fused"] = fused
+        if not triton_quantize.fused_eligible(x, fmt):
+            fused["skipped"] = f"not eligible on {device.type} (Triton {triton_quantize.triton_available()})"
+            continue
+        try:
+            started = time.perf_counter()
+            got, got_t = triton_quantize.quantize(x, fmt, transpose=True)
+            _sync(device)
+            fused["first_call_s"] = round(time.perf_counter() - started, 2)  # the Triton compile
+            ref, ref_t = _pure_pair(x, fmt)
+            fused["bitwise"] = _bitwise(got, ref) and got_t is not None and _bitwise(got_t, ref_t)
+            if not fused["bitwise"]:
+                fused["error"] = "the fused result differs from the pure-torch quantizers'"
+            runs[fmt, "fused"] = functools.partial(triton_quantize.quantize, x, fmt, transpose=True)
+        except Exception as exc:
+            fused["error"] = _error(exc)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for fn in runs.values():  # warm-up: the pure path's first call, the allocator
+        fn()
+    keys = list(runs)
+    for rnd in range(args.quant_repeats):
+        for key in keys[rnd % len(keys) :] + keys[: rnd % len(keys)]:
+            _sync(device)
+            started = time.perf_counter()
+            runs[key]()
+            _sync(device)
+            times[key].append(time.perf_counter() - started)
+    for key, row_ in rows.items():
+        if times.get(key):
+            ms = [t * 1e3 for t in times[key]]
+            row_.update(median_ms=statistics.median(ms), range_ms=_range(ms), repeats=len(ms))
+            row_["gb_per_s"] = moved / (row_["median_ms"] * 1e-3) / 1e9
+            pure = rows[key[0], "pure torch"].get("median_ms")
+            if key[1] == "fused" and pure:
+                row_["vs_pure"] = row_["median_ms"] / pure
+    results.quantize = list(rows.values())
+
+
 def _print(results: Results) -> None:
     meta = results.meta
     print(
@@ -344,6 +441,16 @@ def _print(results: Results) -> None:
             print(f"GEMM fwd+bwd {','.join(map(str, g['shape']))} {g['format']:18} "
                   f"{g['median_s'] * 1e3:8.3f} ms  {ratio}")  # fmt: skip
 
+    for q in results.quantize:
+        where = f"quantize {q['format']:20} {q['path']:10}"
+        if "median_ms" not in q:
+            print(f"{where} {q.get('skipped') or 'FAILED: ' + str(q.get('error'))}")
+            continue
+        vs = f"  {q['vs_pure']:.2f}x pure" if "vs_pure" in q else ""
+        bits = "" if "bitwise" not in q else f"  bitwise: {q['bitwise']}"
+        print(f"{where} {q['median_ms']:8.3f} ms [{q['range_ms'][0]:.3f}-{q['range_ms'][1]:.3f}] "
+              f"{q['gb_per_s']:7.1f} GB/s{vs}{bits}")  # fmt: skip
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -363,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-warmup", type=int, default=2)
     parser.add_argument("--gemm-repeats", type=int, default=10)
     parser.add_argument(
+        "--quant-shape", default=None, help="M,K of the quantize level (cuda 8192,8192; '' to skip)"
+    )
+    parser.add_argument("--quant-repeats", type=int, default=10)
+    parser.add_argument(
         "--budget-s", type=float, default=None, help="start no compile that would end past this"
     )
     parser.add_argument("--json", help="write the rows here (after every round and row)")
@@ -373,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (3 if cuda else 1)
     args.compile_backend = args.compile_backend or ("inductor" if cuda else "aot_eager")
     args.gemm_shape = GEMM_SHAPE[device.type] if args.gemm_shape is None else args.gemm_shape
+    args.quant_shape = QUANT_SHAPE[device.type] if args.quant_shape is None else args.quant_shape
     chosen = [c for c in args.configs.split(",") if c]
     if not chosen or set(chosen) - set(names):
         parser.error(f"--configs takes a subset of {names}, got {args.configs!r}")
@@ -393,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.gemm_shape:
             run_gemm(results, args)
             results.save("running: GEMM level done")
+        if args.quant_shape:
+            run_quantize(results, args)
+            results.save("running: quantize level done")
         if "compiled" in modes:
             run_configs(results, True, args, started)
     except KeyboardInterrupt as exc:
@@ -404,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     results.save(None)
     _print(results)
     failed = [r for r in results.rows() if "error" in r] + [g for g in results.gemm if g.get("error")]
+    failed += [q for q in results.quantize if q.get("error")]
     return 1 if failed else 0
 
 

@@ -250,6 +250,20 @@ def _fp8_md(data: dict[str, Any]) -> list[str]:
             "",
         ]
         lines += _table(["format", "median ms", "x bf16"], gemm)
+    quant = []
+    for q in data.get("quantize", []):
+        if q.get("median_ms") is None:
+            why = q.get("skipped") or f"FAILED: {q.get('error')}"
+            quant.append([q.get("format", "-"), q.get("path", "-"), why, "-", "-", "-"])
+        else:
+            ms = f"{_num(q['median_ms'], '.3f')} [{'-'.join(_num(v, '.3f') for v in q['range_ms'])}]"
+            vs = _num(q.get("vs_pure"), ".2f")
+            bits = "-" if "bitwise" not in q else str(q["bitwise"])
+            quant.append([q["format"], q["path"], ms, _num(q.get("gb_per_s"), ".0f"), vs, bits])
+    if quant:
+        shape = "x".join(map(str, data["quantize"][0].get("shape") or []))
+        lines += ["", f"quantize an operand and its transposed copy, {shape} bf16 (pure torch vs fused):", ""]
+        lines += _table(["format", "path", "median ms [range]", "GB/s", "x pure", "bitwise"], quant)
     return lines
 
 

@@ -151,6 +151,9 @@ def test_gpu_script_dry_run_runs_every_step_and_writes_one_json_and_markdown_tab
     }
     assert all(r.get("step_ms", 0) > 0 or "skipped" in r for r in fp8.values())  # torchao may be missing
     assert {g["format"] for g in summary["fp8"]["gemm"]} >= {"bf16", "fp8_tensorwise", "fp8_blockwise"}
+    quant = {(q["format"], q["path"]): q for q in summary["fp8"]["quantize"]}  # the CPU: pure torch only
+    assert all(quant[f, "pure torch"]["median_ms"] > 0 for f in ("fp8_tensorwise", "fp8_blockwise_2d"))
+    assert quant["fp8_rowwise", "fused"]["skipped"].startswith("not eligible on cpu")
     assert [r["mode"] for r in summary["bench"]["tiny"]] == ["fp32"]
     assert {r["format"] for r in summary["plan_cost"]["results"]} == {"fp8_rowwise", "bf16"}
     assert summary["env"]["packages"]["pytest"]["ok"] and summary["env"]["device"] is None

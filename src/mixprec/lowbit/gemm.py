@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mixprec.lowbit import history as tensor_history
-from mixprec.lowbit.formats import get_format
+from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.history import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.lowbit.kernels import Kernel, select_kernel, to_blocked
 from mixprec.lowbit.quantize import Quantized, quantize
@@ -400,7 +400,17 @@ def _scale_cast(role, x, fmt_name, scaling, history, stats, update) -> tuple[Qua
     if not fmt.is_tensorwise:
         raise ValueError(f"a TensorScaling layer needs tensorwise formats, got {fmt_name!r}")
     scale = scaling.scale(role, x, fmt.elem, fmt.scale == "pow2", history, stats, update)
-    return _tensorwise(tensor_history.to_float8(x, scale, fmt.elem), scale, x.dtype, fmt_name), scale
+    return _tensorwise(_to_float8(x, scale, fmt), scale, x.dtype, fmt_name), scale
+
+
+def _to_float8(x: torch.Tensor, scale: torch.Tensor, fmt: LowbitFormat) -> torch.Tensor:
+    """``history.to_float8``: on CUDA in eager mode one fused Triton pass (the same bits), else torch ops."""
+    if x.device.type == "cuda" and not torch.compiler.is_compiling():
+        from mixprec.lowbit import triton_quantize
+
+        if triton_quantize.fused_eligible(x, fmt) and x.dim() == 2:
+            return triton_quantize.scaled_cast(x, scale, fmt)[0]
+    return tensor_history.to_float8(x, scale, fmt.elem)
 
 
 def _weight_cast(weight, fmt_name, scaling, history, stats, update) -> tuple[Quantized, torch.Tensor]:

@@ -69,9 +69,17 @@ AMAX_GROWTH_LIMIT = 2.0**8
 
 @torch.no_grad()
 def amax_of(x: torch.Tensor) -> torch.Tensor:
-    """``max|x|`` as a float32 scalar tensor (nan if ``x`` has a nan, inf if it has an inf; 0 if empty)."""
+    """``max|x|`` as a float32 scalar tensor (nan if ``x`` has a nan, inf if it has an inf; 0 if empty).
+
+    On CUDA in eager mode, one fused pass (:func:`mixprec.lowbit.triton_quantize.tensor_amax`, the same
+    value) where the fused kernels are eligible."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    if x.device.type == "cuda" and not torch.compiler.is_compiling():  # eager CUDA: one fused pass
+        from mixprec.lowbit import triton_quantize
+
+        if triton_quantize.fused_eligible(x, "fp8_tensorwise"):
+            return triton_quantize.tensor_amax(x)
     return torch.max(torch.abs(x)).to(torch.float32)
 
 

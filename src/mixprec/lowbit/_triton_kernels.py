@@ -1,0 +1,163 @@
+"""The Triton kernels of :mod:`mixprec.lowbit.triton_quantize` (see its doc), imported only by it and only
+when Triton is installed; loaded once per ``TRITON_INTERPRET`` setting, which ``triton.jit`` reads here.
+
+``PRECISE`` (a kernel argument): libdevice's ``log2f`` / ``exp2f`` for pow2 scales, as torch's CUDA
+kernels compute them; the interpreter, which has no libdevice, passes False and gets numpy's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The interpreter has no libdevice (numpy's functions stand in for tl.log2 and the like).
+libdevice: Any = None if INTERPRET else importlib.import_module("triton.language.extra.libdevice")
+
+#: scaling.EPS: the smallest amax a scale is computed from.
+EPS: Any = tl.constexpr(1e-12)
+
+
+@triton.jit
+def _scale_of(amax_bits, ELEM_MAX: tl.constexpr, POW2: tl.constexpr, PRECISE: tl.constexpr):
+    # scaling.fp32_scale: ELEM_MAX / max(amax, EPS) in float64 (Triton divides f64 as div.rn), one
+    # rounding to float32; pow2: exp2(floor(log2 s)) with libdevice's log2f, torch's CUDA log2.
+    a64 = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
+    a64 = tl.where(a64 != a64, a64, tl.maximum(a64, EPS))
+    s = (ELEM_MAX / a64).to(tl.float32)
+    if POW2:
+        if PRECISE:
+            s = libdevice.exp2(libdevice.floor(libdevice.log2(s)))
+        else:  # the interpreter has no libdevice; numpy's log2
+            s = tl.exp2(tl.floor(tl.log2(s)))
+    return s
+
+
+@triton.jit
+def _amax(bits, axis: tl.constexpr):
+    # tl.max's own reduction, called directly: tl.max is a @jit function made when Triton was imported,
+    # which the interpreter cannot call unless that import was already under TRITON_INTERPRET=1 (a test
+    # sets it for itself); the interpreter runs this combine function as numpy's max, by its identity.
+    return tl.reduce(bits, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _saturate(v, ELEM_MAX: tl.constexpr):
+    # clamp(v, -max, max) with a nan kept (torch.clamp's), not dropped as min/max may drop it
+    return tl.where(v != v, v, tl.minimum(tl.maximum(v, -ELEM_MAX), ELEM_MAX))
+
+
+@triton.jit
+def _store(ptr, v, mask, CAST: tl.constexpr, F8: tl.constexpr):
+    if CAST:
+        tl.store(ptr, v.to(F8), mask=mask)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
+def amax(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, BM: tl.constexpr, BK: tl.constexpr,
+                ROWWISE: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+    # max |x| as the int32 of its float32 bits (sign cleared): ordered as the magnitudes, a nan
+    # above inf, so an atomic integer max is exact in any order and keeps a nan.
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if ROWWISE:
+        tl.atomic_max(row_ptr + rm, _amax(bits, 1), mask=rm < M)
+        if COLS:
+            tl.atomic_max(col_ptr + rk, _amax(bits, 0), mask=rk < K)
+    else:
+        tl.atomic_max(row_ptr, _amax(_amax(bits, 1), 0))
+
+
+@triton.jit
+def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_ptr,
+                scale_ptr, scale_t_ptr, BM: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+                TRANSPOSE: tl.constexpr, ELEM_MAX: tl.constexpr, POW2: tl.constexpr,
+                CAST: tl.constexpr, F8: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
+    # MODE 0: one scale from the tensor amax; 1: a given scale; 2: a scale per row (and per column
+    # for the transposed copy).
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if MODE == 2:
+        s_row = _scale_of(tl.load(row_ptr + rm, mask=rm < M, other=0), ELEM_MAX, POW2, PRECISE)
+        y = _saturate(x * s_row[:, None], ELEM_MAX)
+        if pid_k == 0:
+            tl.store(scale_ptr + rm, s_row, mask=rm < M)
+    else:
+        if MODE == 0:
+            s = _scale_of(tl.load(row_ptr), ELEM_MAX, POW2, PRECISE)
+            if (pid_m == 0) & (pid_k == 0):
+                tl.store(scale_ptr, s)
+        else:
+            s = tl.load(scale_in_ptr)
+        y = _saturate(x * s, ELEM_MAX)
+    _store(out_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], y, mask, CAST, F8)
+    if TRANSPOSE:
+        if MODE == 2:
+            s_col = _scale_of(tl.load(col_ptr + rk, mask=rk < K, other=0), ELEM_MAX, POW2, PRECISE)
+            yt = _saturate(x * s_col[None, :], ELEM_MAX)
+            if pid_m == 0:
+                tl.store(scale_t_ptr + rk, s_col, mask=rk < K)
+        else:
+            yt = y
+            if MODE == 0:
+                if (pid_m == 0) & (pid_k == 0):
+                    tl.store(scale_t_ptr, s)
+        mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+        _store(out_t_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(yt), mask_t, CAST, F8)
+
+
+@triton.jit
+def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
+                 OUT_ROWS, OUT_T_ROWS, KP, MP, BM: tl.constexpr, BK: tl.constexpr,
+                 TWO_D: tl.constexpr, TRANSPOSE: tl.constexpr, ELEM_MAX: tl.constexpr,
+                 POW2: tl.constexpr, CAST: tl.constexpr, F8: tl.constexpr,
+                 PRECISE: tl.constexpr):  # fmt: skip
+    # One BM x 128 tile (zeros beyond M, K: quantize's padding): 1x128 blocks are its rows, the
+    # transposed copy's 1x128 blocks its columns (BM = 128), a 128x128 block the tile itself.
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    n_kb = KP // BK
+    n_mb = MP // BK
+    if TWO_D:
+        s = _scale_of(_amax(_amax(bits, 1), 0), ELEM_MAX, POW2, PRECISE)
+        y = _saturate(x * s, ELEM_MAX)
+        tl.store(scale_ptr + pid_m * n_kb + pid_k, s)
+        if TRANSPOSE:
+            tl.store(scale_t_ptr + pid_k * n_mb + pid_m, s)
+    else:
+        s_row = _scale_of(_amax(bits, 1), ELEM_MAX, POW2, PRECISE)
+        y = _saturate(x * s_row[:, None], ELEM_MAX)
+        tl.store(scale_ptr + rm.to(tl.int64) * n_kb + pid_k, s_row, mask=rm < OUT_ROWS)
+    out_mask = (rm[:, None] < OUT_ROWS) & (rk[None, :] < KP)
+    _store(out_ptr + rm[:, None].to(tl.int64) * KP + rk[None, :], y, out_mask, CAST, F8)
+    if TRANSPOSE:
+        if TWO_D:
+            yt = y
+        else:
+            s_col = _scale_of(_amax(bits, 0), ELEM_MAX, POW2, PRECISE)
+            yt = _saturate(x * s_col[None, :], ELEM_MAX)
+            tl.store(scale_t_ptr + rk.to(tl.int64) * n_mb + pid_m, s_col, mask=rk < OUT_T_ROWS)
+        mask_t = (rk[:, None] < OUT_T_ROWS) & (rm[None, :] < MP)
+        _store(out_t_ptr + rk[:, None].to(tl.int64) * MP + rm[None, :], tl.trans(yt), mask_t, CAST, F8)
+
+
+#: The fp8 element types by lowbit element name.
+DTYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}

@@ -1,0 +1,287 @@
+"""Fused fp8 quantization on CUDA: amax, scale, cast and the transposed copy in Triton kernels.
+
+The pure-torch :func:`mixprec.lowbit.quantize` runs one kernel per step (abs, amax, the scale, multiply,
+clamp, cast) and, for the backward's operand quantized along the other axis, all of them again on a
+transposed copy. Here the formats below take two launches (tensorwise and rowwise: an amax reduction,
+then one pass that scales, clamps, casts and writes the transposed copy) or one (1x128 and 128x128
+blocks, whose amaxes are local to a 128x128 tile: Transformer Engine's "cast-transpose"):
+
+======================  =========================  ==============================================
+format (block)          the copy along K           the transposed copy (``x.T`` along M)
+======================  =========================  ==============================================
+tensorwise (-1, -1)     one scale                  the same scale
+rowwise (1, -1)         a scale per row            a scale per column of ``x``
+1x128 (1, 128)          a scale per 1x128 block    a scale per 128x1 block of ``x``
+128x128 (128, 128)      a scale per 128x128 tile   the same scales, transposed
+======================  =========================  ==============================================
+
+for e4m3 (``float8_e4m3fn``) and e5m2 elements with fp32 or pow2 scales, nearest-even rounding, no
+per-tensor amax given. The results are bit for bit :func:`~mixprec.lowbit.quantize`'s (the same
+scale, the same fp8 bits; a nan propagates, its payload aside): the amax is an integer max of the
+magnitude bits (exact in any order; a nan's bits are above inf's), the scale is divided in float64
+and rounded once to float32 as :func:`mixprec.lowbit.scaling.fp32_scale` does, and pow2's
+``exp2(floor(log2 s))`` uses libdevice's ``log2f``, the CUDA math library function torch's CUDA
+``log2`` calls.
+
+:func:`mixprec.lowbit.quantize` dispatches to :func:`quantize` (the module's), the per-tensor layers
+(:mod:`mixprec.lowbit.gemm`, :mod:`mixprec.lowbit.history`) to :func:`tensor_amax` and
+:func:`scaled_cast`, when :func:`fused_eligible` says so: a plain CUDA tensor in
+eager mode (under ``torch.compile`` inductor fuses the pure-torch quantizers itself; a FakeTensor or
+another tensor subclass has no storage to launch on), Triton importable, a supported format, and the
+environment variable ``MIXPREC_FUSED_QUANTIZE`` not set to ``0`` (the switch that forces the pure-torch
+path, read at each call). This module imports Triton only when a kernel is first launched, so mixprec
+imports without it.
+
+Under Triton's CPU interpreter (``TRITON_INTERPRET=1`` set before the first launch) the kernels run on
+CPU tensors, which is how the tests check them; the interpreter's float32-to-fp8 conversion is wrong
+where rounding carries into the next binade, so ``cast=False`` (tests) stores the scaled, clamped
+float32 values instead of the fp8 ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec.lowbit.formats import LowbitFormat, get_format
+from mixprec.lowbit.quantized import Quantized
+
+__all__ = [
+    "ENV_SWITCH",
+    "format_supported",
+    "fused_eligible",
+    "quantize",
+    "scaled_cast",
+    "tensor_amax",
+    "triton_available",
+]
+
+#: The environment variable that forces the pure-torch quantizers when set to ``0``.
+ENV_SWITCH = "MIXPREC_FUSED_QUANTIZE"
+_ELEMENTS = ("e4m3", "e5m2")
+_SCALES = ("fp32", "pow2")
+_BLOCKS = ((-1, -1), (1, -1), (1, 128), (128, 128))
+_TILE = 128  # the side of a cast tile; a 1x128 / 128x128 block format's block side
+_EPS = 1e-12  # scaling.EPS, the smallest amax a scale is computed from
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (it ships with torch's CUDA builds)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def format_supported(fmt: LowbitFormat | str) -> bool:
+    """Whether ``fmt`` has a fused kernel (see the module doc's table)."""
+    fmt = get_format(fmt)
+    return fmt.element in _ELEMENTS and fmt.scale in _SCALES and fmt.block in _BLOCKS and not fmt.two_level
+
+
+def fused_eligible(x: torch.Tensor, fmt: LowbitFormat | str) -> bool:
+    """Whether quantizing ``x`` to ``fmt`` takes the fused kernels: a non-empty plain CUDA tensor or
+    Parameter (no other subclass, not fake) of one or two dims (or a CPU one under
+    ``TRITON_INTERPRET=1``), in eager mode, Triton importable, ``fmt`` supported and
+    ``MIXPREC_FUSED_QUANTIZE`` not ``0``. Stochastic rounding and a given per-tensor amax are the
+    caller's to exclude."""
+    return (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and (x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting()))
+        and 0 < x.dim() <= 2
+        and x.numel() > 0
+        and os.environ.get(ENV_SWITCH, "1") != "0"
+        and not torch.compiler.is_compiling()
+        and format_supported(fmt)
+        and triton_available()
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def quantize(
+    x: torch.Tensor, fmt: LowbitFormat | str, *, transpose: bool = False, cast: bool = True
+) -> tuple[Quantized, Quantized | None]:
+    """``x`` (M, K) quantized along K, and with ``transpose`` ``x.T`` (K, M) quantized along M.
+
+    Equal, bit for bit, to ``mixprec.lowbit.quantize(x, fmt, pad=True)`` and
+    ``mixprec.lowbit.quantize(x.t(), fmt, pad=True)`` (see the module doc); ``x`` may be any strided
+    2-D view (a transposed one is read in place, not copied). ``cast=False`` stores the scaled,
+    clamped float32 values in place of fp8 (the tests' view of everything before the cast).
+
+    Args:
+        x: a float32, bfloat16 or float16 tensor of 1 or 2 dims (1 dim: one row) on a CUDA device, or on
+            the CPU under Triton's interpreter.
+        fmt: a format :func:`format_supported` accepts.
+
+    Returns:
+        ``(q, q_t)``: two :class:`~mixprec.lowbit.Quantized` (``q_t`` None without ``transpose``).
+
+    Raises:
+        ValueError: for an unsupported format or a tensor that is not 1-D or 2-D floating.
+    """
+    fmt = get_format(fmt)
+    if not format_supported(fmt):
+        raise ValueError(f"no fused kernel for {fmt.name}; fused: fp8 e4m3/e5m2, fp32/pow2 scales, {_BLOCKS}")
+    if not x.is_floating_point() or not 0 < x.dim() <= 2:
+        raise ValueError(f"x must be a floating 1-D or 2-D tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    with _device_of(x):
+        return _quantize(x, fmt, transpose, cast)
+
+
+def _device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The tensor's CUDA device made current: Triton launches on the current device."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _quantize(
+    x: torch.Tensor, fmt: LowbitFormat, transpose: bool, cast: bool
+) -> tuple[Quantized, Quantized | None]:
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    m, k = x2.shape
+    rows = fmt.block[0]
+    kern = _kernels(_interpreting())
+    elem_max, pow2 = float(fmt.elem.max), fmt.scale == "pow2"
+    out_dtype = fmt.elem.dtype if cast else torch.float32
+    f8 = kern.DTYPES[fmt.element]
+    dev = x2.device
+    if fmt.block in ((-1, -1), (1, -1)):
+        rowwise = fmt.block == (1, -1)
+        n_row = m if rowwise else 1
+        row_amax = torch.zeros(n_row, dtype=torch.int32, device=dev)
+        col_amax = torch.zeros(k if rowwise and transpose else 1, dtype=torch.int32, device=dev)
+        bm, bk = 64, 64
+        grid = (triton_cdiv(m, bm), triton_cdiv(k, bk))
+        kern.amax[grid](
+            x2, m, k, x2.stride(0), x2.stride(1), row_amax, col_amax,
+            BM=bm, BK=bk, ROWWISE=rowwise, COLS=rowwise and transpose,
+        )  # fmt: skip
+        data = torch.empty(m, k, dtype=out_dtype, device=dev)
+        data_t = torch.empty(k, m, dtype=out_dtype, device=dev) if transpose else data
+        scale = torch.empty(n_row, 1, dtype=torch.float32, device=dev)
+        scale_t = torch.empty(k if rowwise else 1, 1, dtype=torch.float32, device=dev) if transpose else scale
+        kern.cast[grid](
+            x2, m, k, x2.stride(0), x2.stride(1), row_amax, col_amax, row_amax,
+            data, data_t, scale, scale_t,
+            BM=bm, BK=bk, MODE=2 if rowwise else 0, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
+            CAST=cast, F8=f8, PRECISE=not _interpreting(),
+        )  # fmt: skip
+    else:
+        two_d = rows == _TILE
+        mp, kp = m + -m % _TILE, k + -k % _TILE
+        out_rows, out_t_rows = (mp, kp) if two_d else (m, k)
+        bm = _TILE if (two_d or transpose) else 32
+        grid = (triton_cdiv(mp if bm == _TILE else m, bm), kp // _TILE)
+        data = torch.empty(out_rows, kp, dtype=out_dtype, device=dev)
+        data_t = torch.empty(out_t_rows, mp, dtype=out_dtype, device=dev) if transpose else data
+        scale = torch.empty(out_rows // rows, kp // _TILE, dtype=torch.float32, device=dev)
+        scale_t = (
+            torch.empty(out_t_rows // rows, mp // _TILE, dtype=torch.float32, device=dev)
+            if transpose
+            else scale
+        )
+        kern.block[grid](
+            x2, m, k, x2.stride(0), x2.stride(1), data, data_t, scale, scale_t,
+            out_rows, out_t_rows, kp, mp,
+            BM=bm, BK=_TILE, TWO_D=two_d, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
+            CAST=cast, F8=f8, PRECISE=not _interpreting(), num_warps=8 if bm == _TILE else 4,
+        )  # fmt: skip
+    q = Quantized(data, scale, None, fmt, x.shape, x.dtype, x.dim() - 1)
+    if not transpose:
+        return q, None
+    q_t = Quantized(data_t, scale_t, None, fmt, torch.Size((k, m)), x.dtype, 1)
+    return q, q_t
+
+
+def scaled_cast(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: LowbitFormat | str,
+    *,
+    transpose: bool = False,
+    cast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``saturate(x * scale)`` in ``fmt``'s fp8 dtype with a given float32 one-element ``scale``, bit for
+    bit :func:`mixprec.lowbit.history.to_float8`, in one pass; with ``transpose`` also ``x.T``'s, contiguous.
+
+    ``x``: a 2-D floating tensor (any strides) on a CUDA device (a CPU one under the interpreter).
+    Returns ``(data (M, K), data_t (K, M) or None)``; ``cast=False``: float32 values before the cast.
+
+    Raises:
+        ValueError: for an unsupported format or a tensor that is not 2-D.
+    """
+    fmt = get_format(fmt)
+    if not format_supported(fmt) or x.dim() != 2:
+        raise ValueError(
+            f"scaled_cast takes a 2-D tensor and a fused format, got {tuple(x.shape)}, {fmt.name}"
+        )
+    with _device_of(x):
+        return _scaled_cast(x, scale, fmt, transpose, cast)
+
+
+def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Tensor | None]:
+    m, k = x.shape
+    kern = _kernels(_interpreting())
+    out_dtype = fmt.elem.dtype if cast else torch.float32
+    data = torch.empty(m, k, dtype=out_dtype, device=x.device)
+    data_t = torch.empty(k, m, dtype=out_dtype, device=x.device) if transpose else data
+    scale32 = scale.reshape(1).to(torch.float32)
+    unused = torch.empty(1, dtype=torch.int32, device=x.device)
+    bm, bk = 64, 64
+    kern.cast[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
+        x, m, k, x.stride(0), x.stride(1), unused, unused, scale32, data, data_t, scale32, scale32,
+        BM=bm, BK=bk, MODE=1, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max), POW2=False,
+        CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not _interpreting(),
+    )  # fmt: skip
+    return data, (data_t if transpose else None)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a float32 0-dim tensor in one pass, :func:`mixprec.lowbit.history.amax_of`'s value
+    (an integer max of the magnitude bits: exact, a nan kept, its payload aside).
+
+    ``x``: a non-empty floating tensor of 1 or 2 dims (any strides) on a CUDA device (a CPU one under
+    the interpreter).
+    """
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    m, k = x2.shape
+    with _device_of(x):
+        out = torch.zeros(1, dtype=torch.int32, device=x.device)
+        bm, bk = 64, 64
+        _kernels(_interpreting()).amax[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
+            x2, m, k, x2.stride(0), x2.stride(1), out, out, BM=bm, BK=bk, ROWWISE=False, COLS=False
+        )
+    return out.view(torch.float32).reshape(())
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _kernels(interpret: bool) -> Any:
+    """The kernels module, loaded on first use, once per interpreter setting (``triton.jit`` reads
+    ``TRITON_INTERPRET`` when it decorates, so each setting gets its own module)."""
+    path = Path(__file__).with_name("_triton_kernels.py")
+    name = "mixprec.lowbit._triton_kernels" + ("_interpreted" if interpret else "")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return module

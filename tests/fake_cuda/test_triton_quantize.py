@@ -1,0 +1,277 @@
+"""The fused fp8 quantization kernels (mixprec.lowbit.triton_quantize) against the pure-torch quantizers.
+
+Run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set per test) on CPU tensors, in the CUDA
+build's environment, which has Triton. Everything up to the fp8 cast (amax, scale, multiply, clamp,
+the transposed copy, the padding) is compared bit for bit with ``cast=False``, and torch's cast of those
+values must give the pure-torch quantizer's fp8 bits. The in-kernel cast is compared on its own: the
+interpreter's float32-to-fp8 conversion (``triton.runtime.interpreter._convert_float``) rounds half up
+without carrying into the exponent, so a value whose rounding carries into the next binade from an odd
+exponent field comes out half as large (127.9 -> 64 in e4m3, not 128) and an exact tie rounds away from
+zero; those values, and only those, may differ. On a GPU (the last test, skipped without one) the cast
+is compared bit for bit everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from mixprec.lowbit.formats import get_format
+from mixprec.lowbit.quantize import Quantized, quantize
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # numpy's, in the interpreter: log2(0), inf * 0
+]
+
+FORMATS = [
+    "fp8_tensorwise",
+    "fp8_tensorwise_e5m2",
+    "fp8_tensorwise_pow2",
+    "fp8_rowwise",
+    "fp8_rowwise_fp32",
+    "fp8_rowwise_e5m2",
+    "fp8_blockwise",
+    "fp8_blockwise_2d",
+]
+SHAPES = [(64, 256), (70, 200), (1, 5), (130, 300)]
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch):
+    """Triton's CPU interpreter for this test; the fused module (imported here, it needs Triton)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE", raising=False)
+    from mixprec.lowbit import triton_quantize
+
+    return triton_quantize
+
+
+def _reference(x: torch.Tensor, fmt: str, monkeypatch: pytest.MonkeyPatch) -> Quantized:
+    """The pure-torch quantizer (the switch set: under the interpreter a CPU tensor would be fused)."""
+    with monkeypatch.context() as m:
+        m.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+        return quantize(x, fmt, pad=True)
+
+
+def _input(shape: tuple[int, int], kind: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[1])  # columns of every magnitude
+    if kind == "outliers":
+        x[0, 0] = 3e4
+        x.view(-1)[::7] *= 1e-4
+    elif kind == "zeros":
+        x.zero_()
+        x[0, 0] = -0.0
+    elif kind == "inf":
+        x[shape[0] // 2, shape[1] // 3] = float("inf")
+    elif kind == "nan":
+        x[shape[0] - 1, shape[1] - 1] = float("nan")
+    elif kind == "bf16":
+        x = x.to(torch.bfloat16)
+    return x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, a nan anywhere equal to a nan (its payload and sign aside)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    bits = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(bits)[~nan_a], b.view(bits)[~nan_b])
+
+
+def _expand(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    rows, cols = shape[0] // scale.shape[0], shape[1] // scale.shape[1]
+    return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+
+
+def _pre_cast(ref: Quantized, x: torch.Tensor) -> torch.Tensor:
+    """The pure-torch path's float32 values before its cast: the padded matrix times its scale, clamped."""
+    m, k = ref.data.shape
+    x2 = torch.nn.functional.pad(x.to(torch.float32), (0, k - x.shape[1], 0, m - x.shape[0]))
+    lim = ref.fmt.elem.max
+    return torch.clamp(x2 * _expand(ref.scale, ref.data.shape), min=-lim, max=lim)
+
+
+def _check_before_cast(got: Quantized, ref: Quantized, x: torch.Tensor) -> None:
+    assert got.data.dtype == torch.float32
+    assert _same(got.scale, ref.scale), (got.scale, ref.scale)
+    assert _same(got.data, _pre_cast(ref, x))
+    assert _same(got.data.to(ref.data.dtype), ref.data)  # torch's cast of the kernel's values: the same bits
+    assert (got.shape, got.dtype, got.axis) == (ref.shape, ref.dtype, ref.axis)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("kind", ["randn", "outliers", "zeros", "inf", "nan", "bf16"])
+def test_everything_before_the_cast_is_bitwise(interpret, monkeypatch, fmt, shape, kind):
+    x = _input(shape, kind)
+    got, got_t = interpret.quantize(x, fmt, transpose=True, cast=False)
+    _check_before_cast(got, _reference(x, fmt, monkeypatch), x)
+    _check_before_cast(got_t, _reference(x.t(), fmt, monkeypatch), x.t())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(70, 200), (130, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_without_the_transposed_copy_the_same_bits(interpret, monkeypatch, fmt, shape):
+    x = _input(shape, "outliers", seed=8).to(torch.float16)
+    got, none = interpret.quantize(x, fmt, cast=False)  # 1x128 blocks: a narrower tile than with the copy
+    assert none is None
+    _check_before_cast(got, _reference(x, fmt, monkeypatch), x)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise", "fp8_blockwise_2d", "fp8_tensorwise"])
+def test_a_transposed_view_is_read_in_place_and_one_dim_is_one_row(interpret, monkeypatch, fmt):
+    base = _input((200, 70), "randn", seed=1)
+    view = base.t()  # (70, 200), column-major
+    got, got_t = interpret.quantize(view, fmt, transpose=True, cast=False)
+    _check_before_cast(got, _reference(view, fmt, monkeypatch), view)
+    _check_before_cast(got_t, _reference(base, fmt, monkeypatch), base)
+    row = _input((1, 300), "randn", seed=2)[0]
+    got1, _ = interpret.quantize(row, fmt, cast=False)
+    _check_before_cast(got1, _reference(row, fmt, monkeypatch), row.reshape(1, -1))
+
+
+def _interpreter_cast_error(pre: torch.Tensor, got: torch.Tensor, ref: torch.Tensor, elem) -> torch.Tensor:
+    """Where the interpreter's cast ``got`` may differ from torch's ``ref`` for float32 ``pre``: a carry
+    into the next binade (``ref`` a power of two above ``|pre|``, ``got`` half of it), an exact tie
+    between two neighbours on the grid rounded away from zero (``got`` the larger, ``ref`` the even one),
+    or a subnormal of the format truncated (``got`` the neighbour toward zero, ``ref`` the other)."""
+    g, r, p = got.float().abs(), ref.float().abs(), pre.abs()
+    mant = torch.frexp(r).mantissa
+    carry = (mant == 0.5) & (p < r) & (g * 2 == r)
+    ulp = torch.exp2(torch.clamp(torch.floor(torch.log2(p)), min=1 - elem.bias) - elem.mantissa_bits)
+    low = torch.floor(p / ulp) * ulp
+    tie = (p - low == ulp / 2) & (g == low + ulp) & (r == low)
+    truncated = (p < 2.0 ** (1 - elem.bias)) & (g == low) & (r == low + ulp)
+    return carry | tie | truncated
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_tensorwise_e5m2", "fp8_rowwise", "fp8_blockwise_2d"])
+def test_the_in_kernel_cast_differs_only_where_the_interpreter_is_wrong(interpret, monkeypatch, fmt):
+    elem = get_format(fmt).elem
+    x = torch.cat([_input((64, 256), "randn", seed=3), _input((64, 256), "outliers", seed=4)])
+    x[0, :] = torch.linspace(-elem.max, elem.max, 256)  # values near every binade edge of the format
+    x[1, :] = elem.max * torch.exp2(-torch.arange(256) / 8.0)  # down into the subnormals
+    ref = _reference(x, fmt, monkeypatch)
+    got, got_t = interpret.quantize(x, fmt, transpose=True)
+    pre, pre_t = interpret.quantize(x, fmt, transpose=True, cast=False)
+    for g, p, r in ((got, pre, ref), (got_t, pre_t, _reference(x.t(), fmt, monkeypatch))):
+        assert _same(g.scale, r.scale)
+        differs = g.data.view(torch.uint8) != r.data.view(torch.uint8)
+        explained = _interpreter_cast_error(p.data, g.data, r.data, elem)
+        assert not (differs & ~explained).any(), p.data[differs & ~explained][:8]
+        assert differs.float().mean() < 0.25  # most values, the subnormals many of the rest
+
+
+def test_scaled_cast_is_history_to_float8(interpret):
+    from mixprec.lowbit.history import to_float8
+
+    x = _input((70, 200), "outliers", seed=5)
+    for fmt in ("fp8_tensorwise", "fp8_tensorwise_e5m2"):
+        elem = get_format(fmt).elem
+        scale = torch.tensor(elem.max / 3e4, dtype=torch.float32)
+        pre, pre_t = interpret.scaled_cast(x, scale, fmt, transpose=True, cast=False)
+        assert _same(pre.to(elem.dtype), to_float8(x, scale, elem))
+        assert _same(pre_t, pre.t().contiguous())
+        data, data_t = interpret.scaled_cast(x, scale, fmt, transpose=True)
+        assert data.dtype == elem.dtype and _same(data_t, data.t().contiguous())
+
+
+def test_the_dispatch_of_quantize_takes_the_kernels_and_the_switch_turns_them_off(interpret, monkeypatch):
+    calls = []
+    fused = interpret.quantize
+
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(interpret, "quantize", spy)
+    x = _input((64, 256), "randn", seed=6)
+    quantize(x, "fp8_rowwise")  # a CPU tensor is eligible under the interpreter
+    quantize(x, "mxfp8_floor")  # not a fused format
+    quantize(x, "fp8_rowwise", stochastic=True)  # stochastic rounding: pure torch
+    assert [get_format(f).name for f in calls] == ["fp8_rowwise"]
+    monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+    assert not interpret.fused_eligible(x, "fp8_rowwise")
+    quantize(x, "fp8_rowwise")
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="multiple of its 1x128 block"):  # no pad: refused, as before
+        monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "1")
+        quantize(x[:, :200], "fp8_blockwise")
+
+
+def test_unsupported_input_is_refused_by_name(interpret):
+    with pytest.raises(ValueError, match="no fused kernel for mxfp8"):
+        interpret.quantize(torch.ones(4, 32), "mxfp8_floor")
+    with pytest.raises(ValueError, match="1-D or 2-D"):
+        interpret.quantize(torch.ones(2, 2, 2), "fp8_rowwise")
+    assert not interpret.format_supported("fp8_tensorwise_fnuz")
+    assert all(interpret.format_supported(f) for f in FORMATS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernels)")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_on_a_gpu_every_bit_is_the_pure_torch_quantizers(monkeypatch, fmt):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from mixprec.lowbit import triton_quantize
+
+    for shape in SHAPES:
+        for kind in ("randn", "outliers", "zeros", "inf", "nan", "bf16"):
+            x = _input(shape, kind).cuda()
+            got, got_t = triton_quantize.quantize(x, fmt, transpose=True)
+            refs = _reference(x, fmt, monkeypatch), _reference(x.t(), fmt, monkeypatch)
+            for g, r in zip((got, got_t), refs, strict=True):
+                assert _same(g.scale, r.scale) and _same(g.data, r.data), (fmt, shape, kind)
+
+
+_SIGNATURES = {
+    "block": "x_ptr M K sxm sxk out_ptr out_t_ptr scale_ptr scale_t_ptr OUT_ROWS OUT_T_ROWS KP MP",
+    "cast": "x_ptr M K sxm sxk row_ptr col_ptr scale_in_ptr out_ptr out_t_ptr scale_ptr scale_t_ptr",
+    "amax": "x_ptr M K sxm sxk row_ptr col_ptr",
+}
+_TYPES = {"x_ptr": "*bf16", "row_ptr": "*i32", "col_ptr": "*i32", "out_ptr": "*F8", "out_t_ptr": "*F8"}
+
+
+def _ptx(kernel, name: str, f8: str, **constexprs) -> str:
+    """The sm90 PTX of one kernel (Triton compiles without a GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    args = _SIGNATURES[name].split()
+    signature = {a: _TYPES.get(a, "*fp32" if a.endswith("_ptr") else "i32").replace("F8", f8) for a in args}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def test_the_gpu_kernels_compile_with_torchs_rounding(monkeypatch):
+    """For sm90: the scale divided in float64 with div.rn and rounded once (cvt.rn.f32.f64), libdevice's
+    log2f (not lg2.approx), no approximate float32 division, and the saturating nearest-even fp8 cast."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from mixprec.lowbit import triton_quantize
+
+    k = triton_quantize._kernels(False)
+    common = {"ELEM_MAX": 448.0, "POW2": True, "CAST": True, "F8": k.DTYPES["e4m3"], "PRECISE": True}
+    ptx = _ptx(k.block, "block", "fp8e4nv", BM=128, BK=128, TWO_D=False, TRANSPOSE=True, **common)
+    for needed in ("div.rn.f64", "cvt.rn.f32.f64", "cvt.rn.satfinite.e4m3x2.f32"):
+        assert needed in ptx, needed
+    assert "lg2.approx" not in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
+    e5m2 = {**common, "ELEM_MAX": 57344.0, "POW2": False, "F8": k.DTYPES["e5m2"]}
+    ptx = _ptx(k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, **e5m2)
+    assert "div.rn.f64" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.full.f32" not in ptx
+    assert "atom.global" in _ptx(k.amax, "amax", "fp8e4nv", BM=64, BK=64, ROWWISE=True, COLS=True)
+
+
+@pytest.mark.parametrize("kind", ["randn", "outliers", "zeros", "inf", "nan", "bf16"])
+def test_tensor_amax_is_amax_of(interpret, kind):
+    from mixprec.lowbit.history import amax_of
+
+    x = _input((130, 300), kind, seed=7)
+    for view in (x, x.t(), x[3]):  # 2-D, a transposed view, 1-D
+        got = interpret.tensor_amax(view)
+        assert got.shape == () and got.dtype == torch.float32
+        assert _same(got, amax_of(view)), (got, amax_of(view))

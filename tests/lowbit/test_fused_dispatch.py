@@ -1,0 +1,94 @@
+"""The dispatch to the fused fp8 quantization kernels (mixprec.lowbit.triton_quantize) on the CPU suite.
+
+A CPU tensor, torch.compile and a torch without Triton (this suite's) take the pure-torch quantizers; the
+hook hands an eligible tensor to the fused module and builds the result from what it returns. The kernels
+themselves are tested under Triton's interpreter in tests/fake_cuda/test_triton_quantize.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from mixprec.lowbit import gemm, history, triton_quantize
+from mixprec.lowbit.formats import get_format
+from mixprec.lowbit.quantize import Quantized, quantize
+
+
+def test_a_cpu_tensor_takes_pure_torch_without_importing_triton(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(64, 256)
+    assert not triton_quantize.fused_eligible(x, "fp8_rowwise")
+    q = quantize(x, "fp8_rowwise")
+    assert q.data.dtype == torch.float8_e4m3fn
+    assert "mixprec.lowbit._triton_kernels" not in sys.modules  # never loaded for a CPU tensor
+    assert triton_quantize.triton_available() == (importlib.util.find_spec("triton") is not None)
+
+
+def test_without_triton_nothing_is_eligible(monkeypatch):
+    monkeypatch.setattr(triton_quantize, "triton_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # even where a CPU tensor would be
+    assert not triton_quantize.fused_eligible(torch.randn(4, 4), "fp8_tensorwise")
+
+
+def test_eligibility_follows_the_switch_the_format_and_the_tensor(monkeypatch):
+    monkeypatch.setattr(triton_quantize, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(8, 128)
+    assert triton_quantize.fused_eligible(x, "fp8_blockwise")
+    assert not triton_quantize.fused_eligible(x, "mxfp8_floor")  # e8m0 scales: no kernel
+    assert not triton_quantize.fused_eligible(x, "fp8_tensorwise_fnuz")  # fnuz elements: no kernel
+    assert not triton_quantize.fused_eligible(x.reshape(2, 4, 128), "fp8_blockwise")  # 3-D
+    assert not triton_quantize.fused_eligible(x[:0], "fp8_blockwise")  # empty
+    monkeypatch.setenv(triton_quantize.ENV_SWITCH, "0")
+    assert not triton_quantize.fused_eligible(x, "fp8_blockwise")
+
+
+def test_the_hook_hands_an_eligible_tensor_to_the_fused_module(monkeypatch):
+    x = torch.randn(64, 256)
+    ref = quantize(x.t(), "fp8_rowwise", pad=True)  # pure torch (no interpreter set)
+    calls = []
+
+    def fused(x2, fmt, transpose=False, cast=True):
+        calls.append((tuple(x2.shape), x2.stride(), get_format(fmt).name))
+        return Quantized(ref.data, ref.scale, None, get_format(fmt), x2.shape, x2.dtype, 1), None
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_quantize, "fused_eligible", lambda x, fmt: True)
+    monkeypatch.setattr(triton_quantize, "quantize", fused)
+    q = quantize(x, "fp8_rowwise", axis=0)
+    assert calls == [((256, 64), (1, 256), "fp8_rowwise")]  # the transposed view, not a copy
+    assert q.data is ref.data and q.scale is ref.scale
+    assert (q.shape, q.axis, q.dtype) == (x.shape, 0, x.dtype)
+    quantize(x, "fp8_rowwise", stochastic=True)  # stochastic rounding stays pure torch
+    with pytest.raises(ValueError, match="multiple of its 1x128 block"):  # without pad still refused
+        quantize(x[:, :200], "fp8_blockwise")
+    assert len(calls) == 1
+
+
+def test_compiled_quantize_stays_pure_torch(monkeypatch):
+    x = torch.randn(16, 128)
+    expected = quantize(x, "fp8_blockwise").data
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_quantize, "fused_eligible", lambda x, fmt: True)
+    monkeypatch.setattr(triton_quantize, "quantize", lambda *a, **k: pytest.fail("fused under compile"))
+    compiled = torch.compile(lambda t: quantize(t, "fp8_blockwise").data, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x).view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_the_tensorwise_cast_on_a_cpu_is_history_to_float8():
+    x = torch.randn(32, 48) * 100
+    scale = torch.tensor(2.5)
+    fmt = get_format("fp8_tensorwise_e5m2")
+    out = gemm._to_float8(x, scale, fmt)
+    assert torch.equal(out.view(torch.uint8), history.to_float8(x, scale, fmt.elem).view(torch.uint8))
+
+
+def test_the_amax_of_a_cpu_tensor_is_torchs(monkeypatch):
+    monkeypatch.setattr(triton_quantize, "tensor_amax", lambda x: pytest.fail("fused amax on a CPU"))
+    x = torch.randn(8, 16)
+    x[2, 3] = -50.0
+    assert history.amax_of(x).item() == 50.0
