@@ -3,11 +3,11 @@
     python benchmarks/gpu_summary.py RESULTS_DIR [WALL_SECONDS [BUDGET_SECONDS]]
 
 Reads ``steps.tsv`` (name, exit code or ``skipped: why``, seconds, limit), ``env.json``
-(benchmarks/gpu_env.py), ``numerics.json`` (gemm_numerics.py), ``distributed.json``
-(gpu_distributed.py), ``fp8.json`` (gpu_fp8.py), ``lowbit_lm.json``, ``plan_cost.json``,
-``precision_paths.json``, ``optim.json`` (optimizer_speed.py) and ``bench-SIZE.json`` (``mixprec bench --json``) when present, and the tail of
-each step's log; writes ``gpu.json`` (machine, steps, each benchmark's JSON) and ``gpu.md`` (a table per
-step's results). Exit code 0 when every step that ran exited 0, else 1.
+(benchmarks/gpu_env.py), ``numerics.json`` (gemm_numerics.py), ``distributed.json`` (gpu_distributed.py),
+``fp8.json`` (gpu_fp8.py), ``lowbit_lm.json``, ``plan_cost.json``, ``precision_paths.json``, ``optim.json``
+(optimizer_speed.py) and ``bench-SIZE.json`` (``mixprec bench --json``) when present, and the tail of each
+step's log; writes ``gpu.json`` (machine, steps, each benchmark's JSON) and ``gpu.md`` (a table per step's
+results). Exit code 0 when every step that ran exited 0, else 1.
 
 A step cut short keeps what it wrote: a file whose ``"partial"`` gives a reason (see
 ``benchmarks/checkpoint.py``), or the file of a step that ran out of time, is tabulated under a heading

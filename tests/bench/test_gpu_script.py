@@ -161,7 +161,9 @@ def test_gpu_script_dry_run_runs_every_step_and_writes_one_json_and_markdown_tab
     assert list(summary["lowbit_lm"]["modes"]) == ["bf16", "fp8_rowwise", "nvfp4"]
     assert {r["path"] for r in summary["precision_paths"]["rows"]} >= {"fp32", "optimi-kahan", "O2"}
     optim = {r["config"]: r for r in summary["optim"]["rows"]}
-    assert set(optim) == {"torch-fused", "mixprec-kahan", "mixprec-stochastic", "optimi-kahan", "mixprec-int8"}
+    assert set(optim) == {
+        "torch-fused", "mixprec-kahan", "mixprec-stochastic", "optimi-kahan", "mixprec-int8"
+    }  # fmt: skip
     assert all(r["median_ms"] > 0 and len(r["rounds_ms"]) == 2 for r in optim.values())
     assert optim["torch-fused"]["vs_torch_fused"] == 1.0 and summary["optim"]["partial"] is None
     table = (tmp_path / "gpu.md").read_text()

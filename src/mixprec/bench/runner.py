@@ -20,7 +20,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -141,7 +141,7 @@ class Trainer:
         self.mode = self.mode_spec.create(self.device.type)
         self.mode.prepare(self.workload.model, self.workload.optimizer)
         if job.compiled:  # after the mode's own swaps (fp8, lowbit, casts): inductor fuses what they added
-            self.mode.model = torch.compile(self.mode.model)
+            self.mode.model = cast(torch.nn.Module, torch.compile(self.mode.model))
         make = self.workload.make_scheduler
         self.scheduler = make(self.mode.torch_optimizer) if make else None
         self.history: list[dict[str, Any]] = []

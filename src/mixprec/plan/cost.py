@@ -33,14 +33,14 @@ class MeasuredCost:
     """``cost(format, m, n, k)``: the median measured seconds of a layer's three training GEMMs.
 
     For a shape it has not seen, it builds an ``nn.Linear(k, n)`` on ``device`` in ``dtype``, the module
-    the planner swaps in for each format (``mixprec.plan.measure.swapped_in``), a random
-    ``(m, k)`` input and a random ``(m, n)`` output gradient, and times forward plus
-    ``torch.autograd.grad`` of the input and weight (fprop, dgrad, wgrad): ``warmup`` untimed calls per
-    format, then ``repeats`` rounds, each timing every format once in turn (so drift on the machine
-    hits all formats alike); the cost is the median of a format's rounds. Results are kept per
-    ``(device, format, m, n, k)`` (``samples`` holds every timed round), so layers of one shape are
-    measured once; ``compiled=True`` times ``torch.compile(layer)`` (with ``backend``) instead, kept
-    under its own keys, and its name ends in ``":compiled"``. CUDA times with ``torch.cuda.Event`` pairs after a synchronize, a CPU with
+    the planner swaps in for each format (``mixprec.plan.measure.swapped_in``), a random ``(m, k)`` input
+    and a random ``(m, n)`` output gradient, and times forward plus ``torch.autograd.grad`` of the input
+    and weight (fprop, dgrad, wgrad): ``warmup`` untimed calls per format, then ``repeats`` rounds, each
+    timing every format once in turn (so drift on the machine hits all formats alike); the cost is the
+    median of a format's rounds. Results are kept per ``(device, format, m, n, k)`` (``samples`` holds
+    every timed round), so layers of one shape are measured once; ``compiled=True`` times
+    ``torch.compile(layer)`` (with ``backend``) instead, kept under its own keys, and its name ends in
+    ``":compiled"``. CUDA times with ``torch.cuda.Event`` pairs after a synchronize, a CPU with
     ``time.perf_counter`` (wall time: a busy machine adds noise, the interleaving spreads it evenly).
     Random values come from a generator of its own; torch's global RNG is not touched.
 
@@ -107,7 +107,11 @@ class MeasuredCost:
         linear.weight = nn.Parameter(torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5)
         x = torch.randn(m, k, generator=gen, device=device, dtype=dtype).requires_grad_(True)
         grad_out = torch.randn(m, n, generator=gen, device=device, dtype=dtype)
-        runs = {fmt: _step(self._path(swapped_in(linear, fmt, gen)), x, grad_out) for fmt in formats}
+        # every swapped-in module shares linear's weight: its gradient is the one the module computes
+        runs = {
+            fmt: _step(self._path(swapped_in(linear, fmt, gen)), linear.weight, x, grad_out)
+            for fmt in formats
+        }
         for fmt in formats:
             for _ in range(self.warmup):
                 runs[fmt]()
@@ -125,11 +129,13 @@ class MeasuredCost:
         return torch.compile(module, backend=self.backend, dynamic=False)  # type: ignore[return-value]
 
 
-def _step(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], object]:
+def _step(
+    module: nn.Module, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor
+) -> Callable[[], object]:
     def run() -> object:
         with torch.enable_grad():
             out = module(x)
-            return torch.autograd.grad(out, (x, module.weight), grad_out)
+            return torch.autograd.grad(out, (x, weight), grad_out)
 
     return run
 

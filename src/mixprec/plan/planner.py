@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -60,14 +60,11 @@ from torch import nn
 
 from mixprec.inspect._modules import check_model
 from mixprec.inspect._restore import preserved
-from mixprec.lowbit import RECIPES, get_recipe
-from mixprec.lowbit.cost import check_tokens_per_step
 from mixprec.plan.config import PlanConfig
 from mixprec.plan.cost import resolve_cost
 from mixprec.plan.local import LocalMeasurer
 from mixprec.plan.measure import (
     EXACT,
-    HIGH_PRECISION,
     LayerMeasure,
     LossFn,
     Measurer,
@@ -77,7 +74,7 @@ from mixprec.plan.measure import (
     Slots,
     divergences,
 )
-from mixprec.plan.memory import OPTIMIZERS, MemoryModel, check_formats, fit_memory, parse_bytes
+from mixprec.plan.memory import MemoryModel, fit_memory
 from mixprec.plan.result import PrecisionPlan
 from mixprec.plan.solve import knapsack, most_accurate, reason, reason_at_cost
 
@@ -269,7 +266,7 @@ def plan_precision(
     ran = [f for f in fqns if f not in never_ran]
     rows = {f: tokens_per_step or layers[f].shape[0] for f in ran}
     memory = MemoryModel.of(model, rows, weight_update)
-    state_format, activation_format, options = fit_memory(memory, bound, states, acts)
+    state_format, activation_format, pairs = fit_memory(memory, bound, states, acts)
     if max_cost is None:
         reasons = {f: reason(f, chosen, layers, limits, rounds) for f in ran}
     else:
@@ -298,7 +295,7 @@ def plan_precision(
             "max_memory": bound,
             "weight_update": weight_update,
             "components": memory.components(state_format, activation_format),
-            "options": options,
+            "options": pairs,
         },
     )
 
