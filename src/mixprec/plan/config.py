@@ -44,7 +44,7 @@ class PlanConfig:
         exhaustive: measure every layer in every format up front.
         max_rounds: solves at most (an int >= 1).
         seed: seeds dropout and stochastic rounding (``torch.Generator.manual_seed``'s argument).
-        measure: ``"exact"`` or ``"local"`` (:data:`MEASURES`).
+        measure: ``"exact"`` or ``"local"``.
         max_memory: a bound on the step's memory, bytes as an int or a size string (``"2GiB"``); None.
         state_formats, activation_formats: candidate optimizer-state and saved-activation formats,
             preferred first (None: fp32 moments / saved as they are).

@@ -94,7 +94,8 @@ def plan_precision(
 
     See the module doc for the method. The model is handed back exactly as it was (parameters, buffers,
     ``.grad``, modes, RNG state; layers already converted by :mod:`mixprec.lowbit` are measured and
-    reported as plain layers).
+    reported as plain layers). The settings are one :class:`~mixprec.plan.PlanConfig`, given as
+    ``config`` or built from the keyword options below (its fields, with its defaults).
 
     Args:
         model: the model; its linear layers (exact ``nn.Linear`` or ``LowbitLinear``) are planned.
@@ -105,7 +106,7 @@ def plan_precision(
         check_batches: optional batches on which the whole plan must fit the budget too (not used to
             measure single layers).
 
-    Keyword options (the fields of :class:`~mixprec.plan.PlanConfig`, same defaults):
+    Keyword Args:
         formats: candidate formats: :mod:`mixprec.lowbit` recipe names, ``"bf16"``, ``"fp32"``.
         budget: the bound (> 0) on the whole plan's measured relative loss change against the
             high-precision run on these batches (0.01 = 1 %): the plan is the cheapest that fits it.
