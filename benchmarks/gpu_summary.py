@@ -305,9 +305,9 @@ def _markdown(summary: dict[str, Any]) -> str:
             lines += ["", f"## {title}{mark}", "", *body]
     for size, records in summary["bench"].items():
         if records:
-            body = bench_summary(records, f"size {size}", []).split("\n", 2)[2]
+            text = bench_summary(records, f"size {size}", []).split("\n", 2)[2]
             mark = f" (PARTIAL: {partial['bench-' + size]})" if f"bench-{size}" in partial else ""
-            lines += ["", f"## mixprec bench --size {size}{mark}", "", body.rstrip()]
+            lines += ["", f"## mixprec bench --size {size}{mark}", "", text.rstrip()]
     for size, cut in summary.get("bench_log", {}).items():
         lines += ["", f"## mixprec bench --size {size}, from its step log (PARTIAL: {cut['reason']})", ""]
         lines += _bench_log_md(cut)
