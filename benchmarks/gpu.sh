@@ -13,7 +13,7 @@
 #                        and transient memory of bf16, torchao and mixprec float8 (tensorwise, rowwise), eager
 #                        and compiled, interleaved rounds; quantize+GEMM fwd+bwd at 8192^3 per format;
 #                        pure-torch vs fused (Triton) quantization at 8192x8192 per fp8 format, bitwise checked
-#   bench            80  mixprec bench --size large --workload lm --time 50s: fp32, torch.amp and mixprec bf16,
+#   bench            70  mixprec bench --size large --workload lm --time 50s: fp32, torch.amp and mixprec bf16,
 #                        mixprec fp16, O2 bf16, bf16-true(+kahan) and the fp8 modes interleaved, cut by the
 #                        bench to fit 50 s (at least 4 rounds of 20 steps); MODES=... for others, BENCH_STEPS=N
 #                        for N steps (the cnn / tabular workloads, in WORKLOADS, need scikit-learn)
@@ -21,6 +21,8 @@
 #   plan_cost        20  benchmarks/plan_cost.py: the planner's measured GEMM cost per format and shape
 #   precision_paths  20  benchmarks/precision_paths.py --device cuda --in-process --widths 4096: each precision
 #                        path's step time and memory (skips torch-optimi's rows when it is missing)
+#   optim            15  benchmarks/optimizer_speed.py: one AdamW step on 403M bf16 parameters, torch fused,
+#                        CompensatedOptimizer kahan/stochastic/int8, optimi Kahan, torchao AdamW8bit
 # then writes RESULTS_DIR/gpu.json (everything, one file) and RESULTS_DIR/gpu.md (the Markdown tables).
 # Each step's limit is clamped to what is left of the budget (5 s kept for the summary); a step with
 # under 10 s left, or whose package is missing, is recorded as skipped with why. A step that fails or runs
@@ -40,9 +42,9 @@
 # LOWBIT_STEPS.
 set -uo pipefail
 
-STEPS=(env numerics tests distributed fp8 bench lowbit_lm plan_cost precision_paths)
-declare -A LIMIT=([env]=15 [numerics]=20 [tests]=35 [distributed]=25 [fp8]=105 [bench]=80 [lowbit_lm]=30
-    [plan_cost]=20 [precision_paths]=20)
+STEPS=(env numerics tests distributed fp8 bench lowbit_lm plan_cost precision_paths optim)
+declare -A LIMIT=([env]=15 [numerics]=20 [tests]=35 [distributed]=25 [fp8]=105 [bench]=70 [lowbit_lm]=30
+    [plan_cost]=20 [precision_paths]=20 [optim]=15)
 MIN_LEFT=10 SUMMARY_S=5
 
 die() { echo "gpu.sh: $*" >&2; exit 2; }
@@ -159,6 +161,14 @@ step_command() {
                 cmd=(python benchmarks/precision_paths.py --device cuda --in-process --widths 4096 --rounds 2)
             fi
             cmd+=(--json "$out/precision_paths.json") ;;
+        optim)  # torchao's compile comes after the others' first round; the rounds stop 3 s before the limit
+            if [ "$dry" = 1 ]; then
+                cmd=(python benchmarks/optimizer_speed.py --device cpu --width 64 --layers 2 --warmup 1 --rounds 2
+                    --steps 2 --configs torch-fused,mixprec-kahan,mixprec-stochastic,optimi-kahan,mixprec-int8)
+            else
+                cmd=(python benchmarks/optimizer_speed.py --device cuda --budget-s "$(( limit > 6 ? limit - 3 : limit ))")
+            fi
+            cmd+=(--json "$out/optim.json") ;;
     esac
 }
 
@@ -227,7 +237,7 @@ for name in "${STEPS[@]}"; do
     note=""
     if (( limit > left )); then
         note=" (clamped from $limit to the budget)" limit=$left
-        [ "$name" != fp8 ] || step_command "$name"  # its --budget-s follows the clamped limit (no probes)
+        [[ $name != fp8 && $name != optim ]] || step_command "$name"  # --budget-s follows the clamped limit
     fi
     planned=$(( planned + limit )) total=$(( total + limit ))
     if [ "$plan" = 1 ]; then printf '%-16s %6s  %s%s\n' "$name" "$limit" "${cmd[*]}" "$note"; continue; fi

@@ -3,11 +3,11 @@
     python benchmarks/gpu_summary.py RESULTS_DIR [WALL_SECONDS [BUDGET_SECONDS]]
 
 Reads ``steps.tsv`` (name, exit code or ``skipped: why``, seconds, limit), ``env.json``
-(benchmarks/gpu_env.py), ``numerics.json`` (gemm_numerics.py), ``distributed.json``
-(gpu_distributed.py), ``fp8.json`` (gpu_fp8.py), ``lowbit_lm.json``, ``plan_cost.json``,
-``precision_paths.json`` and ``bench-SIZE.json`` (``mixprec bench --json``) when present, and the tail of
-each step's log; writes ``gpu.json`` (machine, steps, each benchmark's JSON) and ``gpu.md`` (a table per
-step's results). Exit code 0 when every step that ran exited 0, else 1.
+(benchmarks/gpu_env.py), ``numerics.json`` (gemm_numerics.py), ``distributed.json`` (gpu_distributed.py),
+``fp8.json`` (gpu_fp8.py), ``lowbit_lm.json``, ``plan_cost.json``, ``precision_paths.json``, ``optim.json``
+(optimizer_speed.py) and ``bench-SIZE.json`` (``mixprec bench --json``) when present, and the tail of each
+step's log; writes ``gpu.json`` (machine, steps, each benchmark's JSON) and ``gpu.md`` (a table per step's
+results). Exit code 0 when every step that ran exited 0, else 1.
 
 A step cut short keeps what it wrote: a file whose ``"partial"`` gives a reason (see
 ``benchmarks/checkpoint.py``), or the file of a step that ran out of time, is tabulated under a heading
@@ -34,7 +34,7 @@ from mixprec.bench.report import bench_summary
 from mixprec.bench.stats import timings
 from mixprec.bench.workloads import WORKLOADS
 
-EXTRA = ("env", "numerics", "distributed", "fp8", "lowbit_lm", "plan_cost", "precision_paths")
+EXTRA = ("env", "numerics", "distributed", "fp8", "lowbit_lm", "plan_cost", "precision_paths", "optim")
 
 
 def _machine(env: dict[str, Any] | None) -> dict[str, Any]:
@@ -185,6 +185,19 @@ def _precision_paths_md(paths: dict[str, Any]) -> list[str]:
     return [*skipped, *([""] if skipped else []), *table]
 
 
+def _optim_md(data: dict[str, Any]) -> list[str]:
+    meta = data["meta"]
+    rows = [
+        [r["config"], _num(r["median_ms"], ".3f"), f"{_num(r['min_ms'], '.3f')}-{_num(r['max_ms'], '.3f')}",
+         _num(r["vs_torch_fused"], ".2f"), len(r["rounds_ms"])]
+        for r in data["rows"]
+    ]  # fmt: skip
+    notes = [f"{kind} {k}: {v}" for kind in ("skipped", "errors") for k, v in data.get(kind, {}).items()]
+    head = f"{meta['params'] / 1e6:.0f}M {meta['dtype']} parameters on {meta.get('gpu') or meta['device']}"
+    table = _table(["config", "median ms/step", "range", "x torch fused", "rounds"], rows)
+    return [head, *notes, "", *table]
+
+
 def _distributed_md(data: dict[str, Any]) -> list[str]:
     meta = data.get("meta", {})
     head = f"{meta.get('backend', '?')}, world size 1 on {meta.get('gpu') or meta.get('device')}"
@@ -275,6 +288,7 @@ SECTIONS = {
     "lowbit_lm": ("low-bit recipes against bf16 (lowbit_lm.py)", _lowbit_md),
     "plan_cost": ("measured GEMM cost per format (plan_cost.py)", _plan_cost_md),
     "precision_paths": ("precision paths: step time and memory (precision_paths.py)", _precision_paths_md),
+    "optim": ("optimizer step time on bf16 parameters (optimizer_speed.py)", _optim_md),
 }
 
 
@@ -305,9 +319,9 @@ def _markdown(summary: dict[str, Any]) -> str:
             lines += ["", f"## {title}{mark}", "", *body]
     for size, records in summary["bench"].items():
         if records:
-            body = bench_summary(records, f"size {size}", []).split("\n", 2)[2]
+            text = bench_summary(records, f"size {size}", []).split("\n", 2)[2]
             mark = f" (PARTIAL: {partial['bench-' + size]})" if f"bench-{size}" in partial else ""
-            lines += ["", f"## mixprec bench --size {size}{mark}", "", body.rstrip()]
+            lines += ["", f"## mixprec bench --size {size}{mark}", "", text.rstrip()]
     for size, cut in summary.get("bench_log", {}).items():
         lines += ["", f"## mixprec bench --size {size}, from its step log (PARTIAL: {cut['reason']})", ""]
         lines += _bench_log_md(cut)

@@ -48,7 +48,10 @@ def test_bench_in_process_writes_json(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--workload", "nope"], "unknown workload 'nope'; accepted: lm, cnn, tabular-regression, all"),
+        (
+            ["--workload", "nope"],
+            "unknown workload 'nope'; accepted: lm, lm-gemm, cnn, tabular-regression, all",
+        ),
         (["--modes", "fp33"], "unknown mode 'fp33' (did you mean 'fp32'?); accepted: fp32,"),
         (["--steps", "1"], "steps must be at least 2"),
     ],

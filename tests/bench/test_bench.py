@@ -26,7 +26,8 @@ def tabular_results() -> list[runner.RunResult]:
 
 
 def test_registries_are_consistent() -> None:
-    assert list(WORKLOADS) == ["lm", "cnn", "tabular-regression"]
+    assert list(WORKLOADS) == ["lm", "lm-gemm", "cnn", "tabular-regression"]
+    assert [name for name, spec in WORKLOADS.items() if spec.default] == ["lm", "cnn", "tabular-regression"]
     for device, names in modes.DEFAULT_MODES.items():
         assert set(names) <= set(MODES), device
     for alias, per_device in modes.ALIASES.items():
@@ -106,7 +107,7 @@ def test_a_mode_whose_probe_step_fails_is_unavailable_with_the_reason() -> None:
 
 def test_unknown_names_list_the_accepted_ones() -> None:
     with pytest.raises(
-        ValueError, match=r"unknown workload 'lmm' \(did you mean 'lm'\?\); accepted: lm, cnn"
+        ValueError, match=r"unknown workload 'lmm' \(did you mean 'lm'\?\); accepted: lm, lm-gemm, cnn"
     ):
         jobs.make_plan(workloads=["lmm"], device="cpu")
     with pytest.raises(ValueError, match=r"unknown mode 'fp33'.*accepted: fp32, torch-amp-bf16"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -402,3 +403,69 @@ def test_gpu_fp8_starts_no_compile_its_budget_cannot_fit_and_a_sigterm_keeps_the
     written = json.loads(out.read_text())
     assert written["partial"].startswith("stopped by SIGTERM (the step's time limit) after ")
     assert written["rows"][0]["rounds"] == 1 and written["rows"][0]["step_ms"] > 0
+
+
+# optimizer_speed
+
+OPTIM_ARGV = ["--device", "cpu", "--width", "32", "--layers", "1", "--warmup", "1", "--steps", "1"]
+
+
+def test_optimizer_speed_steps_each_config_on_the_same_start_and_keeps_going_past_a_failure(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("optimizer_speed")
+    monkeypatch.setitem(sys.modules, "optimi", None)  # import optimi raises ImportError: skipped, with why
+    real = script.build
+
+    def build(config, params, device):
+        if config == "mixprec-stochastic":
+            raise RuntimeError("no kernel\nfor this")
+        return real(config, params, device)
+
+    monkeypatch.setattr(script, "build", build)
+    out = tmp_path / "o.json"
+    configs = "torch-fused,mixprec-kahan,mixprec-stochastic,optimi-kahan,mixprec-int8"
+    assert script.main([*OPTIM_ARGV, "--rounds", "3", "--configs", configs, "--json", str(out)]) == 1
+    written = json.loads(out.read_text())
+    rows = {r["config"]: r for r in written["rows"]}
+    assert list(rows) == ["torch-fused", "mixprec-kahan", "mixprec-int8"]
+    assert written["errors"] == {"mixprec-stochastic": "RuntimeError: for this"}
+    assert "import of optimi halted" in written["skipped"]["optimi-kahan"]
+    assert all(len(r["rounds_ms"]) == 3 and r["median_ms"] > 0 for r in rows.values())
+    assert rows["torch-fused"]["vs_torch_fused"] == 1.0 and written["partial"] is None
+    assert written["meta"]["params"] == sum(math.prod(s) for s in script.shapes(32, 1)) == 12 * 32 * 32 + 64
+
+
+def test_optimizer_speed_steps_what_torch_steps(monkeypatch) -> None:
+    """mixprec's configs step the same bf16 weights as torch's AdamW does (within bf16 rounding)."""
+    script = _script("optimizer_speed")
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen, dtype=torch.bfloat16) for s in script.shapes(16, 1)]
+    grads = [torch.randn_like(p) for p in start]
+    runs = {c: script.Run(c, start, grads, torch.device("cpu")) for c in ("torch-fused", "mixprec-kahan")}
+    for run in runs.values():
+        run.step(3)
+    for a, b, s in zip(runs["torch-fused"].params, runs["mixprec-kahan"].params, start, strict=True):
+        torch.testing.assert_close(a, b, atol=0.02, rtol=0.02)
+        assert not torch.equal(b, s)  # stepped: the start is a copy each config owns
+
+
+def test_optimizer_speed_warms_a_compiling_config_after_the_first_round_and_stops_at_its_budget(
+    tmp_path: Path, monkeypatch
+) -> None:
+    script = _script("optimizer_speed")
+    monkeypatch.setattr(script, "COMPILES", ("mixprec-kahan",))  # stands in for torchao's compile
+    out = tmp_path / "o.json"
+    script.main([*OPTIM_ARGV, "--rounds", "3", "--configs", "torch-fused,mixprec-kahan", "--json", str(out)])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows["torch-fused"]["rounds_ms"]) == ["0", "1", "2"]
+    assert list(rows["mixprec-kahan"]["rounds_ms"]) == ["1", "2"]  # paired with torch-fused's rounds 1, 2
+    fused, kahan = rows["torch-fused"]["rounds_ms"], rows["mixprec-kahan"]["rounds_ms"]
+    ratios = sorted(kahan[i] / fused[i] for i in ("1", "2"))
+    assert rows["mixprec-kahan"]["vs_low"] == ratios[0] and rows["mixprec-kahan"]["vs_high"] == ratios[1]
+    script.main(
+        [*OPTIM_ARGV, "--rounds", "50", "--budget-s", "0.001", "--configs", "torch-fused", "--json", str(out)]
+    )
+    written = json.loads(out.read_text())
+    assert written["partial"] == "--budget-s 0.001: 1 of 50 rounds fit"
+    assert len(written["rows"][0]["rounds_ms"]) == 1

@@ -25,9 +25,10 @@ STEPS = [
     "lowbit_lm",
     "plan_cost",
     "precision_paths",
+    "optim",
 ]
-LIMITS = {"env": 15, "numerics": 20, "tests": 35, "distributed": 25, "fp8": 105, "bench": 80, "lowbit_lm": 30}
-LIMITS.update(plan_cost=20, precision_paths=20)
+LIMITS = {"env": 15, "numerics": 20, "tests": 35, "distributed": 25, "fp8": 105, "bench": 70, "lowbit_lm": 30}
+LIMITS.update(plan_cost=20, precision_paths=20, optim=15)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bash") is None or shutil.which("timeout") is None, reason="bash"
@@ -76,6 +77,7 @@ def test_the_plan_lists_every_step_with_limits_that_fit_the_budget() -> None:
     assert "--device cuda" in done.stdout and "gpu_fp8.py --device cuda --budget-s 90" in done.stdout
     assert "--time 50s" in done.stdout and "--plot" not in done.stdout  # the bench fits itself; no pictures
     assert "gpu_distributed.py --device cuda --steps 8" in done.stdout
+    assert "optimizer_speed.py --device cuda --budget-s 12 " in done.stdout  # stops 3 s before its limit
     assert not list(ROOT.glob("<RESULTS_DIR>*"))  # a plan writes nothing
 
 
@@ -85,7 +87,7 @@ def test_the_budget_clamps_the_limits_and_skips_what_does_not_fit() -> None:
     assert [limits[s] for s in ("env", "numerics", "tests", "distributed")] == ["15", "20", "35", "25"]
     assert limits["fp8"] == "10"  # 110 - 5 (the summary) - 95: clamped from 105, its own budget with it
     assert "--budget-s 5 " in done.stdout and "(clamped from 105 to the budget)" in done.stdout
-    assert all(limits[s] == "-" for s in ("bench", "lowbit_lm", "plan_cost", "precision_paths"))
+    assert all(limits[s] == "-" for s in ("bench", "lowbit_lm", "plan_cost", "precision_paths", "optim"))
     assert total == 105
     done = _run("--plan", "--dry-run", GPU_SH_BUDGET="30")
     assert "numerics             10  " in done.stdout  # 30 - 5 - 15: clamped from 20
@@ -161,6 +163,12 @@ def test_gpu_script_dry_run_runs_every_step_and_writes_one_json_and_markdown_tab
     assert all(r["passed"] for r in summary["numerics"]["rows"] if r["path"] != "hp")
     assert list(summary["lowbit_lm"]["modes"]) == ["bf16", "fp8_rowwise", "nvfp4"]
     assert {r["path"] for r in summary["precision_paths"]["rows"]} >= {"fp32", "optimi-kahan", "O2"}
+    optim = {r["config"]: r for r in summary["optim"]["rows"]}
+    assert set(optim) == {
+        "torch-fused", "mixprec-kahan", "mixprec-stochastic", "optimi-kahan", "mixprec-int8"
+    }  # fmt: skip
+    assert all(r["median_ms"] > 0 and len(r["rounds_ms"]) == 2 for r in optim.values())
+    assert optim["torch-fused"]["vs_torch_fused"] == 1.0 and summary["optim"]["partial"] is None
     table = (tmp_path / "gpu.md").read_text()
     assert "| tests | skipped | - | 0 | 35 | dry run: the CUDA tests need a GPU |" in table
     for heading in (
@@ -172,6 +180,7 @@ def test_gpu_script_dry_run_runs_every_step_and_writes_one_json_and_markdown_tab
     ):
         assert f"## {heading}" in table
     assert "## measured GEMM cost per format" in table and "## precision paths" in table
+    assert "## optimizer step time on bf16 parameters" in table and "| mixprec-kahan |" in table
     assert "| nvfp4 | wgrad | emulated | 0.00e+00 | ok |" in table
     assert "## mixprec bench --size tiny" in table and "| tabular-regression | fp32 |" in table
 

@@ -73,7 +73,7 @@ def hand_backward(model: nn.Module | None = None) -> Iterator[None]:
 
 def _stand_in(workload: str) -> Any:
     """Data of the shapes and dtypes ``mixprec.bench.data`` loads for ``workload``."""
-    if workload == "lm":
+    if workload in ("lm", "lm-gemm"):
         return datasets.TextCorpus(
             torch.randint(96, (20_000,)), torch.randint(96, (4_000,)), "x" * 96, "stand-in"
         )
@@ -107,6 +107,37 @@ def test_every_bench_mode_trains_each_workload_on_cuda(fake_hopper, mode: str, w
         run.model.eval()
         with torch.no_grad():
             assert run.forward(x).device.type == "cuda"
+
+
+FP8_MODES = sorted(m for m in MODES if m.startswith("fp8") or m.startswith("lowbit-fp8"))
+
+
+@pytest.mark.parametrize("mode", [*FP8_MODES, "mixprec-bf16"])
+def test_lm_gemm_fp8_modes_run_every_linear_on_the_tensor_core_kernel(fake_hopper, mode: str) -> None:
+    """The GEMM-bound preset (d=2048, context 1024) at its GPU size: each fp8 mode's forward reaches
+    ``_scaled_mm`` (the fp8 tensor-core GEMM ``mixprec.float8`` / ``mixprec.lowbit`` take on Hopper) for
+    every block linear, accepted by its meta kernel and without a host sync; bf16 runs none."""
+    spec, preset = WORKLOADS["lm-gemm"], WORKLOADS["lm-gemm"].presets["default"]
+    assert preset.params["width"] >= 2048 and preset.params["context"] >= 1024
+    device = torch.device("cuda")
+    with warnings.catch_warnings(), module_apply_in_place():
+        warnings.simplefilter("ignore")
+        with device:
+            work = spec.build(_stand_in("lm-gemm"), preset, 0, 3, device)
+        run = MODES[mode].create("cuda")
+        run.prepare(work.model, work.optimizer)
+        block_linears = 4 * preset.params["layers"]  # qkv, proj and the MLP's two per block
+        x, y = (t.to(device, non_blocking=True) for t in next(work.batches))
+        fake_hopper.reset()
+        with hand_backward(run.model):
+            run.train_step(x, y, work.loss_fn)
+    calls = fake_hopper.of("scaled_mm")
+    if mode == "mixprec-bf16":
+        assert calls == []
+        return
+    assert len(calls) >= block_linears, [e.detail for e in calls]
+    assert [e.detail["error"] for e in calls if "error" in e.detail] == []
+    assert fake_hopper.host_syncs() == 0
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -109,3 +109,26 @@ def test_plan_command_with_max_memory_plans_smaller_state_and_activations(factor
     assert (plan.state_format, plan.activation_format) != (None, None)
     assert plan.memory["components"]["total"] <= bound == plan.memory["max_memory"]
     assert "save_activations=" in capsys.readouterr().out
+
+
+def test_plan_command_compile_prices_the_compiled_layers(factory, capsys):
+    """--compile --cost measured: each format timed under torch.compile (inductor) on this CPU."""
+    out_json, out_png = factory / "c.json", factory / "c.png"
+    argv = [
+        "plan",
+        "--from",
+        "plan_factory:make",
+        "--budget",
+        "0.05",
+        "--formats",
+        "bf16",
+        "--cost",
+        "measured",
+    ]
+    assert (
+        main([*argv, "--compile", "--tokens-per-step", "16", "--json", str(out_json), "--plot", str(out_png)])
+        == 0
+    )
+    plan = PrecisionPlan.from_json(out_json.read_text())
+    assert plan.target == "measured:cpu:compiled"
+    assert all(c > 0 for info in plan.layers.values() for c in info["cost"].values())

@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 
-from mixprec.bench.progress import EVAL_S, START_S, Progress, estimate_s, format_duration, job_cost_s
+from mixprec.bench.progress import EVAL_S, Progress, estimate_s, format_duration, job_cost_s, start_s
 from mixprec.bench.runner import Job
 
 #: The budget of the default size when ``--time`` is not given (the other sizes run in full then).
@@ -54,7 +54,7 @@ def _rounds(job: Job) -> int:
 
 
 def _fixed_s(jobs: Sequence[Job]) -> float:
-    return sum(START_S + EVAL_S.get(job.workload, 0.2) for job in jobs)
+    return sum(start_s(job) + EVAL_S.get(job.workload, 0.2) for job in jobs)
 
 
 def fit(jobs: Sequence[Job], budget_s: float, factor: float) -> tuple[list[Job], float]:

@@ -135,6 +135,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--plot", metavar="DIR", help="write loss-vs-fp32 and step-time pictures (PNG) into DIR")
     add(
+        "--compile",
+        action="store_true",
+        help="torch.compile every run's model (default backend), the same way in every mode: compiled bf16 "
+        "against compiled fp8; the first steps compile (untimed warm-up)",
+    )
+    add(
         "--in-process",
         action="store_true",
         help="run everything in this process (faster start; CPU peak memory is then not reported)",
@@ -149,7 +155,8 @@ def _header(plan: Plan, threads: int) -> str:
         where = f"{name}; fp32 TF32 matmul/cuDNN: {tf32[0]}/{tf32[1]}"
     else:
         where = f"{platform.processor() or platform.machine()}, {threads} thread(s) per run"
-    return f"mixprec bench: {device} ({where}), torch {torch.__version__}, size {plan.size}"
+    compiled = ", torch.compile" if any(job.compiled for job in plan.jobs) else ""
+    return f"mixprec bench: {device} ({where}), torch {torch.__version__}, size {plan.size}{compiled}"
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -286,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         data=args.data,
         images=args.images,
         threads=threads,
+        compiled=getattr(args, "compile", False),
     )
     args.folder = _results_folder(args, plan.notes)
     if why != "torch's default":

@@ -60,8 +60,10 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_workloads(names: Sequence[str]) -> list[str]:
+    """The workloads named, checked; none or ``["all"]``: every workload that runs by default (the
+    GPU-sized ``lm-gemm`` runs only when named)."""
     if not names or names == ["all"]:
-        return list(WORKLOADS)
+        return [name for name, spec in WORKLOADS.items() if spec.default]
     for name in names:
         if name not in WORKLOADS:
             raise _unknown("workload", name, [*WORKLOADS, "all"])
@@ -96,6 +98,21 @@ def _check_inputs(plan: Plan, workloads: Sequence[str], data: str | None, images
             plan.notes.append(f"{option} is read by the {reader} workload only, which is not in this run")
 
 
+def _refuse_gpu_presets(workloads: Sequence[str], size: str, steps: int | None) -> None:
+    """A ValueError for a workload preset sized for a GPU (``Preset.cpu`` False), with its cost here."""
+    for name in workloads:
+        preset = WORKLOADS[name].presets[size]
+        if preset.cpu:
+            continue
+        minutes = preset.cost_ms / 6e4
+        hours = (steps or preset.steps) * preset.cost_ms / 3.6e6
+        raise ValueError(
+            f"workload {name!r} at size {size!r} is sized for a GPU: one step is about {minutes:.0f} min on "
+            f"a 2-core CPU, {hours:.0f} h per mode for its {steps or preset.steps} steps; run it with "
+            f"--device cuda, or with --size tiny to check it on a CPU"
+        )
+
+
 def make_plan(
     workloads: Sequence[str] = (),
     modes: Sequence[str] = (),
@@ -106,11 +123,15 @@ def make_plan(
     data: str | None = None,
     images: str | None = None,
     threads: int | None = None,
+    compiled: bool = False,
 ) -> Plan:
     """Validate the choices and list the runs: each available mode, in the order given, for each workload.
 
+    ``compiled``: every run's model is ``torch.compile``-d after its mode prepared it (a note says so).
+
     Raises:
-        ValueError: an unknown size, workload, mode or device, too few steps, nothing runnable, or a
+        ValueError: an unknown size, workload, mode or device, too few steps, nothing runnable, a
+            workload preset sized for a GPU on a CPU (``lm-gemm`` above ``tiny``), or a
             ``data``/``images`` input that cannot be used (FileNotFoundError when it does not exist).
     """
     if size not in SIZES:
@@ -120,6 +141,8 @@ def make_plan(
     device = resolve_device(device)
     device_type = device.split(":", 1)[0]
     workload_names = resolve_workloads(workloads)
+    if device_type == "cpu":
+        _refuse_gpu_presets(workload_names, size, steps)
     mode_names = resolve_modes(modes, device_type)
     plan = Plan(jobs=[], device=device, size=size)
     _check_inputs(plan, workload_names, data, images)
@@ -141,16 +164,25 @@ def make_plan(
             if device_type == "cpu" and MODES[name].dtype == torch.float16 and not preset.cpu_fp16:
                 fp16_skipped.append(f"{workload}/{name}")
                 continue
-            plan.jobs.append(Job(workload, name, size, steps, seed, device, data, images, threads))
+            plan.jobs.append(
+                Job(workload, name, size, steps, seed, device, data, images, threads, 0, compiled)
+            )
         mine = [job.mode for job in plan.jobs if job.workload == workload]
         if "fp32" in mine and len(mine) > 1:  # the A/A run: see mixprec.bench.stats
-            plan.jobs.append(Job(workload, "fp32", size, steps, seed, device, data, images, threads, 1))
+            plan.jobs.append(
+                Job(workload, "fp32", size, steps, seed, device, data, images, threads, 1, compiled)
+            )
     if any(MODES[name].dtype == torch.float16 for name in runnable) and device_type == "cpu":
         plan.notes.append(
             CPU_FP16_NOTE + (f"; left out at size {size}: {', '.join(fp16_skipped)}" if fp16_skipped else "")
         )
     if "fp32" not in runnable:
         plan.notes.append("speedup needs an fp32 run: add fp32 to --modes")
+    if compiled:
+        plan.notes.append(
+            "--compile: every mode's model torch.compile-d (default backend) after the mode prepared it; "
+            "the first steps compile (warm-up, untimed), held-out evaluation recompiles for eval mode"
+        )
     if not plan.jobs:
         raise ValueError("nothing to run:\n  " + "\n  ".join(plan.notes))
     return plan

@@ -30,7 +30,10 @@ from mixprec.bench.runner import Job
 
 REFERENCE_PROBE_S = 0.022  # _probe_seconds() on the reference (2-core x86_64, one thread)
 START_S = 3.5  # one worker process: spawn, import torch, load data, probe step (reference)
-EVAL_S = {"lm": 2.0, "cnn": 0.7}
+EVAL_S = {"lm": 2.0, "cnn": 0.7, "lm-gemm": 2.0}
+#: torch.compile of a run's model (``--compile``): inductor's first compile of a small model on the
+#: reference, counted with the run's fixed part (it happens in the first, untimed steps)
+COMPILE_S = 40.0
 LINE_EVERY_S = 10.0
 HEARTBEAT_S = 14.0  # + up to 1 s of polling: a line at least every 15 s
 MIN_BAR_COLUMNS = 40  # narrower (or a 0x0 terminal): plain lines instead of a bar
@@ -57,6 +60,11 @@ def machine_factor(device: str) -> float | None:
     return max(_probe_seconds() / REFERENCE_PROBE_S, 0.25)
 
 
+def start_s(job: Job) -> float:
+    """Reference seconds of ``job``'s fixed part before its steps: the worker's start, its compile."""
+    return START_S + (COMPILE_S if job.compiled else 0.0)
+
+
 def job_cost_s(job: Job) -> float:
     """Reference-machine seconds of the training steps of ``job``."""
     return job.total_steps * job.preset.cost_ms / 1e3
@@ -64,7 +72,7 @@ def job_cost_s(job: Job) -> float:
 
 def estimate_s(jobs: Sequence[Job], factor: float) -> float:
     """Estimated wall seconds for ``jobs`` on a machine ``factor`` times slower than the reference."""
-    total = sum(job_cost_s(job) + START_S + EVAL_S.get(job.workload, 0.2) for job in jobs)
+    total = sum(job_cost_s(job) + start_s(job) + EVAL_S.get(job.workload, 0.2) for job in jobs)
     return total * factor
 
 

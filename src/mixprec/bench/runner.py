@@ -20,7 +20,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,8 +40,9 @@ class Job:
 
     ``steps`` overrides the preset's step count; ``data`` is the lm workload's text file,
     ``images`` the cnn workload's directory of IDX files (None: the built-in data), ``threads`` torch's
-    CPU thread count for the run (None: leave it as it is). ``replica`` 1 is a second run of the same
-    mode in a process of its own (the fp32 A/A run that measures the variation between processes).
+    CPU thread count for the run (None: leave it as it is). ``compiled``: the prepared model is
+    ``torch.compile``-d (default backend), the same way in every mode. ``replica`` 1 is a second run of
+    the same mode in a process of its own (the fp32 A/A run that measures the variation between processes).
     """
 
     workload: str
@@ -54,6 +55,7 @@ class Job:
     images: str | None = None
     threads: int | None = None
     replica: int = 0
+    compiled: bool = False
 
     @property
     def label(self) -> str:
@@ -138,6 +140,8 @@ class Trainer:
         self.workload = spec.build(self.data, preset, job.seed, job.total_steps, self.device)
         self.mode = self.mode_spec.create(self.device.type)
         self.mode.prepare(self.workload.model, self.workload.optimizer)
+        if job.compiled:  # after the mode's own swaps (fp8, lowbit, casts): inductor fuses what they added
+            self.mode.model = cast(torch.nn.Module, torch.compile(self.mode.model))
         make = self.workload.make_scheduler
         self.scheduler = make(self.mode.torch_optimizer) if make else None
         self.history: list[dict[str, Any]] = []

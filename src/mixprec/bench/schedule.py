@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mixprec.bench.progress import EVAL_S, START_S, Progress
+from mixprec.bench.progress import EVAL_S, Progress, start_s
 from mixprec.bench.runner import Job, RunFailed, RunResult
 from mixprec.bench.workers import make_worker
 
@@ -99,7 +99,7 @@ def run_workload(
                 active.append(job)
             except Exception as exc:
                 failures.append(_failure(job, exc))
-            progress.advance(START_S)
+            progress.advance(start_s(job))
         size = jobs[0].preset.round_steps
         rounds = math.ceil(jobs[0].total_steps / size)
         round_index = 0

@@ -6,6 +6,11 @@ iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a
 a 2-core CPU), ``default`` (about 3 minutes there), ``full`` (the longer study behind ``--full``,
 about 10 minutes) and ``large`` (sized for a GPU; hours on a CPU). Everything a preset changes, including
 the rounds the modes take turns in, is in the registry table at the end of this file.
+
+``lm-gemm`` is the GEMM-bound workload: a GPT of width 2048, 4 layers, context 1024 (8 x 1024 tokens a
+step), where the linear layers' GEMMs dominate the step so the fp8 modes show what they are worth on a
+GPU. It runs only where asked for (``--workload lm-gemm``), and on a CPU only at ``tiny`` (its other
+presets, about 10 TFLOP a step, are refused there: a step would take minutes).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Preset:
     ``mixprec.bench.schedule``). ``cost_ms``: the mean step time over the default CPU modes on the
     reference (this project's 2-core x86_64 with AVX512-BF16, one thread per run), for the time estimate.
     ``cpu_fp16`` says whether fp16 modes run on a CPU at this size (CPUs have no fast fp16 matmul).
+    ``cpu`` says whether the preset runs on a CPU at all (False: sized for a GPU, refused on a CPU).
     """
 
     steps: int
@@ -43,6 +49,7 @@ class Preset:
     params: Mapping[str, Any]
     cost_ms: float = 1.0
     cpu_fp16: bool = False
+    cpu: bool = True
 
 
 @dataclass
@@ -68,6 +75,7 @@ class WorkloadSpec:
     load: Callable[[Preset, Any], Any]  # (preset, job): the job's seed, data and images
     build: Callable[[Any, Preset, int, int, torch.device], Workload]
     metric_higher_is_better: bool = True
+    default: bool = True  # run when no --workload is given (False: only when named)
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -212,6 +220,12 @@ def _build_tabular(
 _LM = {"context": 128, "width": 256, "layers": 4, "heads": 4, "lr": 1e-3}
 _LM_TINY = {"context": 32, "width": 64, "layers": 2, "heads": 2, "lr": 1e-3}
 _LM_LARGE = {"context": 256, "width": 512, "layers": 6, "heads": 8, "lr": 6e-4}
+#: GEMM-bound: the linears' GEMMs are ~93% of a step's FLOPs (attention's the rest), as in the fp8 studies
+_LM_GEMM = {"context": 1024, "width": 2048, "layers": 4, "heads": 16, "lr": 3e-4, "batch": 8}
+_LM_GEMM_DATA = {"corpus_bytes": 8_000_000, "eval_windows": 32}
+#: Reference (2-core CPU) ms of one lm-gemm step: ~10.7 TFLOP (6 x 201M parameters x 8192 tokens, plus
+#: attention) at the ~100 GFLOP/s the lm presets' cost_ms imply; for the refusal's estimate only
+_LM_GEMM_MS = 107_000.0
 _TAB = {"batch": 32, "hidden": 256, "max_lr": 3e-3}
 _TAB_EPOCH = 12  # steps per epoch: ceil(354 training rows / batch 32)
 
@@ -245,6 +259,31 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         },
         load=_load_lm,
         build=_build_lm,
+    ),
+    "lm-gemm": WorkloadSpec(
+        name="lm-gemm",
+        summary="GEMM-bound GPT (d=2048, 4 layers, context 1024, batch 8) on the same text; GPU only, "
+        "named to run",
+        metric="perplexity",
+        metric_higher_is_better=False,
+        presets={
+            "tiny": Preset(
+                3,
+                1,
+                1,
+                {"context": 64, "width": 128, "layers": 2, "heads": 2, "lr": 1e-3, "batch": 2}
+                | {"corpus_bytes": 200_000, "eval_windows": 2},
+                20.0,
+                True,
+            ),
+            "quick": Preset(24, 4, 4, {**_LM_GEMM, **_LM_GEMM_DATA}, _LM_GEMM_MS, cpu=False),
+            "default": Preset(64, 4, 4, {**_LM_GEMM, **_LM_GEMM_DATA}, _LM_GEMM_MS, cpu=False),
+            "full": Preset(180, 10, 10, {**_LM_GEMM, **_LM_GEMM_DATA}, _LM_GEMM_MS, cpu=False),
+            "large": Preset(300, 20, 20, {**_LM_GEMM, **_LM_GEMM_DATA}, _LM_GEMM_MS, cpu=False),
+        },
+        load=_load_lm,
+        build=_build_lm,
+        default=False,
     ),
     "cnn": WorkloadSpec(
         name="cnn",

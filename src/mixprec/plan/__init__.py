@@ -2,6 +2,7 @@
 
 Files in the order the data flows:
 
+* ``mixprec.plan.config``: :class:`PlanConfig`, the planner's settings checked as one value;
 * ``mixprec.plan.measure``: one forward/backward with some layers swapped; each (layer, format)
   measured on demand, at most once (:class:`LayerMeasure`, :class:`Divergence`);
 * ``mixprec.plan.local``: ``measure="local"``, every (layer, format) estimated from the reference pass;
@@ -18,6 +19,7 @@ It uses :mod:`mixprec.lowbit` (the formats), :mod:`mixprec.inspect` (the per-ope
 statistics) and nothing above them.
 """
 
+from mixprec.plan.config import PlanConfig
 from mixprec.plan.cost import TARGETS, CostFn, MeasuredCost, Target, gemm_cost, resolve_cost
 from mixprec.plan.measure import Divergence, LayerMeasure, PlanLimits
 from mixprec.plan.planner import plan_precision
@@ -30,6 +32,7 @@ __all__ = [
     "Divergence",
     "LayerMeasure",
     "MeasuredCost",
+    "PlanConfig",
     "PlanLimits",
     "PrecisionPlan",
     "Replan",

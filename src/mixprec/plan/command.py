@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exact: a pass per layer and format; local: estimates from one pass (plans still measured)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="price each format on the torch.compile path (--cost measured times the compiled layers)",
+    )
+    parser.add_argument(
         "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
     )
     parser.add_argument(
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_memory=int(args.max_memory) if str(args.max_memory).isdigit() else args.max_memory,
         weight_update=args.weight_update,
+        compiled=args.compile,
     )
     print(plan.table())
     write_atomic(args.json, plan.to_json())  # complete or absent, see mixprec._files

@@ -6,6 +6,8 @@ The roofline (targets, :func:`gemm_cost`) lives in :mod:`mixprec.lowbit.cost`, w
 ``"measured"`` times the three GEMMs instead, on the model's own device, as the planner would run them
 (:class:`MeasuredCost`): the cost on this machine, low-bit formats that have no hardware path here
 (every one on a CPU) included at their emulated speed. It is what ``cost=None`` uses on a CUDA model.
+With ``compiled=True`` it times the layer under ``torch.compile`` (the path a compiled run takes, where
+inductor fuses each operand's amax, scale and cast), kept apart from the eager figures.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ class MeasuredCost:
     """``cost(format, m, n, k)``: the median measured seconds of a layer's three training GEMMs.
 
     For a shape it has not seen, it builds an ``nn.Linear(k, n)`` on ``device`` in ``dtype``, the module
-    the planner swaps in for each format (``mixprec.plan.measure.swapped_in``), a random
-    ``(m, k)`` input and a random ``(m, n)`` output gradient, and times forward plus
-    ``torch.autograd.grad`` of the input and weight (fprop, dgrad, wgrad): ``warmup`` untimed calls per
-    format, then ``repeats`` rounds, each timing every format once in turn (so drift on the machine
-    hits all formats alike); the cost is the median of a format's rounds. Results are kept per
-    ``(device, format, m, n, k)`` (``samples`` holds every timed round), so layers of one shape are
-    measured once. CUDA times with ``torch.cuda.Event`` pairs after a synchronize, a CPU with
+    the planner swaps in for each format (``mixprec.plan.measure.swapped_in``), a random ``(m, k)`` input
+    and a random ``(m, n)`` output gradient, and times forward plus ``torch.autograd.grad`` of the input
+    and weight (fprop, dgrad, wgrad): ``warmup`` untimed calls per format, then ``repeats`` rounds, each
+    timing every format once in turn (so drift on the machine hits all formats alike); the cost is the
+    median of a format's rounds. Results are kept per ``(device, format, m, n, k)`` (``samples`` holds
+    every timed round), so layers of one shape are measured once; ``compiled=True`` times
+    ``torch.compile(layer)`` (with ``backend``) instead, kept under its own keys, and its name ends in
+    ``":compiled"``. CUDA times with ``torch.cuda.Event`` pairs after a synchronize, a CPU with
     ``time.perf_counter`` (wall time: a busy machine adds noise, the interleaving spreads it evenly).
     Random values come from a generator of its own; torch's global RNG is not touched.
 
@@ -45,10 +48,12 @@ class MeasuredCost:
         device: where to time (the model's device); dtype: the layer's parameter dtype.
         formats: the formats timed together when a new shape is asked for (a format asked for later
             that is not among them is timed alone).
-        warmup: untimed calls per format (>= 0); repeats: timed rounds (>= 1).
+        warmup: untimed calls per format (>= 0; a compiled layer compiles on its first call, so give
+            at least 1 there); repeats: timed rounds (>= 1).
+        compiled: time the path of a ``torch.compile``-d model; backend: its ``torch.compile`` backend.
 
     Raises:
-        ValueError: for a warmup < 0 or repeats < 1.
+        ValueError: for a warmup < 0 or repeats < 1, a compiled warmup of 0, a non-bool ``compiled``.
     """
 
     def __init__(
@@ -59,23 +64,37 @@ class MeasuredCost:
         *,
         warmup: int = 2,
         repeats: int = 5,
+        compiled: bool = False,
+        backend: str = "inductor",
         _timer: Timer | None = None,
     ) -> None:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        if not isinstance(compiled, bool):
+            raise ValueError(f"compiled must be True or False, got {compiled!r}")
+        if compiled and warmup < 1:  # the first call compiles: timing it would price the compiler
+            raise ValueError(
+                f"a compiled MeasuredCost needs warmup >= 1 (the first call compiles), got {warmup}"
+            )
+        self.compiled, self.backend = compiled, backend
         self.device, self.dtype = torch.device(device), dtype
         self.formats = list(dict.fromkeys(formats))
         self.warmup, self.repeats = warmup, repeats
         self.timer = _timer or (_cuda_timer if self.device.type == "cuda" else _cpu_timer)
         self.samples: dict[tuple[str, str, int, int, int], list[float]] = {}
-        self.__name__ = measured_name(self.device)
+        self.__name__ = measured_name(self.device) + (":compiled" if compiled else "")
+
+    @property
+    def _place(self) -> str:
+        """The samples' device key: the device, and ``":compiled"`` for the compiled path."""
+        return str(self.device) + (":compiled" if self.compiled else "")
 
     def __call__(self, fmt: str, m: int, n: int, k: int) -> float:
-        key = (str(self.device), fmt, m, n, k)
+        key = (self._place, fmt, m, n, k)
         if key not in self.samples:
-            todo = [f for f in self.formats if (str(self.device), f, m, n, k) not in self.samples]
+            todo = [f for f in self.formats if (self._place, f, m, n, k) not in self.samples]
             self._measure(todo if fmt in todo else [fmt], (m, n, k))
         return statistics.median(self.samples[key])
 
@@ -88,7 +107,11 @@ class MeasuredCost:
         linear.weight = nn.Parameter(torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5)
         x = torch.randn(m, k, generator=gen, device=device, dtype=dtype).requires_grad_(True)
         grad_out = torch.randn(m, n, generator=gen, device=device, dtype=dtype)
-        runs = {fmt: _step(swapped_in(linear, fmt, gen), x, grad_out) for fmt in formats}
+        # every swapped-in module shares linear's weight: its gradient is the one the module computes
+        runs = {
+            fmt: _step(self._path(swapped_in(linear, fmt, gen)), linear.weight, x, grad_out)
+            for fmt in formats
+        }
         for fmt in formats:
             for _ in range(self.warmup):
                 runs[fmt]()
@@ -97,14 +120,22 @@ class MeasuredCost:
             for fmt in formats:
                 times[fmt].append(float(self.timer(fmt, shape, runs[fmt])))
         for fmt, values in times.items():
-            self.samples[(str(self.device), fmt, m, n, k)] = values
+            self.samples[(self._place, fmt, m, n, k)] = values
+
+    def _path(self, module: nn.Module) -> nn.Module:
+        """The module as the run calls it: itself, or compiled (a fresh compile per format and shape)."""
+        if not self.compiled:
+            return module
+        return torch.compile(module, backend=self.backend, dynamic=False)  # type: ignore[return-value]
 
 
-def _step(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], object]:
+def _step(
+    module: nn.Module, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor
+) -> Callable[[], object]:
     def run() -> object:
         with torch.enable_grad():
             out = module(x)
-            return torch.autograd.grad(out, (x, module.weight), grad_out)
+            return torch.autograd.grad(out, (x, weight), grad_out)
 
     return run
 
@@ -142,13 +173,19 @@ def _model_place(model: nn.Module | None) -> tuple[torch.device, torch.dtype]:
 
 
 def resolve_cost(
-    cost: str | CostFn | None, model: nn.Module | None = None, formats: Sequence[str] = ()
+    cost: str | CostFn | None,
+    model: nn.Module | None = None,
+    formats: Sequence[str] = (),
+    *,
+    compiled: bool = False,
 ) -> tuple[str, CostFn]:
     """``(name, cost function)`` for a target name, ``"measured"``, a user function or None.
 
     None is ``"measured"`` when ``model``'s linear weights are on a CUDA device, else ``"b200"``.
     ``"measured"`` is a :class:`MeasuredCost` on the model's device and dtype timing ``formats`` (plus
-    bf16 and fp32) together; its name is ``"measured:cpu"`` or ``"measured:cuda:<device name>"``.
+    bf16 and fp32) together; its name is ``"measured:cpu"`` or ``"measured:cuda:<device name>"``, with
+    ``":compiled"`` appended when ``compiled`` (the layers timed under ``torch.compile``). A target name or
+    a callable has one figure per format: ``compiled`` does not change it (nor its name).
 
     Raises:
         ValueError: for an unknown target name; TypeError: for anything else that is not callable.
@@ -158,7 +195,7 @@ def resolve_cost(
         cost = "measured" if device.type == "cuda" else "b200"
     if isinstance(cost, str):
         if cost == "measured":
-            fn = MeasuredCost(device, dtype, [*formats, "bf16", "fp32"])
+            fn = MeasuredCost(device, dtype, [*formats, "bf16", "fp32"], compiled=compiled)
             return fn.__name__, fn
         if cost not in TARGETS:
             known = ", ".join([*TARGETS, "measured"])

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -60,13 +60,11 @@ from torch import nn
 
 from mixprec.inspect._modules import check_model
 from mixprec.inspect._restore import preserved
-from mixprec.lowbit import RECIPES, get_recipe
-from mixprec.lowbit.cost import check_tokens_per_step
-from mixprec.plan.cost import CostFn, resolve_cost
+from mixprec.plan.config import PlanConfig
+from mixprec.plan.cost import resolve_cost
 from mixprec.plan.local import LocalMeasurer
 from mixprec.plan.measure import (
     EXACT,
-    HIGH_PRECISION,
     LayerMeasure,
     LossFn,
     Measurer,
@@ -76,7 +74,7 @@ from mixprec.plan.measure import (
     Slots,
     divergences,
 )
-from mixprec.plan.memory import OPTIMIZERS, MemoryModel, check_formats, fit_memory, parse_bytes
+from mixprec.plan.memory import MemoryModel, fit_memory
 from mixprec.plan.result import PrecisionPlan
 from mixprec.plan.solve import knapsack, most_accurate, reason, reason_at_cost
 
@@ -87,35 +85,28 @@ def plan_precision(
     model: nn.Module,
     batches: Iterable[Any],
     loss_fn: LossFn,
+    config: PlanConfig | None = None,
     *,
-    formats: Sequence[str] = ("nvfp4", "mxfp8", "bf16"),
-    budget: float | None = 0.01,
-    cost: str | CostFn | None = None,
-    tokens_per_step: int | None = None,
-    grad_budget: float | None = None,
-    max_flushed: float = 0.15,
-    max_cost: float | None = None,
-    min_low_share: float | None = None,
     check_batches: Iterable[Any] | None = None,
-    exhaustive: bool = False,
-    max_rounds: int = 6,
-    seed: int = 0,
-    measure: str = "exact",
-    max_memory: int | str | None = None,
-    state_formats: Sequence[str | None] = (None, "bf16", "int8", "fp8"),
-    activation_formats: Sequence[str | None] = (None, "fp8", "mxfp8"),
-    weight_update: str = "kahan",
+    **options: Any,
 ) -> PrecisionPlan:
     """Plan a format per ``nn.Linear`` of ``model`` so that the whole plan's measured loss change fits.
 
     See the module doc for the method. The model is handed back exactly as it was (parameters, buffers,
     ``.grad``, modes, RNG state; layers already converted by :mod:`mixprec.lowbit` are measured and
-    reported as plain layers).
+    reported as plain layers). The settings are one :class:`~mixprec.plan.PlanConfig`, given as
+    ``config`` or built from the keyword options below (its fields, with its defaults).
 
     Args:
         model: the model; its linear layers (exact ``nn.Linear`` or ``LowbitLinear``) are planned.
         batches: the planning batches (a few; each is passed to ``loss_fn`` as is).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
+        config: the settings as one :class:`~mixprec.plan.PlanConfig`; or none, and the settings below as
+            keyword arguments (``**options``, which build the config; not both).
+        check_batches: optional batches on which the whole plan must fit the budget too (not used to
+            measure single layers).
+
+    Keyword Args:
         formats: candidate formats: :mod:`mixprec.lowbit` recipe names, ``"bf16"``, ``"fp32"``.
         budget: the bound (> 0) on the whole plan's measured relative loss change against the
             high-precision run on these batches (0.01 = 1 %): the plan is the cheapest that fits it.
@@ -131,8 +122,6 @@ def plan_precision(
             weight gradients (all linears, ``||G - G_ref|| / ||G_ref||``); None: gradients only break ties.
         max_flushed: the largest share (in (0, 1]) of the nonzero values of a layer's forward input or
             weight that a candidate format may flush to zero (1: no limit).
-        check_batches: optional batches on which the whole plan must fit the budget too (not used to
-            measure single layers).
         max_cost: instead of a loss budget, a bound on the plan's GEMM cost relative to every planned
             layer in bf16 (0.5 = half of bf16's time in the cost model): the plan is then the *most
             accurate* within it: of the (up to 3) assignments of least summed squared weight-gradient
@@ -160,12 +149,17 @@ def plan_precision(
         weight_update: how the model is stepped, for the memory model: ``"kahan"`` or ``"stochastic"``
             (:class:`mixprec.CompensatedOptimizer`, Kahan keeps one buffer per low-precision weight) or
             ``"masters"`` (:class:`mixprec.MixedPrecisionOptimizer`, fp32 masters of low-precision weights).
+        compiled: price each format on the path a ``torch.compile``-d run takes: with ``cost="measured"``
+            (the default on CUDA) the layer is timed under ``torch.compile``, and the plan's ``target``
+            ends in ``":compiled"``; a roofline target or a callable has one figure for both paths, so
+            it prices the compiled run at that figure, with a warning saying so. False: the eager path.
 
     Returns:
         A :class:`~mixprec.plan.PrecisionPlan`.
 
     Raises:
-        TypeError: for a non-module ``model``, a non-callable ``loss_fn`` or ``cost``.
+        TypeError: for a non-module ``model``, a non-callable ``loss_fn`` or ``cost``, an unknown keyword
+            option, or a ``config`` together with keyword options (or one that is not a PlanConfig).
         ValueError: for a budget or grad_budget that is not a finite number > 0, a max_flushed
             outside (0, 1], a measure other than "exact" or "local", an empty ``batches``
             (or ``check_batches`` given empty), an unknown format or cost target, a model without linear
@@ -178,9 +172,18 @@ def plan_precision(
     Warns:
         UserWarning: naming the ``nn.Linear`` layers ``loss_fn`` never called (left out of the plan,
             listed in its ``not_run``, they stay as they are); and, without ``tokens_per_step``, naming
-            the calibration rows every GEMM was priced at.
+            the calibration rows every GEMM was priced at; with ``compiled=True`` and a cost that has
+            no compiled figure, that it prices the eager one.
     """
     start = time.process_time()
+    if config is None:
+        config = PlanConfig.from_options(options)
+    elif options:
+        raise TypeError(
+            f"plan_precision takes a config or keyword options, not both: got config and {sorted(options)}"
+        )
+    elif not isinstance(config, PlanConfig):
+        raise TypeError(f"config must be a mixprec.plan.PlanConfig, got {type(config).__name__}")
     check_model(model)
     on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if on_meta:  # nothing to measure: torch would fail deep inside with "META device type not an accelerator"
@@ -188,23 +191,23 @@ def plan_precision(
             f"plan_precision needs a model with real weights; {len(on_meta)} tensor(s) are on the meta "
             f"device (first: {on_meta[0]!r}): materialize it (model.to_empty(device=...), then initialize)"
         )
-    _check_dual(budget, grad_budget, max_cost, min_low_share)
-    formats, budget, grad_budget, batches, checks = _check(
-        formats, budget, grad_budget, batches, check_batches, loss_fn, max_rounds
-    )
-    _check_share("max_flushed", max_flushed)
-    if measure not in ("exact", "local"):
-        raise ValueError(f"measure must be 'exact' or 'local', got {measure!r}")
-    bound = None if max_memory is None else parse_bytes(max_memory)
-    states, acts = check_formats(state_formats, activation_formats)
-    if weight_update not in OPTIMIZERS:
-        raise ValueError(f"weight_update must be one of {OPTIMIZERS}, got {weight_update!r}")
+    batches, checks = _check_batches(batches, check_batches, loss_fn)
+    formats, budget, tokens_per_step = list(config.formats), config.budget, config.tokens_per_step
+    max_cost, measure, weight_update = config.max_cost, config.measure, config.weight_update
+    bound = config.max_memory_bytes
+    states, acts = list(config.state_formats), list(config.activation_formats)
     if bound is not None:  # the parameters' part alone is a lower bound: refuse before any pass
         params_only = MemoryModel.of(model, {}, weight_update)
         fit_memory(params_only, bound, states, acts, "weights, gradients and optimizer state alone")
-    target, cost_fn = resolve_cost(cost, model, formats)
-    if tokens_per_step is not None:
-        check_tokens_per_step(tokens_per_step)
+    target, cost_fn = resolve_cost(config.cost, model, formats, compiled=config.compiled)
+    if config.compiled and not target.endswith(":compiled"):
+        warnings.warn(
+            f"plan_precision: compiled=True, but the cost {target!r} has one figure per format, the eager "
+            f"path's (or the fused roofline's): the compiled run is priced at it; cost='measured' times "
+            f"the compiled layers on the model's device",
+            UserWarning,
+            stacklevel=2,
+        )
     fqns = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not fqns:
         raise ValueError("model has no nn.Linear layer to plan")
@@ -215,8 +218,8 @@ def plan_precision(
     with preserved(model):
         slots = Slots(model, fqns)
         devices = {linear.weight.device for linear in slots.originals.values()}
-        generator = {device: torch.Generator(device=device).manual_seed(seed) for device in devices}
-        runner = PassRunner(slots, loss_fn, seed, generator)
+        generator = {device: torch.Generator(device=device).manual_seed(config.seed) for device in devices}
+        runner = PassRunner(slots, loss_fn, config.seed, generator)
         try:
             slots.set(dict.fromkeys(fqns, "fp32"), generator)
             tick = time.process_time()
@@ -230,11 +233,11 @@ def plan_precision(
                 raise ValueError(f"loss_fn returned a non-finite loss at high precision: {losses}")
             limits = PlanLimits(
                 budget=budget,
-                grad_budget=grad_budget,
-                max_cost=None if max_cost is None else float(max_cost),
-                min_low_share=min_low_share,
-                max_flushed=float(max_flushed),
-                exhaustive=exhaustive,
+                grad_budget=config.grad_budget,
+                max_cost=max_cost,
+                min_low_share=config.min_low_share,
+                max_flushed=config.max_flushed,
+                exhaustive=config.exhaustive,
             )
             measurer = (LocalMeasurer if measure == "local" else Measurer)(
                 runner,
@@ -246,7 +249,7 @@ def plan_precision(
                 rows=tokens_per_step,
             )
             if max_cost is None:
-                chosen, measured, rounds = _solve_and_tighten(runner, sets, measurer, max_rounds)
+                chosen, measured, rounds = _solve_and_tighten(runner, sets, measurer, config.max_rounds)
             else:
                 chosen, measured, rounds = _solve_at_cost(runner, sets, measurer)
         finally:
@@ -264,27 +267,27 @@ def plan_precision(
     ran = [f for f in fqns if f not in never_ran]
     rows = {f: tokens_per_step or layers[f].shape[0] for f in ran}
     memory = MemoryModel.of(model, rows, weight_update)
-    state_format, activation_format, options = fit_memory(memory, bound, states, acts)
+    state_format, activation_format, pairs = fit_memory(memory, bound, states, acts)
     if max_cost is None:
         reasons = {f: reason(f, chosen, layers, limits, rounds) for f in ran}
     else:
         reasons = {f: reason_at_cost(f, chosen, layers, limits) for f in ran}
     seconds = time.process_time() - start
     return PrecisionPlan(
-        chosen,
-        {fqn: info.as_dict() for fqn, info in layers.items()},
-        reasons,
-        budget,
-        measured,
-        rounds,
-        target,
-        grad_budget,
-        seconds,
-        step,
-        slots.passes,
+        formats=chosen,
+        layers={fqn: info.as_dict() for fqn, info in layers.items()},
+        reasons=reasons,
+        budget=budget,
+        measured=measured,
+        rounds=rounds,
+        target=target,
+        grad_budget=config.grad_budget,
+        seconds=seconds,
+        step_seconds=step,
+        passes=slots.passes,
         measure=measure + ("+exact" if any("switched_to_exact" in r for r in rounds) else ""),
         max_cost=max_cost,
-        min_low_share=min_low_share,
+        min_low_share=config.min_low_share,
         tokens_per_step=tokens_per_step,
         not_run=never_ran,
         state_format=state_format,
@@ -293,7 +296,7 @@ def plan_precision(
             "max_memory": bound,
             "weight_update": weight_update,
             "components": memory.components(state_format, activation_format),
-            "options": options,
+            "options": pairs,
         },
     )
 
@@ -311,82 +314,19 @@ def _warn_calibration_rows(layers: dict[str, LayerMeasure]) -> None:
     )
 
 
-def _check_dual(
-    budget: float | None, grad_budget: float | None, max_cost: float | None, min_low_share: float | None
-) -> None:
-    """Exactly one of ``budget`` (the cheapest plan within a loss bound) and ``max_cost`` (the most
-    accurate plan within a cost bound); ``min_low_share`` only with ``max_cost``."""
-    if max_cost is None:
-        if budget is None:
-            raise ValueError("budget=None needs max_cost: give a loss budget or a cost bound")
-        if min_low_share is not None:
-            raise ValueError(f"min_low_share={min_low_share!r} applies with max_cost only (budget=None)")
-        return
-    if budget is not None:
-        raise ValueError(
-            f"give budget (the cheapest plan within a loss bound) or max_cost (the most accurate plan "
-            f"within a cost bound), not both: pass budget=None with max_cost={max_cost!r}"
-        )
-    if grad_budget is not None:
-        raise ValueError(f"grad_budget={grad_budget!r} applies with a loss budget, not with max_cost")
-    _check_bound("max_cost", max_cost)
-    if min_low_share is not None and (
-        isinstance(min_low_share, bool)
-        or not isinstance(min_low_share, (int, float))
-        or not 0 <= min_low_share <= 1
-    ):
-        raise ValueError(f"min_low_share must be a share in [0, 1] or None, got {min_low_share!r}")
-
-
-def _check(
-    formats: Sequence[str],
-    budget: float | None,
-    grad_budget: float | None,
-    batches: Iterable[Any],
-    check_batches: Iterable[Any] | None,
-    loss_fn: LossFn,
-    max_rounds: int,
-) -> tuple[list[str], float | None, float | None, list[Any], list[Any] | None]:
-    """The arguments checked, and the batches as lists (a generator is read once)."""
-    if budget is not None:
-        _check_bound("budget", budget)
-    if grad_budget is not None:
-        _check_bound("grad_budget", grad_budget)
-    if isinstance(formats, str) or not isinstance(formats, Sequence) or not formats:
-        raise ValueError(f"formats must be a non-empty sequence of format names, got {formats!r}")
-    known = [*RECIPES, *HIGH_PRECISION]
-    for fmt in formats:
-        if fmt not in HIGH_PRECISION:
-            if not isinstance(fmt, str):
-                raise ValueError(f"unknown format {fmt!r}; known: {', '.join(known)}")
-            try:
-                get_recipe(fmt)
-            except (ValueError, TypeError):
-                raise ValueError(f"unknown format {fmt!r}; known: {', '.join(known)}") from None
+def _check_batches(
+    batches: Iterable[Any], check_batches: Iterable[Any] | None, loss_fn: LossFn
+) -> tuple[list[Any], list[Any] | None]:
+    """The batches as lists (a generator is read once), checked non-empty; ``loss_fn`` callable."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable loss_fn(model, batch) -> loss, got {loss_fn!r}")
-    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
-        raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
     batches = list(batches)
     if not batches:
         raise ValueError("batches is empty: the planner needs at least one batch to measure on")
     checks = None if check_batches is None else list(check_batches)
     if checks is not None and not checks:
         raise ValueError("check_batches is empty: pass None to check the plan on the planning batches only")
-    grad = None if grad_budget is None else float(grad_budget)
-    return list(dict.fromkeys(formats)), None if budget is None else float(budget), grad, batches, checks
-
-
-def _check_bound(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number > 0 (a relative change), got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0 (a relative change, e.g. 0.01), got {value!r}")
-
-
-def _check_share(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be a share in (0, 1], got {value!r}")
+    return batches, checks
 
 
 #: The batch sets a whole plan is measured on: the planning batches and (optional) check batches, each
