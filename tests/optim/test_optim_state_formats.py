@@ -315,3 +315,37 @@ def test_each_format_trains_as_close_as_fp32_state_adamw(fmt):
         with torch.no_grad():
             losses[key] = float(((model(x.bfloat16()).float() - y) ** 2).mean())
     assert losses[fmt] < 1.15 * losses[None] + 0.01, losses
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scratch", [1024, None])  # chunks under POOL // 4 (fresh bits) and over (the pool)
+def test_stochastic_rounding_of_a_lowbit_step_is_unbiased(fmt, scratch):
+    """Weights of 1.0 stepped by lr = 0.3 of the bf16 ulp below 1 (Adam's first step moves each by lr):
+    about 30% round down, in every tensor of a chunk, the bits drawn once per chunk (an odd-sized tensor
+    and an fp32 one share the chunks)."""
+    sizes = (3, 1001, 150_000)
+    params = [torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16)) for n in sizes]
+    fp32 = torch.nn.Parameter(torch.ones(777))
+    lr = 0.3 * 2.0**-8
+    opt = CompensatedOptimizer(
+        torch.optim.Adam([*params, fp32], lr=lr),
+        "stochastic",
+        seed=7,
+        state_format=fmt,
+        scratch_numel=scratch,
+    )
+    downs = torch.zeros(3)
+    repeats = 100
+    for _ in range(repeats):  # a fresh first step each time: the state is dropped
+        with torch.no_grad():
+            for p in [*params, fp32]:
+                p.fill_(1.0)
+                p.grad = torch.ones_like(p)
+        opt.step()
+        opt.state.clear()
+        downs += torch.stack([(p.detach() < 1).float().sum() for p in params])
+        assert all(((p == 1) | (p == 1 - 2.0**-8)).all() for p in params)  # the two neighbours only
+    fraction = (downs / (repeats * torch.tensor(sizes, dtype=torch.float32))).tolist()
+    assert fraction[1:] == pytest.approx([0.3, 0.3], abs=0.01)  # Adam's move lr / (1 + eps), in ulps
+    assert fraction[0] == pytest.approx(0.3, abs=0.12)  # 300 draws: 4.5 standard deviations
+    assert fp32.detach().sub(1 - lr).abs().max().item() < 1e-6  # the fp32 param stepped in place, unrounded

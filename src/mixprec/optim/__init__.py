@@ -10,16 +10,17 @@ Two wrappers share one base, one load-state check and one guard, and each may ke
 * ``compensated`` -- :class:`~mixprec.CompensatedOptimizer`: no masters, Kahan or stochastic rounding
   (``METHODS``);
 * ``updates`` -- its foreach Adam, AdamW and SGD steps on the low-precision weights;
-* ``fused_adam`` -- its Adam/AdamW through torch's fused kernel on cache-sized fp32 chunk copies;
+* ``fused_adam`` -- the one Adam/AdamW step engine (torch's fused kernel on cache-sized fp32 chunk copies)
+  of both its bf16 moments and the low-bit states, the state format read as data;
 * ``rounding`` -- the workspace, chunks, Kahan fold, widening/write-back and stochastic-rounding bits those
   updates share;
-* ``state_formats`` -- bf16 / int8 / fp8 block codecs for Adam's moments (``STATE_FORMATS``);
-* ``lowbit_adam`` -- Adam/AdamW on those states, chunk by chunk; both wrappers step with it;
+* ``state_formats`` -- how Adam's moments are stored: torch's layout, or bf16 / int8 / fp8 block codecs
+  (``STATE_FORMATS``), each as the data the engine reads;
 * ``sharding`` -- FSDP2 shards: each rank steps its own; :func:`full_state_dict` /
   :func:`load_full_state_dict` save on N ranks and load on M.
 
 ``state``, ``masters`` and ``compensated`` build on ``wrapper``, which builds on the steps (``updates``,
-``fused_adam``, ``lowbit_adam``), which build on ``state_formats``, ``guard``, ``rounding`` and ``sharding``;
+``fused_adam``), which build on ``state_formats``, ``guard``, ``rounding`` and ``sharding``;
 no module imports one that builds on it, not even inside a function.
 
 The O0-O3 levels and presets that build these wrappers live in :mod:`mixprec.amp`.

@@ -52,12 +52,12 @@ from torch.optim import Optimizer
 
 from mixprec._generators import DeviceGenerators
 from mixprec.optim import updates
-from mixprec.optim.fused_adam import AdamUnit, adam_step
+from mixprec.optim.fused_adam import AdamUnit, adam_step, check_lowbit_params, step_groups
 from mixprec.optim.guard import HugeGradientGuard, grads_fit, grads_of
-from mixprec.optim.lowbit_adam import check_lowbit_params, step_groups
 from mixprec.optim.rounding import CHUNK, FOLD, Workspace
 from mixprec.optim.sharding import agree_finite, local, local_params, replaced_params
 from mixprec.optim.state import check_compensated_state, load_inner_state
+from mixprec.optim.state_formats import TorchMoments
 from mixprec.optim.wrapper import LOW_PRECISION_DTYPES, OptimizerWrapper, check_state_format
 
 __all__ = ["METHODS", "CompensatedOptimizer"]
@@ -89,7 +89,7 @@ class CompensatedOptimizer(OptimizerWrapper):
             optimizer state; False steps whatever comes, as torch does.
         state_format: None (the moments as ``state_dtype`` says) or ``"bf16"``, ``"int8"``, ``"fp8"``: Adam's
             moments stored in that low-bit format (``mixprec.optim.state_formats``), stepped chunk by
-            chunk (``mixprec.optim.lowbit_adam``); needs ``torch.optim.Adam``/``AdamW`` (with any
+            chunk (``mixprec.optim.fused_adam``); needs ``torch.optim.Adam``/``AdamW`` (with any
             foreach/fused/capturable flag: the step is one fused pass whatever they say) and
             ``state_dtype=None``.
 
@@ -234,7 +234,6 @@ class CompensatedOptimizer(OptimizerWrapper):
             self.optimizer,
             self.state_format,  # type: ignore[arg-type]
             self.workspace,
-            self.method,
             kahan_of=lambda p: buffers.get(id(p)),
             generator_of=self._generator if stochastic else None,
         )
@@ -261,7 +260,7 @@ class CompensatedOptimizer(OptimizerWrapper):
                     fresh += [p for p in bucket if p not in self.optimizer.state]
                     states = [self.optimizer.state[p] for p in bucket]
                     generator = self._generator(device) if self.method == "stochastic" else None
-                    fused.append(AdamUnit(group, states, bucket, kahan, dtypes, generator))
+                    fused.append(AdamUnit(group, states, bucket, kahan, TorchMoments(dtypes), generator))
                 else:
                     unfused.append((group, bucket, low, torch.float32 if torch.float32 in dtypes else dtype))
         unfused_fit = not (self.skip_nonfinite and unfused) or grads_fit(

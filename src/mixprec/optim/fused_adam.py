@@ -1,23 +1,31 @@
-"""Adam/AdamW on bf16 weights through torch's fused CPU/GPU Adam kernel, chunk by chunk: :func:`adam_step`.
+"""The one Adam/AdamW step engine: torch's fused CPU/GPU Adam kernel on cache-sized fp32 chunk copies.
 
-The state a bf16 weight needs to train like fp32 state, in the fewest bytes and passes: the first moment in
-bf16, the second moment in bf16 where its average can move (``1 - beta2 > 2**-8``) and in fp32 otherwise
-(torch's default beta2 = 0.999: 12 bytes per parameter with the weight, gradient and Kahan buffer). Each
-chunk of at most ``CHUNK`` elements is copied into fp32 buffers of a reused :class:`Workspace` (small enough
-to stay in cache), stepped there by torch's own fused Adam/AdamW kernel (``torch._fused_adamw_``, the kernel
-behind ``torch.optim.AdamW(fused=True)``: one pass for decay, both moments, bias corrections and the update),
-and written back rounded::
+Every fused Adam step of both wrappers goes through :func:`adam_step`: ``CompensatedOptimizer``'s bf16
+Adam/AdamW (Kahan or stochastic rounding, moments in torch's layout) and, with ``state_format=``, both
+wrappers' low-bit moments (:func:`step_groups`). How the moments are stored is data the engine reads, a
+``state_formats.TorchMoments`` or ``CodedMoments`` (where a tensor may be cut, whether chunk views are
+kept, which moment is stepped in place, how a chunk's moments are decoded into fp32 and encoded back);
+the loop is the same. Each chunk of at most ``workspace.numel`` values (a big tensor spans chunks, small
+ones share one) is copied into fp32 buffers of a reused :class:`Workspace` (small enough to stay in
+cache), stepped there by torch's own fused Adam/AdamW kernel (``torch._fused_adamw_``, the kernel behind
+``torch.optim.AdamW(fused=True)``: one pass for decay, both moments, bias corrections and the update), and
+written back::
 
-    t = fp32(w) + fp32(c)                    # kahan: what the weight tracks; stochastic: fp32(w)
-    g, m = fp32(grad), fp32(exp_avg)         # exp_avg_sq used in place when fp32, else copied too
+    t = fp32(w) + fp32(c)                    # kahan: what the weight tracks; else fp32(w); fp32 w: w itself
+    g = fp32(grad);  m, v = decode(exp_avg), decode(exp_avg_sq)   # an fp32 moment of torch's layout: itself
     torch._fused_adamw_(t, g, m, v, step)    # (_fused_adam_ for Adam): torch's AdamW on the fp32 copies
-    exp_avg = bf16(m)  [exp_avg_sq = bf16(v)]
+    exp_avg, exp_avg_sq = encode(m), encode(v)                    # bf16(m), or the block codes
     kahan:       w = round(t);  c = round(t - w)          # t - w is exact in fp32
-    stochastic:  w = round_stochastic(t)                  # rounding.RandomBits
+    stochastic:  w = round_stochastic(t)                  # rounding.RandomBits, drawn once per chunk
+    nearest:     w = round(t)
 
-One step from fresh state is therefore bit for bit torch's fused AdamW stepping an fp32 copy of ``w + c``;
-later steps differ only by the moments' storage rounding. Seven copies and one kernel per chunk do what a
-dozen bf16 foreach passes do unfused, each pass reading the whole state.
+In torch's layout (the first moment in bf16, the second in bf16 where its average can move,
+``1 - beta2 > 2**-8``, and in fp32 otherwise) one step from fresh state is bit for bit torch's fused AdamW
+stepping an fp32 copy of ``w + c``; later steps differ only by the moments' storage rounding. Seven copies
+and one kernel per chunk do what a dozen bf16 foreach passes do unfused, each pass reading the whole state.
+With a low-bit format the update uses the moments at full precision within the step (as torchao's low-bit
+AdamW does) and only what is carried to the next step is quantized; no fp32 copy of a whole moment, weight
+or gradient exists.
 
 The guard (``guard=True``) skips the whole step, before anything is created or written, when a gradient
 is inf/nan or so large (L2 norm over ``sqrt(max / 2)`` of v's dtype, about 1.3e19) that a square could
@@ -35,48 +43,100 @@ overflow the second moment: either would make ``exp_avg_sq`` inf or nan and free
 
 The folded check bounds the norm of all gradients together, at least each tensor's, so it may skip a step
 of finite gradients a little earlier (norms near 1e19); a step it lets through is bit for bit the
-unfolded one.
+unfolded one. The low-bit steps (:func:`step_groups`) are checked by their callers first.
 
 Sources: Adam (Kingma & Ba 2015) and torch's fused kernel; Kahan-compensated bf16 weights (Zamirai et al.
 2020, "Revisiting BFloat16 Training"; torch-optimi's ``kahan_sum``); bf16 state that freezes when
-``1 - beta`` is below half an ulp (the rule in ``updates.moment_dtypes``).
+``1 - beta`` is below half an ulp (the rule in ``updates.moment_dtypes``); low-bit moments as torchao's
+AdamW8bit/AdamWFp8 (``mixprec.optim.state_formats``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mixprec.optim.guard import grads_fit, grads_of
-from mixprec.optim.rounding import ALIGN, Workspace, narrow, segments, views, widen
-from mixprec.optim.updates import fused_adam_, keep_moment_dtypes, new_states
+from mixprec.optim.rounding import Workspace, narrow, segments, views, widen
+from mixprec.optim.sharding import local_grads
+from mixprec.optim.state_formats import MOMENTS, CodedMoments, TorchMoments
+from mixprec.optim.updates import fused_adam_, new_states
 
-__all__ = ["AdamUnit", "adam_step"]
+__all__ = ["AdamUnit", "adam_step", "check_lowbit_params", "step_groups"]
 
 _F32 = torch.float32
 
 
 @dataclass
 class AdamUnit:
-    """The params of one group, device and dtype, stepped together: what :func:`adam_step` takes a list of.
+    """The params of one group and device, stepped together: what :func:`adam_step` takes a list of.
 
-    ``kahan`` holds the Kahan buffers (bf16, shaped as the params) or is None for stochastic rounding, whose
-    bits ``generator`` draws; ``moment_dtypes`` the dtypes of ``exp_avg`` and ``exp_avg_sq`` (from
-    ``updates.moment_dtypes``).
+    ``params`` are contiguous; fp32 ones are stepped in place (exactly as torch steps an fp32 param), the
+    others through fp32 copies and written back by Kahan (``kahan``: a buffer per low-precision param, shaped
+    as it, None for fp32 ones), stochastic (``generator`` draws the bits) or nearest rounding (neither).
+    ``moments`` says how ``exp_avg`` and ``exp_avg_sq`` are stored (``state_formats.TorchMoments`` or
+    ``CodedMoments``).
     """
 
     group: dict[str, Any]
     states: list[dict[str, Any]]
     params: list[torch.Tensor]
-    kahan: list[torch.Tensor] | None
-    moment_dtypes: tuple[torch.dtype, ...]
+    kahan: Sequence[torch.Tensor | None] | None
+    moments: TorchMoments | CodedMoments
     generator: torch.Generator | None = None
 
 
+def check_lowbit_params(params: list[torch.Tensor]) -> None:
+    """Refuse params the chunked pass cannot view flat (the low-bit states' check at construction).
+
+    Raises:
+        ValueError: a parameter is not contiguous.
+    """
+    for param in params:
+        if not param.is_contiguous():
+            raise ValueError(
+                f"state_format needs contiguous parameters; one of shape {tuple(param.shape)} and strides "
+                f"{param.stride()} is not (call .contiguous() on it before building the optimizer)"
+            )
+
+
+def step_groups(
+    optimizer: torch.optim.Optimizer,
+    fmt: str,
+    workspace: Workspace,
+    kahan_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    generator_of: Callable[[torch.device], torch.Generator | None] | None = None,
+) -> None:
+    """One Adam/AdamW step of every group of ``optimizer`` (its params with a gradient) with moments in the
+    state format ``fmt``: one :class:`AdamUnit` per group and device, FSDP2 params as their local shards.
+
+    ``kahan_of(param)`` gives a param's Kahan buffer, ``generator_of(device)`` the stochastic-rounding bits
+    (None for nearest rounding); the caller has checked the gradients (nothing here skips).
+    """
+    moments = CodedMoments(fmt)
+    units = []
+    with ExitStack() as stack:
+        for group in optimizer.param_groups:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for param in group["params"]:
+                if param.grad is not None:
+                    by_device.setdefault(param.device, []).append(param)
+            for device, params in by_device.items():
+                buffers = [kahan_of(p) for p in params] if kahan_of else []
+                kahan = buffers if any(c is not None for c in buffers) else None  # stochastic, nearest: none
+                generator = generator_of(device) if generator_of else None
+                states = [optimizer.state[p] for p in params]
+                shards = stack.enter_context(local_grads(params))  # FSDP2: each rank steps its own shard
+                units.append(AdamUnit(group, states, shards, kahan, moments, generator))
+        adam_step(units, workspace, guard=False)
+
+
 def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
-    """One Adam/AdamW step of every unit (contiguous bf16 params with a bf16 ``exp_avg``, each with a grad).
+    """One Adam/AdamW step of every unit (contiguous params, each with a grad).
 
     Args:
         units: the groups to step.
@@ -97,12 +157,13 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
         return False
     offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
     for unit in units:
-        _prepare(unit)
-        flat_grads = [] if folded else [g.view(-1) for g in grads_of(unit.params)]
+        unit.moments.keep(unit.states)
+        new_states(unit.states, unit.params, unit.moments.new)  # torch's layout: step, then the moments
+        flat_grads = [] if folded else [g.reshape(-1) for g in grads_of(unit.params)]
         for chunk in _plan(unit, workspace, used, offset if folded else None):
             if not folded:
                 pieces = [flat_grads[i][start:stop] for i, start, stop in chunk.segments]
-                torch._foreach_copy_(chunk.work["grad"], pieces)
+                torch._foreach_copy_(chunk.grads, pieces)
             _update(unit, chunk, workspace)
         offset += sum(p.numel() for p in unit.params)
     workspace.plans = used  # plans of replaced tensors go, and with them their views
@@ -129,95 +190,151 @@ def _copied_grads_fit(units: list[AdamUnit], workspace: Workspace, used: dict[tu
     return torch.dot(buffer[:total], buffer[:total]).item() <= limit  # nan compares False
 
 
+def _narrowest_second_moment(units: list[AdamUnit]) -> torch.dtype:
+    return min((unit.moments.second_dtype for unit in units), key=lambda dtype: torch.finfo(dtype).max)
+
+
+@dataclass
+class _Moment:
+    """One moment's views over a chunk: its stored codes and their block scales (None without), and the
+    fp32 values the kernel steps (workspace copies, or the codes themselves where stepped in place)."""
+
+    codes: list[torch.Tensor]
+    scales: list[Any]
+    values: list[torch.Tensor]
+
+
 @dataclass
 class _Chunk:
-    """Flat views of one chunk: ``segments`` (param index, start, stop), the state's views and the
-    workspace's (by role), and the step counters of the params the segments belong to."""
+    """Flat views of one chunk: ``segments`` (param index, start, stop); what the kernel steps
+    (``targets``: fp32 param slices themselves, the fp32 copies of the others), the low-precision slices
+    (``low``), their fp32 copies (``values``), Kahan buffers and fp32 scratch for their copies; the gradient
+    copies, both moments, the flat "values" buffer the chunk covers (stochastic rounding's bits) and the
+    step counters of the params the segments belong to."""
 
     segments: list[tuple[int, int, int]]
-    state: list[list[torch.Tensor]]  # params, exp_avg, exp_avg_sq, [kahan]
-    work: dict[str, list[torch.Tensor]]
-    values: torch.Tensor  # the flat fp32 "values" buffer of this chunk (stochastic rounding's bits)
+    targets: list[torch.Tensor]
+    low: list[torch.Tensor]
+    values: list[torch.Tensor]
+    kahan: list[torch.Tensor] | None
+    scratch: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    moments: list[_Moment]
+    flat: torch.Tensor | None
     steps: list[torch.Tensor]
 
 
 def _plan(
     unit: AdamUnit, workspace: Workspace, used: dict[tuple[Any, ...], Any], grads_at: int | None
 ) -> list[_Chunk]:
-    """The chunks of ``unit``, built once and reused while its tensors and the workspace stay the same
-    (the plan holds views of them, so a tensor it names cannot be freed and its address reused).
+    """The chunks of ``unit``; where its format says so, built once and reused while its tensors and the
+    workspace stay the same (the plan holds views of them, so a tensor it names cannot be freed and its
+    address reused).
 
     ``grads_at``: None, every chunk's gradient copies reuse the start of the "grad" buffer; else the
     folded step's copies of this unit's gradients start there, chunk after chunk."""
-    tensors = [unit.params, [s["exp_avg"] for s in unit.states], [s["exp_avg_sq"] for s in unit.states]]
-    tensors += [unit.kahan] if unit.kahan is not None else []
-    key = (workspace.generation, grads_at, *((t.data_ptr(), t.numel()) for ts in tensors for t in ts))
-    key += tuple(id(s["step"]) for s in unit.states)
-    if key in workspace.plans:
-        used[key] = workspace.plans[key]
-        return used[key]
+    fmt = unit.moments
+    key: tuple[Any, ...] = ()
+    if fmt.cached:
+        tensors = [unit.params, *([s[k] for s in unit.states] for k in MOMENTS)]
+        tensors += [[c for c in unit.kahan if c is not None]] if unit.kahan is not None else []
+        key = (workspace.generation, grads_at, *((t.data_ptr(), t.numel()) for ts in tensors for t in ts))
+        key += tuple(id(s["step"]) for s in unit.states)
+        if key in workspace.plans:
+            used[key] = workspace.plans[key]
+            return used[key]
+    device = unit.params[0].device
     total = sum(p.numel() for p in unit.params)
-    limit = min(max(workspace.numel, ALIGN), total)
-    roles = ["values", "grad", "moment"] + (["kahan"] if unit.kahan is not None else [])
-    roles += ["second"] if unit.moment_dtypes[1] != _F32 else []
-    buffers = {role: workspace.get(unit.params[0].device, _F32, role, limit) for role in roles}
+    limit = min(max(workspace.numel, fmt.align), total)
+    lows = [p.dtype != _F32 for p in unit.params]
+    roles = (["values"] if any(lows) else []) + ["grad"]
+    roles += [role for role, second in (("moment", False), ("second", True)) if not fmt.in_place(second)]
+    roles += ["kahan"] if unit.kahan is not None else []
+    buffers = {role: workspace.get(device, _F32, role, limit) for role in roles}
     if grads_at is not None:
-        buffers["grad"] = workspace.get(unit.params[0].device, _F32, "grad", grads_at + total)[grads_at:]
-    key = (workspace.generation, *key[1:])  # a buffer that grew starts a new generation
+        buffers["grad"] = workspace.get(device, _F32, "grad", grads_at + total)[grads_at:]
+    runs = [
+        (i, a, b, block)
+        for i, (param, state) in enumerate(zip(unit.params, unit.states, strict=True))
+        for a, b, block in fmt.runs(param.numel(), state)
+    ]
     plan, done = [], 0
-    for cut in segments([p.numel() for p in unit.params], limit):
-        size = sum(stop - start for _, start, stop in cut)
-        flat = [[ts[i].view(-1)[a:b] for i, a, b in cut] for ts in tensors]
-        work = {role: _consecutive(buffer, cut) for role, buffer in buffers.items()}
-        if grads_at is not None:
-            work["grad"] = _consecutive(buffers["grad"][done:], cut)
-        steps = [unit.states[i]["step"] for i, _, _ in cut]
-        plan.append(_Chunk(cut, flat, work, buffers["values"][:size], steps))
-        done += size
-    used[key] = plan
+    for cut in segments([b - a for _, a, b, _ in runs], limit, align=fmt.align):
+        # (param, start, stop, first block): a coded grid's blocks are ``align`` long, cut at their edges
+        pieces = [
+            (runs[k][0], runs[k][1] + a, runs[k][1] + b, runs[k][3] + a // fmt.align) for k, a, b in cut
+        ]
+        plan.append(_chunk(unit, pieces, buffers, lows, done if grads_at is not None else None))
+        done += sum(b - a for _, a, b, _ in pieces)
+    if fmt.cached:
+        key = (workspace.generation, *key[1:])  # a buffer that grew starts a new generation
+        used[key] = plan
     return plan
 
 
-def _consecutive(buffer: torch.Tensor, segments: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+def _chunk(
+    unit: AdamUnit,
+    pieces: list[tuple[int, int, int, int]],
+    buffers: dict[str, torch.Tensor],
+    lows: list[bool],
+    grads_at: int | None,
+) -> _Chunk:
+    """The views of one chunk of ``pieces`` (param index, start, stop, first block)."""
+    size = sum(b - a for _, a, b, _ in pieces)
+    work = {role: _consecutive(buffer, pieces) for role, buffer in buffers.items()}
+    if grads_at is not None:
+        work["grad"] = _consecutive(buffers["grad"][grads_at:], pieces)
+    flat = [unit.params[i].view(-1)[a:b] for i, a, b, _ in pieces]
+    low = [n for n, (i, _, _, _) in enumerate(pieces) if lows[i]]
+    targets = [work["values"][n] if lows[i] else flat[n] for n, (i, _, _, _) in enumerate(pieces)]
+    kahan = None
+    if unit.kahan is not None:
+        kahan = [_flat(unit.kahan[pieces[n][0]])[pieces[n][1] : pieces[n][2]] for n in low]
+    moments = []
+    for key, role, second in zip(MOMENTS, ("moment", "second"), (False, True), strict=True):
+        views_ = [unit.moments.view(unit.states[i], key, a, b, block) for i, a, b, block in pieces]
+        codes, scales = [c for c, _ in views_], [s for _, s in views_]
+        moments.append(_Moment(codes, scales, codes if unit.moments.in_place(second) else work[role]))
+    return _Chunk(
+        segments=[(i, a, b) for i, a, b, _ in pieces],
+        targets=targets,
+        low=[flat[n] for n in low],
+        values=[work["values"][n] for n in low],
+        kahan=kahan,
+        scratch=[work["kahan"][n] for n in low] if kahan is not None else [],
+        grads=work["grad"],
+        moments=moments,
+        flat=buffers["values"][:size] if low else None,
+        steps=[unit.states[i]["step"] for i, _, _, _ in pieces],
+    )
+
+
+def _flat(kahan: torch.Tensor | None) -> torch.Tensor:
+    if kahan is None:
+        raise ValueError("a low-precision parameter stepped with Kahan buffers has none")
+    return kahan.view(-1)
+
+
+def _consecutive(buffer: torch.Tensor, pieces: list[tuple[int, int, int, int]]) -> list[torch.Tensor]:
     out, start = [], 0
-    for _, a, b in segments:
+    for _, a, b, _ in pieces:
         out.append(buffer[start : start + b - a])
         start += b - a
     return out
 
 
-def _narrowest_second_moment(units: list[AdamUnit]) -> torch.dtype:
-    return min((unit.moment_dtypes[1] for unit in units), key=lambda dtype: torch.finfo(dtype).max)
-
-
-def _prepare(unit: AdamUnit) -> None:
-    """Create missing state in torch's layout (``step``, ``exp_avg``, ``exp_avg_sq`` in the unit's moment
-    dtypes) and count the step (:func:`~mixprec.optim.updates.new_states`)."""
-    keep_moment_dtypes(unit.states, unit.moment_dtypes)
-    new_states(unit.states, unit.params, lambda param: _zero_moments(param, unit.moment_dtypes))
-
-
-def _zero_moments(param: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> dict[str, torch.Tensor]:
-    return {
-        key: torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-        for key, dtype in zip(("exp_avg", "exp_avg_sq"), dtypes, strict=True)
-    }
-
-
 def _update(unit: AdamUnit, chunk: _Chunk, workspace: Workspace) -> None:
-    """The step for one chunk of one unit whose gradients are already copied into ``chunk.work["grad"]``,
-    through fp32 workspace copies and torch's fused kernel."""
-    group, work = unit.group, chunk.work
-    p, m, v = chunk.state[:3]
-    t, g32, m32 = work["values"], work["grad"], work["moment"]
-    kahan = chunk.state[3] if unit.kahan is not None else None
-    widen(t, p, kahan, work.get("kahan", []))
-    torch._foreach_copy_(m32, m)
-    v32 = work.get("second", v)
-    if v32 is not v:
-        torch._foreach_copy_(v32, v)
-    fused_adam_(group, t, g32, m32, v32, chunk.steps)
-    torch._foreach_copy_(m, m32)
-    if v32 is not v:
-        torch._foreach_copy_(v, v32)
-    narrow(p, t, kahan, work.get("kahan", []), chunk.values, unit.generator, workspace)
+    """The step for one chunk of one unit whose gradients are already copied into ``chunk.grads``."""
+    fmt, (m, v) = unit.moments, chunk.moments
+    if chunk.low:
+        widen(chunk.values, chunk.low, chunk.kahan, chunk.scratch)
+    for second, moment in enumerate(chunk.moments):
+        if moment.values is not moment.codes:
+            fmt.decode(bool(second), moment.codes, moment.scales, moment.values, workspace.tables)
+    fused_adam_(unit.group, chunk.targets, chunk.grads, m.values, v.values, chunk.steps)
+    for second, moment in enumerate(chunk.moments):
+        if moment.values is not moment.codes:
+            fmt.encode(bool(second), moment.values, moment.codes, moment.scales, workspace.tables)
+    if chunk.low:
+        assert chunk.flat is not None
+        narrow(chunk.low, chunk.values, chunk.kahan, chunk.scratch, chunk.flat, unit.generator, workspace)

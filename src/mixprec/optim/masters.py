@@ -72,7 +72,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             O3 / "bf16-true").
         state_format: None (the inner optimizer's own state and step) or ``"bf16"``, ``"int8"``, ``"fp8"``:
             Adam's moments stored in that low-bit format (``mixprec.optim.state_formats``) and the masters
-            stepped chunk by chunk through torch's fused kernel (``mixprec.optim.lowbit_adam``, the step
+            stepped chunk by chunk through torch's fused kernel (``mixprec.optim.fused_adam``, the step
             counters on the masters' device); needs a fresh ``torch.optim.Adam``/``AdamW`` (any
             foreach/fused/capturable flag).
 

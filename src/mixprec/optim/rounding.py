@@ -13,9 +13,10 @@ Precision") adds 16 uniform random bits below bf16's last bit of the fp32 patter
 carry into bf16's last bit happens with probability (dropped fraction): unbiased. Where the bits come from:
 
 * :func:`round_stochastic_into` (fp32-state paths): one ``randint`` per value from the generator;
-* :func:`round_stochastic` with :class:`RandomBits` (the fused and low-bit Adam paths): a pool of ``POOL``
-  int32 values holding every 16-bit pattern equally often, shuffled once from a fixed seed and stored twice
-  over, read at a window that starts at an offset drawn from the generator for every piece of every step.
+* :func:`round_stochastic` with :class:`RandomBits` (the fused Adam engine, every state format): a pool of
+  ``POOL`` int32 values holding every 16-bit pattern equally often, shuffled once from a fixed seed and
+  stored twice over, read at windows that start at offsets drawn from the generator for every chunk of
+  every step.
   Given a uniform offset each value is exactly uniform over the 2**16 patterns, so each rounding stays
   unbiased; rounding errors of two weights in one step may be correlated (their windows may overlap), never
   biased. Drawing the offsets costs one small ``randint`` per chunk instead of 16 bits per weight; chunks
@@ -69,7 +70,7 @@ class Workspace:
         self.fold_numel = fold_numel
         self.buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
         self.pools: dict[str, RandomBits] = {}
-        self.plans: dict[tuple[Any, ...], Any] = {}  # fused_adam's chunk views, keyed by their tensors
+        self.plans: dict[tuple[Any, ...], Any] = {}  # the engine's kept chunk views, keyed by their tensors
         self.tables: dict[tuple[Any, ...], Any] = {}  # constant lookup tables per device (the int8 state map)
         self.generation = 0  # bumped whenever a buffer is replaced, which makes cached views stale
 

@@ -20,25 +20,38 @@ arXiv 2410.19313, answers with dynamic range expansion; the square root is the s
 
 Quantization rounds to nearest, so a state is a deterministic function of the step's inputs and a resumed
 run repeats an uninterrupted one bit for bit. The functions work on flat segments that start at a block
-boundary of their tensor (a chunk of ``mixprec.optim.lowbit_adam``), so no full-precision copy of a
+boundary of their tensor (a chunk of ``mixprec.optim.fused_adam``), so no full-precision copy of a
 whole moment exists.
+
+What the one Adam step engine (:func:`mixprec.optim.fused_adam.adam_step`) reads of a format is data: a
+:class:`TorchMoments` (torch's layout, the moments as tensors in bf16 or fp32, what ``CompensatedOptimizer``
+keeps without ``state_format``) or a :class:`CodedMoments` (one of ``STATE_FORMATS`` on the block grid)
+says where a tensor may be cut (``align``), whether the engine keeps its chunk views between steps
+(``cached``), which moment the kernel steps where it lies (``in_place``), and how a chunk's moments are
+made, decoded into fp32 and encoded back.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+
+from mixprec.optim.rounding import ALIGN
 
 __all__ = [
     "BLOCK",
     "ORIGINS",
     "STATE_FORMATS",
+    "CodedMoments",
+    "TorchMoments",
     "block_count",
     "check_origins",
     "dequantize_",
     "dynamic_map",
+    "keep_moment_dtypes",
     "new_moments",
     "pieces",
     "quantize_",
@@ -222,6 +235,102 @@ def dequantize_(
     _scale_blocks_(out, scale, divide=False)
     if fmt == "fp8" and second:
         out.square_()
+
+
+def keep_moment_dtypes(states: list[dict[str, Any]], dtypes: tuple[torch.dtype, ...]) -> None:
+    """Cast ``exp_avg`` / ``exp_avg_sq`` held in another dtype (a state loaded from elsewhere) to the dtypes
+    this path keeps them in, so the run continues in those."""
+    for state in states:
+        for key, dtype in zip(MOMENTS, dtypes, strict=True):
+            if key in state and state[key].dtype != dtype:
+                state[key] = state[key].to(dtype)
+
+
+@dataclass(frozen=True)
+class TorchMoments:
+    """Adam's moments in torch's layout: ``exp_avg`` and ``exp_avg_sq`` shaped as the param, in ``dtypes``
+    (``updates.moment_dtypes``: bf16 where the average can move in bf16, else fp32), no scales.
+
+    A tensor may be cut every ``ALIGN`` values; the chunk views are kept between steps; an fp32 moment is
+    stepped where it lies, a bf16 one through an fp32 copy.
+    """
+
+    dtypes: tuple[torch.dtype, ...]
+    align: ClassVar[int] = ALIGN
+    cached: ClassVar[bool] = True
+
+    @property
+    def second_dtype(self) -> torch.dtype:
+        """The dtype whose range bounds ``exp_avg_sq`` (the guard's limit)."""
+        return self.dtypes[1]
+
+    def new(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            key: torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            for key, dtype in zip(MOMENTS, self.dtypes, strict=True)
+        }
+
+    def keep(self, states: list[dict[str, Any]]) -> None:
+        keep_moment_dtypes(states, self.dtypes)
+
+    def runs(self, numel: int, state: dict[str, Any]) -> list[tuple[int, int, int]]:
+        return [(0, numel, 0)]
+
+    def in_place(self, second: bool) -> bool:
+        return self.dtypes[int(second)] == torch.float32
+
+    def view(self, state: dict[str, Any], key: str, start: int, stop: int, block: int):
+        return state[key].view(-1)[start:stop], None
+
+    def decode(self, second: bool, codes, scales, out: list[torch.Tensor], tables: dict[Any, Any]) -> None:
+        torch._foreach_copy_(out, codes)
+
+    def encode(self, second: bool, values: list[torch.Tensor], codes, scales, tables: dict[Any, Any]) -> None:
+        torch._foreach_copy_(codes, values)
+
+
+@dataclass(frozen=True)
+class CodedMoments:
+    """Adam's moments in the state format ``fmt`` (one of ``STATE_FORMATS``): codes shaped as the param and
+    one scale per block of a grid that survives resharding (:func:`pieces`).
+
+    A tensor is cut only at its blocks' boundaries (``align = BLOCK``); the chunk views are made each step
+    (the grid is read from the state); both moments are decoded into fp32 and encoded back, block by block.
+    """
+
+    fmt: str
+    align: ClassVar[int] = BLOCK
+    cached: ClassVar[bool] = False
+    second_dtype: ClassVar[torch.dtype] = torch.float32  # the step's fp32 copy and the fp32 scales
+
+    def new(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return new_moments(self.fmt, param)  # one block grid, from the start
+
+    def keep(self, states: list[dict[str, Any]]) -> None:
+        del states  # a loaded state's layout is checked at load (``state.check_saved_format``)
+
+    def runs(self, numel: int, state: dict[str, Any]) -> list[tuple[int, int, int]]:
+        origins = state.get(ORIGINS)
+        return pieces(numel, None if origins is None else origins.tolist())
+
+    def in_place(self, second: bool) -> bool:
+        return False
+
+    def view(self, state: dict[str, Any], key: str, start: int, stop: int, block: int):
+        """The flat codes of ``state[key]`` from ``start`` to ``stop`` (one run of the grid, from its block
+        ``block``) and the scales of their blocks."""
+        codes = state[key].view(-1)[start:stop]
+        if self.fmt == "bf16":
+            return codes, None
+        return codes, state[scale_key(key)][block : block + -(-(stop - start) // BLOCK)]
+
+    def decode(self, second: bool, codes, scales, out: list[torch.Tensor], tables: dict[Any, Any]) -> None:
+        for code, scale, values in zip(codes, scales, out, strict=True):
+            dequantize_(self.fmt, second, code, scale, values, tables)
+
+    def encode(self, second: bool, values: list[torch.Tensor], codes, scales, tables: dict[Any, Any]) -> None:
+        for value, code, scale in zip(values, codes, scales, strict=True):
+            quantize_(self.fmt, second, value, code, scale, tables)
 
 
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:

@@ -38,13 +38,13 @@ import torch
 
 from mixprec.optim.guard import grads_of
 from mixprec.optim.rounding import Workspace, chunks, kahan_fold, round_stochastic_into, views
+from mixprec.optim.state_formats import TorchMoments
 
 __all__ = [
     "FAST_OPTIMIZERS",
     "contiguous",
     "fast_algorithm",
     "fused_adam_",
-    "keep_moment_dtypes",
     "moment_dtypes",
     "new_states",
     "round_into",
@@ -70,7 +70,7 @@ def fast_algorithm(optimizer: torch.optim.Optimizer, *, capturable: bool = False
 
     Only these exact classes qualify (a subclass may change ``step``), with float hyperparameters and
     without amsgrad, differentiable or (unless ``capturable``) capturable. ``capturable=True`` is for the
-    low-bit state path (``mixprec.optim.lowbit_adam``), which steps through torch's fused kernel whatever
+    low-bit state path (``mixprec.optim.fused_adam``), which steps through torch's fused kernel whatever
     the foreach/fused/capturable flags say, its counters on the device as a capturable step keeps them.
     """
     algorithm = FAST_OPTIMIZERS.get(type(optimizer))
@@ -198,15 +198,6 @@ def new_states(
     return step_counters(states, counters_on or params[0].device)  # torch: step_t += 1 first
 
 
-def keep_moment_dtypes(states: list[dict[str, Any]], dtypes: tuple[torch.dtype, ...]) -> None:
-    """Cast ``exp_avg`` / ``exp_avg_sq`` held in another dtype (a state loaded from elsewhere) to the dtypes
-    this path keeps them in, so the run continues in those."""
-    for state in states:
-        for key, dtype in zip(("exp_avg", "exp_avg_sq"), dtypes, strict=True):
-            if key in state and state[key].dtype != dtype:
-                state[key] = state[key].to(dtype)
-
-
 def fused_adam_(
     group: dict[str, Any],
     params: list[torch.Tensor],
@@ -233,15 +224,11 @@ def adam_states(states: list[dict[str, Any]], like: list[torch.Tensor]) -> list[
     The counters live on the host (:func:`step_counters`): the bias corrections are host numbers here, so
     reading them costs no device sync.
     """
-    if like:
-        keep_moment_dtypes(states, (like[0].dtype, like[0].dtype))
-    counters = new_states(states, like, _zero_moments, counters_on=_HOST)
-    return torch.stack(counters).tolist() if counters else []
-
-
-def _zero_moments(like: torch.Tensor) -> dict[str, torch.Tensor]:
-    keys = ("exp_avg", "exp_avg_sq")
-    return {key: torch.zeros_like(like, memory_format=torch.preserve_format) for key in keys}
+    if not like:
+        return []
+    moments = TorchMoments((like[0].dtype, like[0].dtype))
+    moments.keep(states)
+    return torch.stack(new_states(states, like, moments.new, counters_on=_HOST)).tolist()
 
 
 def _decay_and_grads(group, grads, target, decay_base, additive):

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from mixprec.optim.fused_adam import check_lowbit_params, step_groups
 from mixprec.optim.guard import HugeGradientGuard
-from mixprec.optim.lowbit_adam import check_lowbit_params, step_groups
 from mixprec.optim.rounding import Workspace
 from mixprec.optim.state_formats import STATE_FORMATS
 from mixprec.optim.updates import fast_algorithm
@@ -152,7 +152,7 @@ class ScalerView:
     CompensatedOptimizer reads the model's gradients while its groups hold gradient-less scratch params.
     ``guard`` (:class:`~mixprec.optim.guard.HugeGradientGuard`) may skip the inner step after the scaler
     decided to take it. With a ``state_format`` the step is Adam/AdamW on low-bit moments
-    (:func:`mixprec.optim.lowbit_adam.step_groups`) instead of the inner optimizer's own.
+    (:func:`mixprec.optim.fused_adam.step_groups`) instead of the inner optimizer's own.
     """
 
     def __init__(self, optimizer: Optimizer, guard: Any = None, state_format: str | None = None) -> None:
