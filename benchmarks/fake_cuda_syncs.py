@@ -90,10 +90,10 @@ def _float8_step(layer: Float8Linear, x: torch.Tensor) -> Callable[[], None]:
     """What ``Float8Linear.forward`` + backward run, with the Function called directly."""
 
     def step() -> None:
-        config = layer.config  # the same arguments Float8Linear.forward passes (one engine since issue 31)
+        config = layer.config  # the same arguments Float8Linear.forward passes
         fn = LowbitLinearFunction
         args = (x, layer.weight, config.resolved_lowbit_recipe, None, config.gemm_options,
-                config.tensor_scaling, layer.amax_history, layer.fp8_stats, True)  # fmt: skip
+                layer.amax_history, layer.fp8_stats, True)  # fmt: skip
         ctx = Ctx((True, True) + (False,) * (len(args) - 2))
         out = fn.forward(ctx, *args)
         fn.backward(ctx, torch.randn_like(out))
