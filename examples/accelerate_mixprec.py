@@ -40,7 +40,7 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad()
         accelerator.diagnose_step(
-            model, x, loss, loss_fn=lambda out, y=y: nn.functional.cross_entropy(out, y)
+            model, x, loss, loss_fn=lambda m, batch, y=y: nn.functional.cross_entropy(m(batch), y)
         )
         losses.append(loss.item())
 
