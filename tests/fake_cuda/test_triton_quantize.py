@@ -307,7 +307,7 @@ def test_a_layer_reads_each_operand_once_and_gets_the_per_use_bits(interpret, mo
     def kernels_with_torchs_cast(x, fmt, *, transpose=False, cast=True):
         calls.append((tuple(x.shape), transpose))
         pair = fused(x, fmt, transpose=transpose, cast=False)
-        return tuple(None if q is None else dataclasses.replace(q, data=q.data.to(q.fmt.elem.dtype)) for q in pair)
+        return tuple(q and dataclasses.replace(q, data=q.data.to(q.fmt.elem.dtype)) for q in pair)
 
     monkeypatch.setattr(interpret, "quantize", kernels_with_torchs_cast)
     got = _layer_step(RECIPES[recipe])

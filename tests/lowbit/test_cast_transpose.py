@@ -163,8 +163,8 @@ def test_shared_operands_follow_the_recipe(monkeypatch):
 @pytest.mark.parametrize("delayed", [False, True])
 def test_per_tensor_scaling_keeps_the_transposed_fp8_copies(delayed):
     """A per-tensor layer saves x.T and w.T cast once (one amax, one scale), the bits of each cast."""
-    recipe = Recipe("fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise_e5m2", "fp8_tensorwise",
-                    "fp8_tensorwise_e5m2", "fp8_tensorwise", scaling=TensorScaling(delayed=delayed))  # fmt: skip
+    tw, e5 = "fp8_tensorwise", "fp8_tensorwise_e5m2"
+    recipe = Recipe(tw, tw, e5, tw, e5, tw, scaling=TensorScaling(delayed=delayed))
     x = torch.randn(2, 24, 32, requires_grad=True)
     w = torch.randn(16, 32, requires_grad=True)
     history = torch.zeros(3, 4) + 5.0 if delayed else None

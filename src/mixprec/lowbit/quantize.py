@@ -102,7 +102,7 @@ def quantize(
 
 
 def quantize_pair(x: torch.Tensor, fmt: LowbitFormat | str) -> tuple[Quantized, Quantized]:
-    """``x`` (M, K) quantized along K and ``x.T`` (K, M) along M, from one read of ``x`` where a kernel does it.
+    """``x`` (M, K) quantized along K and ``x.T`` (K, M) along M, from one read of ``x`` on a kernel.
 
     Bit for bit ``(quantize(x, fmt, pad=True), quantize(x.t(), fmt, pad=True))``, the pair a linear
     layer's two GEMMs of one operand need (Transformer Engine's cast-transpose). On CUDA in eager mode, for a
@@ -127,7 +127,8 @@ def quantize_pair(x: torch.Tensor, fmt: LowbitFormat | str) -> tuple[Quantized, 
     _check(x, -1, False, None, True)
     if x.dim() != 2:
         raise ValueError(f"quantize_pair takes a 2-D (M, K) tensor, got shape {tuple(x.shape)}")
-    if not torch.compiler.is_compiling() and (x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"):
+    on_kernel = x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    if on_kernel and not torch.compiler.is_compiling():
         from mixprec.lowbit import triton_quantize
 
         if triton_quantize.fused_eligible(x, fmt):
@@ -136,7 +137,8 @@ def quantize_pair(x: torch.Tensor, fmt: LowbitFormat | str) -> tuple[Quantized, 
             return q, q_t
     q = quantize(x, fmt, pad=True)
     if fmt.is_tensorwise:  # one scale for both: the transposed copy is the same bits, seen transposed
-        return q, Quantized(q.data.t(), q.scale, q.tensor_scale, fmt, torch.Size((x.shape[1], x.shape[0])), x.dtype, 1)
+        shape_t = torch.Size((x.shape[1], x.shape[0]))
+        return q, Quantized(q.data.t(), q.scale, q.tensor_scale, fmt, shape_t, x.dtype, 1)
     return q, quantize(x.t(), fmt, pad=True)
 
 
