@@ -533,18 +533,22 @@ def gemm_kernel_paths(
 class LowbitLinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with the three GEMMs quantized by ``recipe``; bias is added by the caller.
 
-    Per operand (``recipe.scaling`` None, :func:`_per_operand_forward`): ``x`` (..., K) and ``weight``
-    (N, K) are saved in their own precision, and each backward GEMM quantizes them along its own reduction
-    axis (a rowwise or block format needs a different quantization per GEMM). A quantized weight is cast
-    from its own dtype (an fp32 master under bf16 autocast is rounded once, to the low-bit format, as
-    torchao's float8 and Transformer Engine round it); a high-precision operand enters its GEMM in the
-    output dtype.
+    Per operand (``recipe.scaling`` None, :func:`_per_operand_forward`): each GEMM quantizes its operands
+    along its own reduction axis (a rowwise or block format needs a different quantization per GEMM). An
+    operand that :func:`shared_operands` names (one format in both its GEMMs, no ``rht`` / ``sr`` in the
+    way) is quantized once with its transposed copy (:func:`~mixprec.lowbit.quantize.quantize_pair`,
+    Transformer Engine's cast-transpose; bit for bit the per-use quantization), and backward keeps the
+    copy: the fp8 ``x.T`` in place of ``x``, the weight's beside it. Any other operand is saved in its
+    own precision and quantized by backward. A quantized weight is cast from its own dtype (an fp32
+    master under bf16 autocast is rounded once, to the low-bit format, as torchao's float8 and Transformer
+    Engine round it); a high-precision operand enters its GEMM in the output dtype.
 
     Per tensor (``recipe.scaling`` a :class:`~mixprec.lowbit.history.TensorScaling`, tensorwise formats
     only, :func:`_per_tensor_forward`): input, weight and grad_output are each cast once, from their own
     dtypes, with the recipe's scale (dynamic, or delayed from ``history`` float32[3, L], pushed when
-    ``update``); a tensorwise cast serves both GEMMs a tensor is in, so the fp8 input and weight are what
-    backward keeps, as torchao's. ``stats`` float32[2, 3] receives each role's last amax and scale.
+    ``update``), the cast writing the transpose too; a tensorwise cast serves both GEMMs a tensor is in, so
+    the fp8 ``x.T`` and ``w.T`` are what backward keeps. ``stats`` float32[2, 3] receives each role's
+    last amax and scale.
 
     Args:
         x: (..., K) floating point.

@@ -102,22 +102,22 @@ def quantize(
 
 
 def quantize_pair(x: torch.Tensor, fmt: LowbitFormat | str) -> tuple[Quantized, Quantized]:
-    """``x`` (M, K) quantized along K and ``x.T`` (K, M) along M, from one read of ``x`` on a kernel.
+    """``x`` (M, K) quantized along K and ``x.T`` (K, M) along M, from one read of ``x`` on CUDA.
 
     Bit for bit ``(quantize(x, fmt, pad=True), quantize(x.t(), fmt, pad=True))``, the pair a linear
     layer's two GEMMs of one operand need (Transformer Engine's cast-transpose). On CUDA in eager mode, for a
-    format :func:`mixprec.lowbit.triton_quantize.format_supported` accepts, one fused Triton pass writes
-    both (:func:`mixprec.lowbit.triton_quantize.quantize` with ``transpose=True``). Elsewhere (a CPU,
+    format ``mixprec.lowbit.triton_quantize.format_supported`` accepts, one fused Triton pass writes
+    both (``mixprec.lowbit.triton_quantize.quantize`` with ``transpose=True``). Elsewhere (a CPU,
     ``torch.compile``, other formats, ``MIXPREC_FUSED_QUANTIZE=0``) a tensorwise format takes one amax
     and one scale, the transposed copy a view of the same fp8 data (casting is elementwise, so the bits
-    are the same); any other format is quantized along each axis by :func:`quantize`.
+    are the same); any other format is quantized along each axis by :func:`~mixprec.lowbit.quantize`.
 
     Args:
         x: a floating (M, K) tensor (fp32, bf16, fp16).
-        fmt: a :class:`LowbitFormat` or a name in :data:`mixprec.lowbit.FORMATS`.
+        fmt: a :class:`~mixprec.lowbit.LowbitFormat` or a name in :data:`mixprec.lowbit.FORMATS`.
 
     Returns:
-        ``(q, q_t)``: two :class:`Quantized`, ``q_t.shape == (K, M)`` with ``axis=1``.
+        ``(q, q_t)``: two :class:`~mixprec.lowbit.Quantized`, ``q_t.shape == (K, M)`` with ``axis=1``.
 
     Raises:
         TypeError: for a non-tensor or non-floating ``x``.
