@@ -32,7 +32,12 @@ CUDA): per fp8 format, an operand quantized along K and its transposed copy quan
 forward and the backward need), by the pure-torch quantizers (``MIXPREC_FUSED_QUANTIZE=0``) and by the
 fused Triton kernels (``mixprec.lowbit.triton_quantize``, where the device has them), interleaved
 rounds of ``--quant-repeats`` timed calls each, the median and range in ms and in GB/s (the input read
-once and two fp8 copies written), and whether the fused result is the pure-torch one bit for bit.
+once and two fp8 copies written), and whether the fused result is the pure-torch one bit for bit. Then
+the passes: per lowbit recipe, the operand quantizations (each one read of a high-precision input,
+weight or grad_output) one ``LowbitLinearFunction`` forward and backward makes, counted by a patched
+counter, per use (``mixprec.lowbit.gemm.SHARE_CASTS = False``, as before the cast-transpose) and shared
+(the default), with whether both give the same output and gradients bit for bit; counts, not times, so
+the CPU's figures are the GPU's.
 
 A config that fails (to convert, to compile, in a step) gets its row with the error and the others go on.
 ``--json`` is rewritten after every round and every row (``benchmarks/checkpoint.py``; ``"partial"``
@@ -260,6 +265,7 @@ class Results:
         self.skipped: list[dict[str, Any]] = []
         self.gemm: list[dict[str, Any]] = []
         self.quantize: list[dict[str, Any]] = []
+        self.passes: list[dict[str, Any]] = []
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -269,7 +275,13 @@ class Results:
         return out + self.skipped
 
     def save(self, partial: str | None) -> None:
-        data = {"meta": self.meta, "rows": self.rows(), "gemm": self.gemm, "quantize": self.quantize}
+        data = {
+            "meta": self.meta,
+            "rows": self.rows(),
+            "gemm": self.gemm,
+            "quantize": self.quantize,
+            "passes": self.passes,
+        }
         write_json(self.path, data, partial)
 
 
@@ -412,6 +424,63 @@ def run_quantize(results: Results, args: argparse.Namespace) -> None:
     results.quantize = list(rows.values())
 
 
+PASS_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "mxfp8", "nvfp4")
+
+
+def count_passes(recipe: str, device: torch.device, share: bool) -> tuple[int, list[torch.Tensor]]:
+    """Operand quantizations of one lowbit linear layer's forward and backward (x (2, 256, 256), w (512, 256)
+    bf16), and the output and gradients, with the shared casts on or off."""
+    from mixprec.lowbit import RECIPES
+    from mixprec.lowbit import gemm as lowbit_gemm
+
+    count = [0]
+    saved = {n: getattr(lowbit_gemm, n) for n in ("_quantize_operand", "_quantize_both", "SHARE_CASTS")}
+
+    def counted(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
+            count[0] += 1
+            return real(*a, **k)
+
+        return call
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 256, 256, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(512, 256, generator=g) / 16).to(device, torch.bfloat16).requires_grad_()
+    go = torch.randn(2, 256, 512, generator=g).to(device, torch.bfloat16)
+    try:
+        lowbit_gemm._quantize_operand = counted(saved["_quantize_operand"])
+        lowbit_gemm._quantize_both = counted(saved["_quantize_both"])
+        lowbit_gemm.SHARE_CASTS = share
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # emulation on a device without the kernel
+            out = lowbit_gemm.LowbitLinearFunction.apply(
+                x, w, RECIPES[recipe], torch.Generator(device).manual_seed(1)
+            )
+            out.backward(go)
+    finally:
+        for name, value in saved.items():
+            setattr(lowbit_gemm, name, value)
+    assert x.grad is not None and w.grad is not None
+    return count[0], [out.detach(), x.grad, w.grad]
+
+
+def run_passes(results: Results, args: argparse.Namespace) -> None:
+    """The passes: operand quantizations per layer per step, per use and shared (see the module doc)."""
+    device = torch.device(args.device)
+    for recipe in PASS_RECIPES:
+        entry: dict[str, Any] = {"recipe": recipe}
+        try:
+            before, old = count_passes(recipe, device, share=False)
+            after, new = count_passes(recipe, device, share=True)
+            same = all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
+            entry.update(per_use=before, shared=after, bitwise=same)
+            if not same:
+                entry["error"] = "the shared casts' step differs from the per-use step"
+        except Exception as exc:
+            entry["error"] = _error(exc)
+        results.passes.append(entry)
+
+
 def _print(results: Results) -> None:
     meta = results.meta
     print(
@@ -450,6 +519,12 @@ def _print(results: Results) -> None:
         bits = "" if "bitwise" not in q else f"  bitwise: {q['bitwise']}"
         print(f"{where} {q['median_ms']:8.3f} ms [{q['range_ms'][0]:.3f}-{q['range_ms'][1]:.3f}] "
               f"{q['gb_per_s']:7.1f} GB/s{vs}{bits}")  # fmt: skip
+    for p in results.passes:
+        where = f"quantization passes per linear per step, {p['recipe']:18}"
+        if "per_use" not in p:
+            print(f"{where} FAILED: {p.get('error')}")
+            continue
+        print(f"{where} {p['per_use']} per use -> {p['shared']} shared  bitwise: {p['bitwise']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.quant_shape:
             run_quantize(results, args)
             results.save("running: quantize level done")
+        run_passes(results, args)
+        results.save("running: passes counted")
         if "compiled" in modes:
             run_configs(results, True, args, started)
     except KeyboardInterrupt as exc:
@@ -519,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     results.save(None)
     _print(results)
     failed = [r for r in results.rows() if "error" in r] + [g for g in results.gemm if g.get("error")]
-    failed += [q for q in results.quantize if q.get("error")]
+    failed += [q for q in results.quantize if q.get("error")] + [p for p in results.passes if p.get("error")]
     return 1 if failed else 0
 
 

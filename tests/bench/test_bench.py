@@ -52,6 +52,7 @@ def test_records_have_exact_keys_and_sane_values(tabular_results: list[runner.Ru
         assert record["rounds"] == 2 and len(record["round_medians_ms"]) == 2  # 3 steps, 1 warm-up
         assert record["skipped_steps"] == 0 and record["final_scale"] is None
     assert records[0]["dtype"] == "float32" and records[1]["dtype"] == "bfloat16"
+    assert records[0]["compiled"] is False and records[1]["compiled"] is False  # eager runs
     assert records[0]["speedup_vs_fp32"] == 1.0
     history = tabular_results[0].history
     assert [h["round"] for h in history] == [0, 1, 2] and [h["step"] for h in history] == [0, 1, 2]

@@ -15,6 +15,7 @@ from mixprec.bench.budget import fit
 from mixprec.bench.jobs import make_plan, resolve_workloads
 from mixprec.bench.models import CharGPT
 from mixprec.bench.progress import COMPILE_S, START_S, estimate_s, start_s
+from mixprec.bench.report import make_records
 from mixprec.bench.runner import Job, run_job
 from mixprec.bench.workloads import SIZES, WORKLOADS
 
@@ -85,3 +86,6 @@ def test_a_compiled_run_trains_as_the_eager_one_through_dynamo():
         compiled.memory_bytes is not None
         and compiled.memory_bytes["weights"] == eager.memory_bytes["weights"]
     )
+    # the bench JSON says which run was compiled
+    records = make_records([eager, compiled])
+    assert [r["compiled"] for r in records] == [False, True] and compiled.compiled and not eager.compiled

@@ -377,8 +377,12 @@ def test_gpu_fp8_keeps_going_past_a_failing_config_and_writes_after_each_row(
         "running: mixprec rowwise warmed up",
         "running: eager round 1 of 2",
         "running: eager round 2 of 2",
+        "running: quantize level done",
+        "running: passes counted",
         None,
     ]
+    passes = {p["recipe"]: p for p in json.loads(out.read_text())["passes"]}
+    assert passes["fp8_rowwise"] == {"recipe": "fp8_rowwise", "per_use": 6, "shared": 3, "bitwise": True}
 
 
 def test_gpu_fp8_starts_no_compile_its_budget_cannot_fit_and_a_sigterm_keeps_the_rounds(

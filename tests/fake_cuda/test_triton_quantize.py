@@ -13,6 +13,7 @@ is compared bit for bit everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -275,3 +276,75 @@ def test_tensor_amax_is_amax_of(interpret, kind):
         got = interpret.tensor_amax(view)
         assert got.shape == () and got.dtype == torch.float32
         assert _same(got, amax_of(view)), (got, amax_of(view))
+
+
+def _layer_step(recipe, seed: int = 9):
+    """One forward and backward of a low-bit linear layer: (out, grad_x, grad_w)."""
+    import warnings
+
+    from mixprec.lowbit.gemm import LowbitLinearFunction
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 70, 256, generator=g) * 4).requires_grad_()
+    w = (torch.randn(96, 256, generator=g) / 16).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU's emulation warning
+        out = LowbitLinearFunction.apply(x, w, recipe)
+        out.backward(torch.randn(2, 70, 96, generator=g))
+    return out.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"])
+def test_a_layer_reads_each_operand_once_and_gets_the_per_use_bits(interpret, monkeypatch, recipe):
+    """The layer's step through the kernels' cast-transpose (one launch set per operand, transpose=True),
+    with torch's cast of the kernels' values (the interpreter's cast aside, as above), is bit for bit the
+    pure-torch per-use quantization's step."""
+    from mixprec.lowbit import RECIPES, gemm
+
+    calls = []
+    fused = interpret.quantize
+
+    def kernels_with_torchs_cast(x, fmt, *, transpose=False, cast=True):
+        calls.append((tuple(x.shape), transpose))
+        pair = fused(x, fmt, transpose=transpose, cast=False)
+        return tuple(q and dataclasses.replace(q, data=q.data.to(q.fmt.elem.dtype)) for q in pair)
+
+    monkeypatch.setattr(interpret, "quantize", kernels_with_torchs_cast)
+    got = _layer_step(RECIPES[recipe])
+    assert calls == [((140, 256), True), ((96, 256), True), ((140, 96), True)]  # x, w, grad_output
+    with monkeypatch.context() as m:
+        m.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+        m.setattr(gemm, "SHARE_CASTS", False)
+        ref = _layer_step(RECIPES[recipe])
+    assert len(calls) == 3
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernels)")
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "per_tensor"])
+def test_on_a_gpu_a_layer_step_with_the_cast_transpose_is_the_per_use_step(monkeypatch, recipe):
+    import warnings
+
+    from mixprec.lowbit import RECIPES, Recipe, gemm
+    from mixprec.lowbit.gemm import LowbitLinearFunction
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = Recipe.parse("fp8_tensorwise scaling=dynamic") if recipe == "per_tensor" else RECIPES[recipe]
+
+    def step():
+        g = torch.Generator().manual_seed(4)
+        x = (torch.randn(2, 300, 512, generator=g) * 4).cuda().to(torch.bfloat16).requires_grad_()
+        w = (torch.randn(384, 512, generator=g) / 16).cuda().requires_grad_()
+        stats = torch.zeros(2, 3, device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = LowbitLinearFunction.apply(x, w, r, None, None, None, stats)
+            out.backward(torch.randn(2, 300, 384, generator=g).cuda().to(torch.bfloat16))
+        return out.detach(), x.grad, w.grad
+
+    got = step()
+    monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+    monkeypatch.setattr(gemm, "SHARE_CASTS", False)
+    for a, b in zip(got, step(), strict=True):
+        assert torch.equal(a, b)

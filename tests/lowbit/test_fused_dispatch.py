@@ -83,8 +83,9 @@ def test_the_tensorwise_cast_on_a_cpu_is_history_to_float8():
     x = torch.randn(32, 48) * 100
     scale = torch.tensor(2.5)
     fmt = get_format("fp8_tensorwise_e5m2")
-    out = gemm._to_float8(x, scale, fmt)
+    out, out_t = gemm._to_float8(x, scale, fmt, transpose=True)
     assert torch.equal(out.view(torch.uint8), history.to_float8(x, scale, fmt.elem).view(torch.uint8))
+    assert torch.equal(out_t.view(torch.uint8), history.to_float8(x.t(), scale, fmt.elem).view(torch.uint8))
 
 
 def test_the_amax_of_a_cpu_tensor_is_torchs(monkeypatch):

@@ -23,6 +23,7 @@ RECORD_KEYS = (
     "device",
     "threads",
     "dtype",
+    "compiled",
     "steps",
     "rounds",
     "step_time_ms",
@@ -86,6 +87,7 @@ def make_records(results: Sequence[Any], runs_planned: int | None = None) -> lis
             "device": r.device,
             "threads": r.threads,
             "dtype": r.dtype,
+            "compiled": bool(getattr(r, "compiled", False)),  # results from before --compile have none
             "steps": r.steps,
             "rounds": t.rounds,
             "step_time_ms": _finite(t.median_ms),

@@ -84,7 +84,8 @@ class RunResult:
 
     ``history`` has one entry per step: ``step``, ``round``, ``loss``, ``scale`` (None: the mode does not
     scale), ``skipped`` and ``step_time_ms``. Summary statistics are computed from it by
-    ``mixprec.bench.stats``; ``step_time_ms`` here is the median after ``warmup`` steps.
+    ``mixprec.bench.stats``; ``step_time_ms`` here is the median after ``warmup`` steps. ``compiled``:
+    the model ran ``torch.compile``-d (``mixprec bench --compile``).
     """
 
     workload: str
@@ -105,6 +106,7 @@ class RunResult:
     threads: int = 1
     history: list[dict[str, Any]] = field(default_factory=list)
     memory_bytes: dict[str, int] | None = None
+    compiled: bool = False
 
 
 def _sync(device: torch.device) -> None:
@@ -213,6 +215,7 @@ class Trainer:
             threads=torch.get_num_threads(),
             history=self.history,
             memory_bytes=self.memory_bytes,
+            compiled=self.job.compiled,
         )
 
 

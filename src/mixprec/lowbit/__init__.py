@@ -41,7 +41,7 @@ from mixprec.lowbit.formats import FORMATS, LowbitFormat, ScaleRounding, get_for
 from mixprec.lowbit.gemm import hadamard_16, lowbit_mm
 from mixprec.lowbit.history import TensorScaling
 from mixprec.lowbit.linear import LowbitConv1D, LowbitLinear
-from mixprec.lowbit.quantize import Quantized, quantize, round_to_element
+from mixprec.lowbit.quantize import Quantized, quantize, quantize_pair, round_to_element
 from mixprec.lowbit.recipes import HP, OPERANDS, RECIPES, Recipe, get_recipe
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "lowbit_linears",
     "lowbit_mm",
     "quantize",
+    "quantize_pair",
     "round_to_element",
     "save_activations",
     "sr_state_dict",

@@ -29,7 +29,7 @@ from mixprec.lowbit import history as tensor_history
 from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.history import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.lowbit.kernels import Kernel, select_kernel, to_blocked
-from mixprec.lowbit.quantize import Quantized, quantize
+from mixprec.lowbit.quantize import Quantized, quantize, quantize_pair
 from mixprec.lowbit.recipes import HP, Recipe
 
 __all__ = [
@@ -383,46 +383,101 @@ def _gemm(a, a_fmt, b, b_fmt, out_dtype, sr_a=False, generator=None, options=Non
     """``a @ b.T`` for (rows, K) matrices, each operand quantized along K unless its format is hp."""
     if a_fmt == HP and b_fmt == HP:
         return torch.mm(a.to(out_dtype), b.to(out_dtype).t())
-    qa = quantize(a, a_fmt, stochastic=sr_a, generator=generator, pad=True) if a_fmt != HP else None
-    qb = quantize(b, b_fmt, pad=True) if b_fmt != HP else None
-    if qa is not None and qb is not None:  # (three arguments where there are no options: lowbit's own)
-        return lowbit_mm(qa, qb, out_dtype) if options is None else lowbit_mm(qa, qb, out_dtype, options)
+    qa = _quantize_operand(a, a_fmt, sr_a, generator) if a_fmt != HP else a
+    qb = _quantize_operand(b, b_fmt) if b_fmt != HP else b
+    return _mm(qa, qb, out_dtype, options)
+
+
+def _quantize_operand(x, fmt, stochastic=False, generator=None) -> Quantized:
+    """One GEMM operand (rows, K) quantized along K (the per-use quantization)."""
+    return quantize(x, fmt, stochastic=stochastic, generator=generator, pad=True)
+
+
+def _quantize_both(x, fmt) -> tuple[Quantized, Quantized]:
+    """``x`` (rows, K) quantized for both its GEMMs, along K and (as ``x.T``) along rows, from one read."""
+    return quantize_pair(x, fmt)
+
+
+def _mm(a, b, out_dtype, options=None) -> torch.Tensor:
+    """``a @ b.T`` of two (rows, K) operands, each a :class:`Quantized` or a high-precision tensor."""
+    qa, qb = isinstance(a, Quantized), isinstance(b, Quantized)
+    if qa and qb:  # (three arguments where there are no options: lowbit's own)
+        return lowbit_mm(a, b, out_dtype) if options is None else lowbit_mm(a, b, out_dtype, options)
+    if not qa and not qb:
+        return torch.mm(a.to(out_dtype), b.to(out_dtype).t())
     # a high-precision operand enters in the output dtype (a float32 master weight as a bf16 GEMM sees it)
-    a32 = _matrix(qa) if qa is not None else a.to(out_dtype).to(torch.float32)
-    b32 = _matrix(qb) if qb is not None else b.to(out_dtype).to(torch.float32)
+    a32 = _matrix(a) if qa else a.to(out_dtype).to(torch.float32)
+    b32 = _matrix(b) if qb else b.to(out_dtype).to(torch.float32)
     return torch.mm(a32, b32.t()).to(out_dtype)
 
 
-def _scale_cast(role, x, fmt_name, scaling, history, stats, update) -> tuple[Quantized, torch.Tensor]:
+#: Whether an operand with one format in both its GEMMs is quantized once for both (the transposed copy
+#: saved for backward); False quantizes it per use, as before (the tests' reference path).
+SHARE_CASTS = True
+
+
+def shared_operands(recipe: Recipe) -> tuple[bool, bool, bool]:
+    """Whether input, weight and grad_output are each quantized once for both GEMMs they enter.
+
+    An operand is shared when both its uses quantize it to one (not hp) format, and no Hadamard rotation
+    (``rht``, the wgrad operands) or stochastic rounding (``sr``, grad_output) makes the two differ:
+    input for fprop and wgrad, weight for fprop and dgrad, grad_output for dgrad and wgrad.
+    """
+    if not SHARE_CASTS:
+        return False, False, False
+
+    def same(a: str, b: str) -> bool:
+        return a == b and a != HP
+
+    return (
+        same(recipe.fprop_x, recipe.wgrad_x) and not recipe.rht,
+        same(recipe.fprop_w, recipe.dgrad_w),
+        same(recipe.dgrad_go, recipe.wgrad_go) and not recipe.rht and not recipe.sr,
+    )
+
+
+def _scale_cast(
+    role, x, fmt_name, scaling, history, stats, update, transpose=False
+) -> tuple[Quantized, torch.Tensor, Quantized | None]:
     """``x`` (rows, K) cast to the tensorwise format ``fmt_name`` with ``scaling``'s scale for ``role``,
-    and that scalar scale."""
+    that scalar scale and, with ``transpose``, ``x.T`` cast with the same scale (the other GEMM's operand)."""
     fmt = get_format(fmt_name)
     if not fmt.is_tensorwise:
         raise ValueError(f"a TensorScaling layer needs tensorwise formats, got {fmt_name!r}")
     scale = scaling.scale(role, x, fmt.elem, fmt.scale == "pow2", history, stats, update)
-    return _tensorwise(_to_float8(x, scale, fmt), scale, x.dtype, fmt_name), scale
+    data, data_t = _to_float8(x, scale, fmt, transpose)
+    q_t = _tensorwise(data_t, scale, x.dtype, fmt_name) if transpose else None
+    return _tensorwise(data, scale, x.dtype, fmt_name), scale, q_t
 
 
-def _to_float8(x: torch.Tensor, scale: torch.Tensor, fmt: LowbitFormat) -> torch.Tensor:
-    """``history.to_float8``: on CUDA in eager mode one fused Triton pass (the same bits), else torch ops."""
+def _to_float8(
+    x: torch.Tensor, scale: torch.Tensor, fmt: LowbitFormat, transpose: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``history.to_float8`` and its transpose: on CUDA in eager mode one fused Triton pass writes both
+    (with ``transpose``; the same bits, the transpose contiguous), else torch ops and a transposed view."""
     if x.device.type == "cuda" and not torch.compiler.is_compiling():
         from mixprec.lowbit import triton_quantize
 
         if triton_quantize.fused_eligible(x, fmt) and x.dim() == 2:
-            return triton_quantize.scaled_cast(x, scale, fmt)[0]
-    return tensor_history.to_float8(x, scale, fmt.elem)
+            data, data_t = triton_quantize.scaled_cast(x, scale, fmt, transpose=transpose)
+            return data, (data_t if data_t is not None else data.t())
+    data = tensor_history.to_float8(x, scale, fmt.elem)
+    return data, data.t()
 
 
-def _weight_cast(weight, fmt_name, scaling, history, stats, update) -> tuple[Quantized, torch.Tensor]:
-    """The weight (N, K) cast once for fprop and dgrad. A weight that arrives cast (FSDP2's fp8
-    all-gather: ``tensorwise_cast()`` -> data, scale, amax) is used as it is, one that wraps the tensor it
-    stands for (``cast_source``) is cast from that."""
+def _weight_cast(
+    weight, fmt_name, scaling, history, stats, update, transpose=False
+) -> tuple[Quantized, torch.Tensor, Quantized | None]:
+    """The weight (N, K) cast once for fprop and dgrad (with ``transpose`` also its (K, N) transpose). A
+    weight that arrives cast (FSDP2's fp8 all-gather: ``tensorwise_cast()`` -> data, scale, amax) is used
+    as it is, one that wraps the tensor it stands for (``cast_source``) is cast from that."""
     if hasattr(weight, "tensorwise_cast"):
         data, scale, amax = weight.tensorwise_cast()
         stats[0, WEIGHT], stats[1, WEIGHT] = amax, scale
-        return _tensorwise(data, scale, weight.dtype, fmt_name), scale
+        q_t = _tensorwise(data.t(), scale, weight.dtype, fmt_name) if transpose else None
+        return _tensorwise(data, scale, weight.dtype, fmt_name), scale, q_t
     source = getattr(weight, "cast_source", weight)
-    return _scale_cast(WEIGHT, source, fmt_name, scaling, history, stats, update)
+    return _scale_cast(WEIGHT, source, fmt_name, scaling, history, stats, update, transpose)
 
 
 def gemm_operands(
@@ -478,18 +533,22 @@ def gemm_kernel_paths(
 class LowbitLinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with the three GEMMs quantized by ``recipe``; bias is added by the caller.
 
-    Per operand (``recipe.scaling`` None, :func:`_per_operand_forward`): ``x`` (..., K) and ``weight``
-    (N, K) are saved in their own precision, and each backward GEMM quantizes them along its own reduction
-    axis (a rowwise or block format needs a different quantization per GEMM). A quantized weight is cast
-    from its own dtype (an fp32 master under bf16 autocast is rounded once, to the low-bit format, as
-    torchao's float8 and Transformer Engine round it); a high-precision operand enters its GEMM in the
-    output dtype.
+    Per operand (``recipe.scaling`` None, :func:`_per_operand_forward`): each GEMM quantizes its operands
+    along its own reduction axis (a rowwise or block format needs a different quantization per GEMM). An
+    operand that :func:`shared_operands` names (one format in both its GEMMs, no ``rht`` / ``sr`` in the
+    way) is quantized once with its transposed copy (:func:`~mixprec.lowbit.quantize.quantize_pair`,
+    Transformer Engine's cast-transpose; bit for bit the per-use quantization), and backward keeps the
+    copy: the fp8 ``x.T`` in place of ``x``, the weight's beside it. Any other operand is saved in its
+    own precision and quantized by backward. A quantized weight is cast from its own dtype (an fp32
+    master under bf16 autocast is rounded once, to the low-bit format, as torchao's float8 and Transformer
+    Engine round it); a high-precision operand enters its GEMM in the output dtype.
 
     Per tensor (``recipe.scaling`` a :class:`~mixprec.lowbit.history.TensorScaling`, tensorwise formats
     only, :func:`_per_tensor_forward`): input, weight and grad_output are each cast once, from their own
     dtypes, with the recipe's scale (dynamic, or delayed from ``history`` float32[3, L], pushed when
-    ``update``); a tensorwise cast serves both GEMMs a tensor is in, so the fp8 input and weight are what
-    backward keeps, as torchao's. ``stats`` float32[2, 3] receives each role's last amax and scale.
+    ``update``), the cast writing the transpose too; a tensorwise cast serves both GEMMs a tensor is in, so
+    the fp8 ``x.T`` and ``w.T`` are what backward keeps. ``stats`` float32[2, 3] receives each role's
+    last amax and scale.
 
     Args:
         x: (..., K) floating point.
@@ -547,11 +606,43 @@ def _per_operand_forward(
     recipe: Recipe,
     gemms: tuple[GemmOptions, GemmOptions, GemmOptions] | None,
 ) -> torch.Tensor:
-    """The fprop GEMM of a per-operand recipe; saves ``x2`` and ``weight`` in their own precision."""
+    """The fprop GEMM of a per-operand recipe. An operand :func:`shared_operands` names is quantized once
+    for both its GEMMs and its transposed copy saved (fp8 in place of the input, see the class doc);
+    any other is saved in its own precision for backward to quantize."""
+    share_x, share_w, _ = shared_operands(recipe)
+    share_x = share_x and ctx.needs_input_grad[1]  # the saved copy feeds wgrad only
+    share_w = share_w and ctx.needs_input_grad[0]  # ... and dgrad only
     # The weight is quantized from its own dtype, as torchao and TE do.
-    out = _gemm(x2, recipe.fprop_x, weight, recipe.fprop_w, x2.dtype, options=gemms and gemms[0])
-    ctx.save_for_backward(x2, weight)
+    qx: Quantized | torch.Tensor = x2
+    qw: Quantized | torch.Tensor = weight
+    saved_x: Quantized | torch.Tensor = x2
+    saved_w: Quantized | torch.Tensor = weight
+    if share_x:
+        qx, saved_x = _quantize_both(x2, recipe.fprop_x)
+    elif recipe.fprop_x != HP:
+        qx = _quantize_operand(x2, recipe.fprop_x)
+    if share_w:
+        qw, saved_w = _quantize_both(weight, recipe.fprop_w)
+    elif recipe.fprop_w != HP:
+        qw = _quantize_operand(weight, recipe.fprop_w)
+    out = _mm(qx, qw, x2.dtype, gemms and gemms[0])
+    ctx.shared = (share_x, share_w)
+    ctx.saved_meta = [_meta(saved_x), _meta(saved_w)]
+    ctx.save_for_backward(*_tensors(saved_x), *_tensors(saved_w))
     return out
+
+
+def _meta(t: Quantized | torch.Tensor) -> tuple[Any, ...] | None:
+    """What a saved :class:`Quantized` needs besides its tensors (None: a plain tensor)."""
+    return (t.fmt, t.shape, t.dtype, t.axis) if isinstance(t, Quantized) else None
+
+
+def _tensors(t: Quantized | torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    return (t.data, t.scale, t.tensor_scale) if isinstance(t, Quantized) else (t, None, None)
+
+
+def _restore(tensors: tuple[Any, ...], meta: tuple[Any, ...] | None) -> Quantized | torch.Tensor:
+    return tensors[0] if meta is None else Quantized(tensors[0], tensors[1], tensors[2], *meta)
 
 
 def _per_tensor_forward(
@@ -571,42 +662,72 @@ def _per_tensor_forward(
     if scaling is not None and scaling.delayed and history is None:
         raise ValueError("a recipe with scaling=delayed needs its float32[3, L] amax history, got None")
     history = history if scaling is not None and scaling.delayed else None
-    qx, x_scale = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update)
-    qw, w_scale = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update)
+    # Each tensor cast once with its transpose (Transformer Engine's cast-transpose): backward keeps only
+    # the transposed copies, x.T for wgrad and w.T for dgrad, contiguous as the kernels read them.
+    tx, tw = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
+    qx, x_scale, qx_t = _scale_cast(INPUT, x2, recipe.fprop_x, scaling, history, stats, update, tx)
+    qw, w_scale, qw_t = _weight_cast(weight, recipe.fprop_w, scaling, history, stats, update, tw)
     out = lowbit_mm(qx, qw, x2.dtype, (gemms or _DEFAULT_GEMMS)[0])
-    ctx.save_for_backward(qx.data, x_scale, qw.data, w_scale)  # a gathered weight's own cast
+    x8_t = qx_t.data if qx_t is not None else None
+    w8_t = qw_t.data if qw_t is not None else None
+    ctx.save_for_backward(x8_t, x_scale, w8_t, w_scale)  # a gathered weight's own cast
     ctx.history, ctx.stats, ctx.update = history, stats, update
     return out
 
 
 def _recipe_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    x2, w = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    x_saved, w_saved = _restore(saved[:3], ctx.saved_meta[0]), _restore(saved[3:], ctx.saved_meta[1])
     recipe, gen, (_, dgrad, wgrad) = ctx.recipe, ctx.generator, ctx.gemms or (None, None, None)
     grad_x = grad_w = None
-    go = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
-    if ctx.needs_input_grad[0]:
-        grad_x = _gemm(go, recipe.dgrad_go, w.t(), recipe.dgrad_w, x2.dtype, recipe.sr, gen, dgrad)
+    dtype = ctx.x_dtype
+    go = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    qgo = qgo_t = None
+    if shared_operands(recipe)[2] and need_x and need_w:
+        qgo, qgo_t = _quantize_both(go, recipe.dgrad_go)
+    if need_x:
+        if isinstance(w_saved, Quantized):  # weight's transposed copy from forward
+            a = qgo if qgo is not None else _operand(go, recipe.dgrad_go, recipe.sr, gen)
+            grad_x = _mm(a, w_saved, dtype, dgrad)
+        elif qgo is not None:
+            b = _operand(w_saved.t(), recipe.dgrad_w)
+            grad_x = _mm(qgo, b, dtype, dgrad)
+        else:
+            grad_x = _gemm(go, recipe.dgrad_go, w_saved.t(), recipe.dgrad_w, dtype, recipe.sr, gen, dgrad)
         grad_x = grad_x.reshape(ctx.x_shape)
-    if ctx.needs_input_grad[1]:
-        ops = gemm_operands(x2, w, go, recipe)
-        (go_w, go_fmt), (x_w, x_fmt) = ops["wgrad_go"], ops["wgrad_x"]
-        grad_w = _gemm(go_w, go_fmt, x_w, x_fmt, x2.dtype, recipe.sr, gen, wgrad).to(ctx.w_dtype)
+    if need_w:
+        if isinstance(x_saved, Quantized) or qgo_t is not None:
+            a = qgo_t if qgo_t is not None else _operand(go.t(), recipe.wgrad_go, recipe.sr, gen)
+            b = x_saved if isinstance(x_saved, Quantized) else _operand(x_saved.t(), recipe.wgrad_x)
+            grad_w = _mm(a, b, dtype, wgrad).to(ctx.w_dtype)
+        else:  # nothing shared (as gemm_operands lays the wgrad operands out, Hadamard-rotated or not)
+            go_w, x_w = (_rotate_rows(go), _rotate_rows(x_saved)) if recipe.rht else (go, x_saved)
+            grad_w = _gemm(go_w.t(), recipe.wgrad_go, x_w.t(), recipe.wgrad_x, dtype, recipe.sr, gen, wgrad)
+            grad_w = grad_w.to(ctx.w_dtype)
     return grad_x, grad_w
 
 
+def _operand(x: torch.Tensor, fmt: str, stochastic: bool = False, generator=None) -> Quantized | torch.Tensor:
+    """``x`` (rows, K) as its GEMM takes it: quantized along K, or itself for hp."""
+    return x if fmt == HP else _quantize_operand(x, fmt, stochastic, generator)
+
+
 def _tensorwise_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    x8, x_scale, w8, w_scale = ctx.saved_tensors
+    x8_t, x_scale, w8_t, w_scale = ctx.saved_tensors
     recipe, (_, dgrad, wgrad) = ctx.recipe, ctx.gemms or _DEFAULT_GEMMS
     grad_x = grad_w = None
     go2 = grad_out.reshape(-1, grad_out.shape[-1])
-    qgo, _ = _scale_cast(
-        GRAD_OUTPUT, go2, recipe.dgrad_go, recipe.scaling, ctx.history, ctx.stats, ctx.update
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    qgo, _, qgo_t = _scale_cast(
+        GRAD_OUTPUT, go2, recipe.dgrad_go, recipe.scaling, ctx.history, ctx.stats, ctx.update, need_w
     )
-    if ctx.needs_input_grad[0]:
-        qw_t = _tensorwise(w8.t(), w_scale, ctx.w_dtype, recipe.dgrad_w)
+    if need_x:
+        qw_t = _tensorwise(w8_t, w_scale, ctx.w_dtype, recipe.dgrad_w)
         grad_x = lowbit_mm(qgo, qw_t, grad_out.dtype, dgrad).reshape(ctx.x_shape).to(ctx.x_dtype)
-    if ctx.needs_input_grad[1]:
-        qgo_t = _tensorwise(qgo.data.t(), qgo.scale, grad_out.dtype, recipe.wgrad_go)
-        qx_t = _tensorwise(x8.t(), x_scale, ctx.x_dtype, recipe.wgrad_x)
+    if need_w:
+        assert qgo_t is not None
+        qgo_t = _tensorwise(qgo_t.data, qgo.scale, grad_out.dtype, recipe.wgrad_go)
+        qx_t = _tensorwise(x8_t, x_scale, ctx.x_dtype, recipe.wgrad_x)
         grad_w = lowbit_mm(qgo_t, qx_t, grad_out.dtype, wgrad).to(ctx.w_dtype)
     return grad_x, grad_w

@@ -30,7 +30,15 @@ from mixprec.lowbit import block_scales
 from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.quantized import Quantized, e2m1_values
 
-__all__ = ["Quantized", "e2m1_values", "hold_generator", "quantize", "round_to_element", "uniform_noise"]
+__all__ = [
+    "Quantized",
+    "e2m1_values",
+    "hold_generator",
+    "quantize",
+    "quantize_pair",
+    "round_to_element",
+    "uniform_noise",
+]
 
 
 def quantize(
@@ -91,6 +99,47 @@ def quantize(
         scaled = round_to_element(scaled, fmt.elem, stochastic=True, generator=generator)
     data = _store(scaled, fmt)
     return Quantized(data, scale, tensor_scale, fmt, x.shape, x.dtype, axis)
+
+
+def quantize_pair(x: torch.Tensor, fmt: LowbitFormat | str) -> tuple[Quantized, Quantized]:
+    """``x`` (M, K) quantized along K and ``x.T`` (K, M) along M, from one read of ``x`` on CUDA.
+
+    Bit for bit ``(quantize(x, fmt, pad=True), quantize(x.t(), fmt, pad=True))``, the pair a linear
+    layer's two GEMMs of one operand need (Transformer Engine's cast-transpose). On CUDA in eager mode, for a
+    format ``mixprec.lowbit.triton_quantize.format_supported`` accepts, one fused Triton pass writes
+    both (``mixprec.lowbit.triton_quantize.quantize`` with ``transpose=True``). Elsewhere (a CPU,
+    ``torch.compile``, other formats, ``MIXPREC_FUSED_QUANTIZE=0``) a tensorwise format takes one amax
+    and one scale, the transposed copy a view of the same fp8 data (casting is elementwise, so the bits
+    are the same); any other format is quantized along each axis by :func:`~mixprec.lowbit.quantize`.
+
+    Args:
+        x: a floating (M, K) tensor (fp32, bf16, fp16).
+        fmt: a :class:`~mixprec.lowbit.LowbitFormat` or a name in :data:`mixprec.lowbit.FORMATS`.
+
+    Returns:
+        ``(q, q_t)``: two :class:`~mixprec.lowbit.Quantized`, ``q_t.shape == (K, M)`` with ``axis=1``.
+
+    Raises:
+        TypeError: for a non-tensor or non-floating ``x``.
+        ValueError: for an ``x`` that is not 2-D, or an unknown format.
+    """
+    fmt = get_format(fmt)
+    _check(x, -1, False, None, True)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_pair takes a 2-D (M, K) tensor, got shape {tuple(x.shape)}")
+    on_kernel = x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    if on_kernel and not torch.compiler.is_compiling():
+        from mixprec.lowbit import triton_quantize
+
+        if triton_quantize.fused_eligible(x, fmt):
+            q, q_t = triton_quantize.quantize(x, fmt, transpose=True)
+            assert q_t is not None
+            return q, q_t
+    q = quantize(x, fmt, pad=True)
+    if fmt.is_tensorwise:  # one scale for both: the transposed copy is the same bits, seen transposed
+        shape_t = torch.Size((x.shape[1], x.shape[0]))
+        return q, Quantized(q.data.t(), q.scale, q.tensor_scale, fmt, shape_t, x.dtype, 1)
+    return q, quantize(x.t(), fmt, pad=True)
 
 
 def _fused(x2: torch.Tensor, fmt: LowbitFormat) -> Quantized | None:
