@@ -76,13 +76,14 @@ def test_post_all_gather_rebuilds_the_weight_the_fp8_gemm_takes(fake_hopper) -> 
     assert gathered._data.dtype == torch.float8_e4m3fn and gathered._scale is scale
     # the layer's forward takes the gathered e4m3 bytes as the weight's cast, straight into _scaled_mm
     layer.weight = torch.nn.Parameter(gathered, requires_grad=False)
-    x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # dgrad needs w.T
     with direct_autograd(LowbitLinearFunction) as calls:
         out = layer(x)
     (call,) = calls
     assert out.shape == (16, N) and out.dtype == torch.bfloat16
-    _, w8, w_scale = call.ctx.saved_tensors[1:]
-    assert w8 is layer.weight._data and w_scale is scale  # the gathered cast itself, not a new one
+    _, w8_t, w_scale = call.ctx.saved_tensors[1:]
+    # backward keeps the gathered cast itself, transposed as a view for dgrad: no new cast, no copy
+    assert w8_t._base is layer.weight._data and w8_t.shape == (K, N) and w_scale is scale
     (gemm,) = [e.detail for e in fake_hopper.of("scaled_mm")]
     assert "error" not in gemm and gemm["mat2"]["dtype"] == torch.float8_e4m3fn
     assert gemm["mat2"]["shape"] == (K, N)
