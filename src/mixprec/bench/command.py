@@ -62,11 +62,18 @@ final_loss is the held-out loss, final_metric is {metrics}. `mixprec report` rea
 """
 
 
+def _alias_targets(per: dict[str, str]) -> str:
+    """``fp32`` when every device runs the same mode, else ``O2-bf16 (cpu)/O2-fp16 (cuda)``."""
+    if len(set(per.values())) == 1 and len(per) > 1:
+        return next(iter(per.values()))
+    return "/".join(f"{v} ({k})" for k, v in per.items())
+
+
 def _describe() -> str:
     workloads = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in WORKLOADS.items())
     modes = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in MODES.items())
     aliases = ", ".join(
-        f"{alias} = {'/'.join(f'{v} ({k})' for k, v in per.items())}" for alias, per in ALIASES.items()
+        f"{alias} = {_alias_targets(per)}" for alias, per in ALIASES.items() if per
     )
     return DESCRIPTION.format(
         workloads=workloads,

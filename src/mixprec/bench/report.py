@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec._files import jsonl_text, write_atomic
+from mixprec.bench.advice import recommend
 from mixprec.bench.memory import COMPONENTS, DESCRIPTIONS
-from mixprec.bench.plots import speedup_text
 from mixprec.bench.stats import AA_LABEL, NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
 from mixprec.bench.workloads import WORKLOADS
 
@@ -61,7 +61,7 @@ _COLUMNS = (
     ("metric", ">"),
     ("skip", ">"),
     ("scale", ">"),
-    ("", "<"),
+    ("noisy", "<"),
 )
 
 
@@ -140,7 +140,7 @@ def _row(record: dict[str, Any]) -> list[str]:
         _number(record["peak_memory_mb"], ".1f"),
         _number(record["final_loss"], ".4f"),
         _number(record["final_metric"], metric_spec),
-        str(record["skipped_steps"]),
+        "-" if record["skipped_steps"] is None else str(record["skipped_steps"]),
         _number(record["final_scale"], ".0f"),
         "NOISY" if record["noisy"] else "",
     ]
@@ -198,6 +198,9 @@ def format_table(results: Sequence[Any], notes: Iterable[str] = (), header: str 
         rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in records if r["workload"] == workload]
         lines += ["", f"{workload} (metric: {spec.metric}, {better} is better)", *_layout(rows)]
         lines += memory_table([r for r in records if r["workload"] == workload])
+        advice = recommend(records, workload)
+        if advice is not None:
+            lines += ["", *_wrap(advice)]
     noisy = [f"{r['workload']}/{r['mode']}" for r in records if r["noisy"]]
     lines.append("")
     for line in footer(results):
@@ -270,32 +273,27 @@ def write_log(
 
 
 def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path]) -> str:
-    """Markdown: one row per run of ``mixprec bench --json``, the NOISY ones named, the images."""
+    """Markdown: one row per run of ``mixprec bench --json`` (cells formatted as the printed table's),
+    the NOISY ones named, each workload's "what to use" line, the images."""
+    head = ["workload", *(label or "noisy" for label, _ in _COLUMNS)]
     lines = [
         f"# mixprec bench report ({name})",
         "",
-        "| workload | mode | step ms | IQR ms | speedup [90% CI] | peak MiB | loss | metric | skipped |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
     for r in records:
-        iqr = f"{_ms(r.get('step_time_q25_ms'))}-{_ms(r.get('step_time_q75_ms'))}"
-        cells = [
-            r["workload"],
-            r["mode"],
-            _ms(r["step_time_ms"]),
-            iqr,
-            speedup_text(r) or "-",
-            _number(r.get("peak_memory_mb"), ".1f"),
-            _number(r.get("final_loss"), ".4f"),
-            _number(r.get("final_metric"), ".4g"),
-            str(r.get("skipped_steps", "-")),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+        full = {key: r.get(key) for key in RECORD_KEYS}
+        full["speedup_low"] = full["speedup_low"] if r.get("speedup_high") is not None else None
+        lines.append("| " + " | ".join([r["workload"], *_row(full)]) + " |")
     noisy = [f"{r['workload']}/{r['mode']}" for r in records if r.get("noisy")]
     if noisy:
         lines += [
             "",
             f"NOISY (timings spread too widely to trust; rerun on a quieter machine): {', '.join(noisy)}.",
         ]
+    advice = [recommend(records, w) for w in dict.fromkeys(r["workload"] for r in records)]
+    if any(advice):
+        lines += ["", "## What to use", "", *(f"- {a}" for a in advice if a)]
     lines += ["", *(f"![{image.stem}]({image.name})" for image in images)]
     return "\n".join(lines) + "\n"
