@@ -336,6 +336,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     wall = format_duration(time.perf_counter() - started)
+    outcome = budget.outcome(results) if budget is not None else None
+    if outcome is not None:
+        plan.notes.append(outcome)
     if results:
         table = format_table(results, plan.notes, header=_header(plan, threads))
         print(table, flush=True)
