@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from mixprec.bench import report, stats
 from mixprec.bench.advice import recommend
 
 
-def _rec(mode: str, speedup: float, low: float | None, high: float | None, mib: float, metric: float,
-         workload: str = "lm", noisy: bool = False) -> dict:
+def _rec(
+    mode: str,
+    speedup: float,
+    low: float | None,
+    high: float | None,
+    mib: float,
+    metric: float,
+    workload: str = "lm",
+    noisy: bool = False,
+) -> dict:
     return {
         "workload": workload,
         "mode": mode,
@@ -41,8 +47,12 @@ def _lm() -> list[dict]:
 def test_tied_modes_give_the_least_memory_one_and_a_worse_metric_is_left_out() -> None:
     line = recommend(_lm(), "lm")
     assert line is not None and line.startswith("what to use on lm: O2-bf16: 1.48x [1.35-1.62] fp32's speed")
-    assert "tied (intervals overlap) with torch-amp-bf16, mixprec-bf16: chosen for the least peak memory" in line
-    assert "bf16-true (perplexity 17.740)" in line and "faster but worse than fp32's perplexity 17.610" in line
+    assert (
+        "tied (intervals overlap) with torch-amp-bf16, mixprec-bf16: chosen for the least peak memory" in line
+    )
+    assert (
+        "bf16-true (perplexity 17.740)" in line and "faster but worse than fp32's perplexity 17.610" in line
+    )
 
 
 def test_nothing_faster_than_fp32_says_fp32() -> None:
@@ -59,8 +69,10 @@ def test_nothing_faster_than_fp32_says_fp32() -> None:
 
 
 def test_an_interval_reaching_below_1_is_not_faster_and_no_fp32_no_line() -> None:
-    rows = [_rec("fp32", 1.0, None, None, 5.0, 0.9, workload="cnn"),
-            _rec("mixprec-bf16", 1.2, 0.95, 1.4, 4.0, 0.9, workload="cnn")]
+    rows = [
+        _rec("fp32", 1.0, None, None, 5.0, 0.9, workload="cnn"),
+        _rec("mixprec-bf16", 1.2, 0.95, 1.4, 4.0, 0.9, workload="cnn"),
+    ]
     assert recommend(rows, "cnn").startswith("what to use on cnn: fp32: no mixed mode")  # type: ignore[union-attr]
     rows[1]["speedup_low"] = 1.05
     assert recommend(rows, "cnn").startswith("what to use on cnn: mixprec-bf16: 1.20x")  # type: ignore[union-attr]
@@ -70,9 +82,21 @@ def test_an_interval_reaching_below_1_is_not_faster_and_no_fp32_no_line() -> Non
 def _result(mode: str, ms: float, metric: float, scale: float | None) -> SimpleNamespace:
     history = [{"step": i, "round": i, "step_time_ms": ms * (1 + 0.001 * i), "loss": 1.0} for i in range(12)]
     return SimpleNamespace(
-        workload="cnn", mode=mode, device="cpu", threads=1, dtype="bfloat16", steps=12, warmup=0,
-        history=history, peak_memory_mb=ms, memory_method="cpu-hwm", final_loss=0.06, final_metric=metric,
-        skipped_steps=0, final_scale=scale, data_source="digits",
+        workload="cnn",
+        mode=mode,
+        device="cpu",
+        threads=1,
+        dtype="bfloat16",
+        steps=12,
+        warmup=0,
+        history=history,
+        peak_memory_mb=ms,
+        memory_method="cpu-hwm",
+        final_loss=0.06,
+        final_metric=metric,
+        skipped_steps=0,
+        final_scale=scale,
+        data_source="digits",
     )
 
 

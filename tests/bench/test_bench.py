@@ -215,11 +215,15 @@ def test_preset_names_and_apex_levels_resolve_to_the_bench_mode_that_runs_them(
 
 
 def test_a_preset_without_a_bench_mode_names_the_closest_ones() -> None:
-    with pytest.raises(ValueError, match=r"mode '16-true' cannot run on cpu: fp16 weights without fp32 masters"):
+    with pytest.raises(
+        ValueError, match=r"mode '16-true' cannot run on cpu: fp16 weights without fp32 masters"
+    ):
         jobs.make_plan(modes=["16-true"], device="cpu")
 
 
-@pytest.mark.parametrize(("mode", "scaled"), [("bf16-true", False), ("bf16-true-kahan", False), ("O2-bf16", True)])
+@pytest.mark.parametrize(
+    ("mode", "scaled"), [("bf16-true", False), ("bf16-true-kahan", False), ("O2-bf16", True)]
+)
 def test_the_loss_scale_reads_none_when_the_mode_does_not_scale(mode: str, scaled: bool) -> None:
     """bf16-true's static scale of 1 only skips non-finite steps: the table's '-' (no scaling), not 1."""
     runner = MODES[mode].create("cpu")

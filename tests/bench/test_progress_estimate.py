@@ -77,7 +77,9 @@ def test_a_budget_cut_that_changes_the_total_says_so() -> None:
     cut = [Job(job.workload, job.mode, "default", steps=4 * job.preset.round_steps) for job in jobs]
     progress.replan(jobs, cut)
     assert len(progress.corrections) == 1
-    assert "estimate corrected: rounds re-chosen to fit the time budget; the total is now 0." in out.getvalue()
+    assert (
+        "estimate corrected: rounds re-chosen to fit the time budget; the total is now 0." in out.getvalue()
+    )
 
 
 def test_a_step_that_runs_on_says_still_instead_of_repeating(monkeypatch: pytest.MonkeyPatch) -> None:

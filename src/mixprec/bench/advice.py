@@ -68,7 +68,9 @@ def recommend(records: Sequence[Mapping[str, Any]], workload: str) -> str | None
     tolerance = max(QUALITY_TOLERANCE * abs(ref_metric), spread)
     metric_name = WORKLOADS[workload].metric
     ref_text = f"fp32's {metric_name} {_format_metric(workload, ref_metric)}"
-    modes = [r for r in rows if r.get("mode") not in ("fp32", AA_LABEL) and r.get("speedup_vs_fp32") is not None]
+    modes = [
+        r for r in rows if r.get("mode") not in ("fp32", AA_LABEL) and r.get("speedup_vs_fp32") is not None
+    ]
     faster = [r for r in modes if r.get("speedup_low") is not None and r["speedup_low"] > 1.0]
     lost = [r for r in faster if _worse(workload, _metric(r), ref_metric, tolerance)]
     good = [r for r in faster if r not in lost]
@@ -93,7 +95,9 @@ def recommend(records: Sequence[Mapping[str, Any]], workload: str) -> str | None
             f"{best_text}"
         )
     top = max(good, key=lambda r: r["speedup_vs_fp32"])
-    tied = [r for r in good if r["speedup_low"] <= top["speedup_high"] and r["speedup_high"] >= top["speedup_low"]]
+    tied = [
+        r for r in good if r["speedup_low"] <= top["speedup_high"] and r["speedup_high"] >= top["speedup_low"]
+    ]
     memory = [r for r in tied if isinstance(r.get("peak_memory_mb"), (int, float))]
     chosen = min(memory, key=lambda r: r["peak_memory_mb"]) if memory else tied[0]
     text = (

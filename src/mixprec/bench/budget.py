@@ -155,7 +155,9 @@ class Budget:
             steps = max(r.steps for r in results if r.workload == workload)
             ran, planned = math.ceil(steps / job.preset.round_steps), _rounds(job)
             parts.append(
-                f"{workload} all {planned} rounds" if ran >= planned else f"{workload} {ran} of {planned} rounds"
+                f"{workload} all {planned} rounds"
+                if ran >= planned
+                else f"{workload} {ran} of {planned} rounds"
             )
         if not parts:
             return None

@@ -72,9 +72,7 @@ def _alias_targets(per: dict[str, str]) -> str:
 def _describe() -> str:
     workloads = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in WORKLOADS.items())
     modes = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in MODES.items())
-    aliases = ", ".join(
-        f"{alias} = {_alias_targets(per)}" for alias, per in ALIASES.items() if per
-    )
+    aliases = ", ".join(f"{alias} = {_alias_targets(per)}" for alias, per in ALIASES.items() if per)
     return DESCRIPTION.format(
         workloads=workloads,
         modes=modes,

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.scaling import StaticScale
 
 
 class TrainMode:
@@ -144,7 +143,7 @@ class MasterWeightsMode(TrainMode):
         if scaler is not None and not scaler.is_enabled():
             return None  # no loss scaling at this level (its loss_scale reads 1.0)
         scale = getattr(self.optimizer, "loss_scale", None)
-        if isinstance(getattr(scaler, "rule", None), StaticScale) and scale == 1.0:
+        if isinstance(getattr(scaler, "rule", None), mixprec.StaticScale) and scale == 1.0:
             return None  # a static scale of 1 (bf16-true) only skips non-finite steps: it does not scale
         return None if scale is None else float(scale)
 
