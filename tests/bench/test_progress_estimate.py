@@ -94,6 +94,9 @@ def test_a_step_that_runs_on_says_still_instead_of_repeating(monkeypatch: pytest
     assert "] starting cnn fp32 (run 1 of 6);" in first
     assert "] still starting cnn fp32 (run 1 of 6), for 30 s now;" in second
     assert "for 45 s now" in third
+    monkeypatch.setattr(progress_mod, "LINE_EVERY_S", 0.0)
+    progress.advance(START_S)  # fp32's process is ready: that step ended, so no "still" for it
+    assert "] starting cnn fp32 (run 1 of 6);" in out.getvalue().splitlines()[-1]
     progress.where(jobs[1], phase="starting")
     clock.now += 15.0
     progress.heartbeat()

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -227,13 +227,16 @@ def _announce(plan: Plan, factor: float | None) -> None:
     )
 
 
-def _save(results: list[RunResult], args: argparse.Namespace, planned: int) -> list[str]:
-    """Write the JSON and the log from everything so far; returns the paths written."""
+def _save(
+    results: list[RunResult], args: argparse.Namespace, planned: int, notes: Sequence[str] = ()
+) -> list[str]:
+    """Write the JSON and the log (its trailer holding ``notes``) from everything so far; returns the
+    paths written."""
     written = []
     if args.json:
         written.append(str(write_json(results, args.json, planned)))
     if args.log:
-        written.append(str(write_log(results, args.log, planned)))
+        written.append(str(write_log(results, args.log, planned, notes=notes)))
     return written
 
 
@@ -265,7 +268,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 def _finish(results: list[RunResult], args: argparse.Namespace, plan: Plan, table: str, wall: str) -> None:
     """The last writes (JSON, log, plots, the folder's summary), each file named on stderr."""
-    written = _save(results, args, len(plan.jobs))
+    written = _save(results, args, len(plan.jobs), plan.notes)
     if args.plot:
         from mixprec.bench.plots import write_plots
 

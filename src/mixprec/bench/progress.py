@@ -151,7 +151,8 @@ class Progress:
         self._mark = self.started
         self._round_index: int | None = None  # the round ``where`` named last (None: a start or an eval)
         self._ratios: list[float] = []  # wall / estimated seconds of each round after a run's first
-        self._printed = ""  # the label of the last plain line, so that a repeat says it is still going
+        # the label and start of the step the last plain line named, so that a repeat says "still"
+        self._printed: tuple[str, float] | None = None
         self._bar = self._make_bar() if bar and can_draw_bar(self.stream) else None
 
     def _make_bar(self) -> Any:
@@ -308,9 +309,9 @@ class Progress:
         self.last_line = self.clock()
         elapsed = self.last_line - self.started
         label = self.label
-        if label == self._printed:  # the same step still running: say so, rather than the same line again
+        if (label, self._mark) == self._printed:  # the same step still running: say so, not the same line
             label = f"still {label}, for {format_duration(self.last_line - self._mark)} now"
-        self._printed = self.label
+        self._printed = (self.label, self._mark)
         percent = 100.0 * self.done / self.total if self.total else 100.0
         left = (
             f"about {format_duration(self.left_s())} left"

@@ -250,6 +250,7 @@ def write_log(
     path: str | Path,
     runs_planned: int | None = None,
     running: Sequence[Any] = (),
+    notes: Sequence[str] = (),
 ) -> Path:
     """JSON Lines, one object per training step with keys ``LOG_KEYS``, then the end-of-log trailer.
 
@@ -257,7 +258,8 @@ def write_log(
     ``schedule.Running``), whose steps so far follow the finished runs' (the bench rewrites the log
     after every round). The whole file is replaced atomically (see ``mixprec._files``); its trailer
     ``{"end_of_log": {"records": N, "runs": R, "runs_planned": P}}`` tells ``mixprec report`` whether
-    the bench had finished (``R == P``); ``"running": U`` is added when ``U`` runs were still training.
+    the bench had finished (``R == P``); ``"running": U`` is added when ``U`` runs were still training,
+    ``"notes": [...]`` when ``notes`` (the table's notes) are given, for the report to repeat.
     """
     lines: list[Mapping[str, Any]] = []
     for r in [*results, *running]:
@@ -269,12 +271,16 @@ def write_log(
     trailer = {"runs": len(results), "runs_planned": planned}
     if running:
         trailer["running"] = len(running)
+    if notes:
+        trailer["notes"] = list(notes)
     return write_atomic(path, jsonl_text(lines, **trailer))
 
 
-def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path]) -> str:
+def bench_summary(
+    records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path], notes: Sequence[str] = ()
+) -> str:
     """Markdown: one row per run of ``mixprec bench --json`` (cells formatted as the printed table's),
-    the NOISY ones named, each workload's "what to use" line, the images."""
+    the NOISY ones named, each workload's "what to use" line, the bench's ``notes``, the images."""
     head = ["workload", *(label or "noisy" for label, _ in _COLUMNS)]
     lines = [
         f"# mixprec bench report ({name})",
@@ -295,5 +301,7 @@ def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Seque
     advice = [recommend(records, w) for w in dict.fromkeys(r["workload"] for r in records)]
     if any(advice):
         lines += ["", "## What to use", "", *(f"- {a}" for a in advice if a)]
+    if notes:
+        lines += ["", "## Notes", "", *(f"- {note}" for note in notes)]
     lines += ["", *(f"![{image.stem}]({image.name})" for image in images)]
     return "\n".join(lines) + "\n"
