@@ -268,7 +268,7 @@ def write_log(
             record["loss"] = _finite(record["loss"])
             lines.append({key: record.get(key) for key in LOG_KEYS})
     planned = len(results) if runs_planned is None else runs_planned
-    trailer = {"runs": len(results), "runs_planned": planned}
+    trailer: dict[str, Any] = {"runs": len(results), "runs_planned": planned}
     if running:
         trailer["running"] = len(running)
     if notes:
