@@ -54,6 +54,7 @@ def test_bench_in_process_writes_json(tmp_path: Path, capsys: pytest.CaptureFixt
         ),
         (["--modes", "fp33"], "unknown mode 'fp33' (did you mean 'fp32'?); accepted: fp32,"),
         (["--steps", "1"], "steps must be at least 2"),
+        (["--modes", "16-true"], "mode '16-true' cannot run on cpu: fp16 weights without fp32 masters"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(
@@ -99,9 +100,10 @@ def test_python_dash_m_runs_isolated_with_log_and_plots(tmp_path: Path) -> None:
     else:
         assert record["peak_memory_mb"] is None
     lines = (tmp_path / "s.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and json.loads(lines[-1]) == {
-        "end_of_log": {"records": 3, "runs": 1, "runs_planned": 1}
-    }
+    trailer = json.loads(lines[-1])["end_of_log"]
+    notes = trailer.pop("notes", [])  # the table's notes (threads chosen under load), for `mixprec report`
+    assert len(lines) == 4 and trailer == {"records": 3, "runs": 1, "runs_planned": 1}
+    assert all(isinstance(note, str) for note in notes)
     assert (tmp_path / "p" / "step_time.png").stat().st_size > 1024
     assert "\r" not in done.stderr  # no progress bar when stderr is not a terminal
     assert done.stderr.startswith(
@@ -160,3 +162,16 @@ def test_results_are_written_before_the_plots_can_fail(
     assert json.loads(out.read_text())[0]["mode"] == "fp32"
     table = capsys.readouterr().out
     assert "\ntabular-regression (metric: R^2" in table and "\nfp32  " in table
+
+
+def test_help_names_the_results_folder_for_report_and_the_preset_aliases_for_bench(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    top = " ".join(capsys.readouterr().out.split())
+    assert "report" in top and "`mixprec bench` results folder" in top
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    bench = " ".join(capsys.readouterr().out.split())
+    assert "bf16-mixed = mixprec-bf16" in bench and "O1 = mixprec-bf16 (cpu)/mixprec-fp16 (cuda)" in bench

@@ -30,3 +30,10 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert re.search(rf"^{re.escape(command)}$", ci, re.M)
     main_install = setup_commands()[0].split(" && ")[0]
     assert "torch==" in main_install and "torch==" in install
+
+
+def test_the_loop_sketch_points_to_its_runnable_version_and_the_fake_cuda_tier_is_said_plainly() -> None:
+    text = (ROOT / "README.md").read_text()
+    loop = text.split("## A mixed-precision loop", 1)[1].split("```python", 1)[0]
+    assert "make_model" in loop and "docs/guide/first-loop.md) is the runnable version" in loop
+    assert "The fake-CUDA tier runs on the CPU with torch's CUDA\nbuild" in text and "no GPU needed" in text

@@ -191,3 +191,45 @@ def test_plan_checks_data_and_images_up_front(tmp_path: Path) -> None:
     text.write_text("x" * 20_000)
     made = jobs.make_plan(workloads=["cnn"], data=str(text), device="cpu", size="tiny")
     assert any("--data is read by the lm workload only" in note for note in made.notes)
+
+
+@pytest.mark.parametrize(
+    ("alias", "cpu", "cuda"),
+    [
+        ("bf16-mixed", "mixprec-bf16", "mixprec-bf16"),
+        ("16-mixed", "mixprec-fp16", "mixprec-fp16"),
+        ("32-true", "fp32", "fp32"),
+        ("O0", "fp32", "fp32"),
+        ("O1", "mixprec-bf16", "mixprec-fp16"),
+        ("O3", "bf16-true", None),
+    ],
+)
+def test_preset_names_and_apex_levels_resolve_to_the_bench_mode_that_runs_them(
+    alias: str, cpu: str, cuda: str | None
+) -> None:
+    assert jobs.resolve_modes([alias], "cpu") == [cpu]
+    if cuda is not None:
+        assert jobs.resolve_modes([alias], "cuda") == [cuda]
+    else:
+        with pytest.raises(ValueError, match=r"mode 'O3' cannot run on cuda: .*closest are 'bf16-true'"):
+            jobs.resolve_modes([alias], "cuda")
+
+
+def test_a_preset_without_a_bench_mode_names_the_closest_ones() -> None:
+    with pytest.raises(
+        ValueError, match=r"mode '16-true' cannot run on cpu: fp16 weights without fp32 masters"
+    ):
+        jobs.make_plan(modes=["16-true"], device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("mode", "scaled"), [("bf16-true", False), ("bf16-true-kahan", False), ("O2-bf16", True)]
+)
+def test_the_loss_scale_reads_none_when_the_mode_does_not_scale(mode: str, scaled: bool) -> None:
+    """bf16-true's static scale of 1 only skips non-finite steps: the table's '-' (no scaling), not 1."""
+    runner = MODES[mode].create("cpu")
+    model = torch.nn.Linear(4, 2)
+    runner.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    runner.train_step(torch.randn(3, 4), torch.randn(3, 2), lambda out, y: (out.float() - y).pow(2).mean())
+    scale, skipped = runner.observe()
+    assert (scale is not None) == scaled and not skipped

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -74,7 +75,9 @@ def test_a_budget_too_small_cuts_to_the_minimum_and_says_it_overruns() -> None:
     chosen = Budget(5.0, 1.0, notes, clock=FakeClock()).first(_default_jobs())
     assert {_rounds(job) for job in chosen} == {MIN_ROUNDS}
     (note,) = notes
-    assert note.startswith("time budget 5 s: lm 4 of 16 rounds (16 steps), cnn 4 of 15 rounds (80 steps)")
+    assert note.startswith(
+        "time budget 5 s, the plan before the first round: lm 4 of 16 rounds (16 steps), cnn 4 of 15 rounds"
+    )
     assert f"at {MIN_ROUNDS} rounds each it still overruns" in note
 
 
@@ -174,7 +177,9 @@ def test_the_bench_names_a_bad_time_and_its_table_says_the_choice(capsys: pytest
     tab = ["--workload", "tabular-regression", "--modes", "fp32,bf16-true", "--json", "/dev/null"]
     assert cli.main([*base, *tab, "--time", "1s"]) == 0
     out = capsys.readouterr().out
-    assert "time budget 1 s: tabular-regression all 3 rounds" in out
+    assert "time budget 1 s, the plan before the first round: tabular-regression all 3 rounds" in out
+    # the last note says what ran, after any cut the run made
+    assert "what ran within the time budget 1 s: tabular-regression all 3 rounds" in " ".join(out.split())
 
 
 def _lm_after_one_round(
@@ -302,3 +307,19 @@ def test_on_cuda_the_cut_follows_the_pace_of_the_rounds_not_of_the_process_start
     kept = budget.cut_rounds(jobs, 1, 15, progress)
     assert kept == 7 and 15 + 7 * 12 <= 100
     assert "lm cut to 7 of 15 rounds (140 steps) after 27 s" in notes[-1]
+
+
+def test_the_plan_note_is_labelled_and_the_last_note_says_what_ran_after_a_cut() -> None:
+    """A new user read 'lm all 16 rounds ... the preset's rounds fit' and later 'lm cut to 12 of 16
+    rounds': the first is the plan, and the closing note says what ran."""
+    budget, progress, lm, notes, rounds = _lm_after_one_round(1.6)
+    assert notes[0].startswith("time budget 5 min 0 s, the plan before the first round: lm 14 of 16 rounds")
+    kept = budget.cut_rounds(lm, 1, rounds, progress)
+    results = [
+        SimpleNamespace(workload="lm", steps=kept * lm[0].preset.round_steps),
+        SimpleNamespace(workload="cnn", steps=MIN_ROUNDS * 20),
+    ]
+    assert budget.outcome(results) == (
+        f"what ran within the time budget 5 min 0 s: lm {kept} of 16 rounds, cnn {MIN_ROUNDS} of 15 rounds "
+        "(the preset's rounds; the notes above say when and why any were cut)"
+    )

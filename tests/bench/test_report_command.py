@@ -74,7 +74,8 @@ def test_report_reads_what_bench_json_writes(tmp_path, capsys):
     assert cli.report_main([str(path)]) == 0
     _png(tmp_path / "out_report" / "step_time.png")
     summary = (tmp_path / "out_report" / "summary.md").read_text()
-    assert "| lm | O2-bf16 | 120.0 | 108.0-132.0 | 2.08x [2.01-2.15] | 100.0 | 2.5000 | 12.2 | 0 |" in summary
+    row = "| lm | O2-bf16 | 120.0 | 108.0-132.0 | 2.08x [2.01-2.15] | 100.0 | 2.5000 | 12.200 | 0 | - |  |"
+    assert row in summary  # the cells as the printed table formats them, the scale and noisy columns too
     assert "NOISY (timings spread too widely to trust; rerun on a quieter machine): lm/bf16-true." in summary
     path.write_text(json.dumps([{"mode": "fp32"}]))
     assert cli.report_main([str(path)]) == 2
@@ -178,3 +179,24 @@ def test_inspect_reports_a_scaler_log_without_importing_bench(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['scale_history.png', 'summary.md'] []"
+
+
+def test_a_folder_report_repeats_the_bench_notes(tmp_path):
+    """The budget's notes the bench printed under its table reach the folder's report/summary.md (its
+    step log's trailer keeps them)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    records = [_bench_record("fp32", 250.0, 1.0), _bench_record("O2-bf16", 120.0, 2.08, 2.01, 2.15)]
+    (folder / "bench.json").write_text(json.dumps(records))
+    steps = [
+        {"step": 0, "workload": "lm", "mode": m, "loss": 2.0, "step_time_ms": 1.0}
+        for m in ("fp32", "O2-bf16")
+    ]
+    notes = [
+        "time budget 5 min 0 s: lm cut to 12 of 16 rounds",
+        "what ran within the time budget 5 min 0 s: lm",
+    ]
+    (folder / "steps.jsonl").write_text(jsonl_text(steps, runs=2, runs_planned=2, notes=notes))
+    written = mixprec.bench.write_report(folder, folder / "report")
+    summary = written[-1].read_text()
+    assert f"## Notes\n\n- {notes[0]}\n- {notes[1]}\n" in summary

@@ -132,3 +132,15 @@ def test_plan_command_compile_prices_the_compiled_layers(factory, capsys):
     plan = PrecisionPlan.from_json(out_json.read_text())
     assert plan.target == "measured:cpu:compiled"
     assert all(c > 0 for info in plan.layers.values() for c in info["cost"].values())
+
+
+def test_plan_without_tokens_per_step_names_the_flag_and_where_it_wrote(factory, capsys):
+    """A CLI user is told the flag (not the Python keyword, not as a UserWarning with a source path), and
+    the absolute paths of the files written into the current folder by default."""
+    assert main(["plan", "--from", "plan_factory:make", "--formats", "bf16"]) == 0
+    captured = capsys.readouterr()
+    assert "mixprec plan: note: --tokens-per-step not given" in captured.err
+    assert "pass --tokens-per-step N" in captured.err
+    assert "tokens_per_step=N" not in captured.err and "UserWarning" not in captured.err
+    assert f"wrote {factory / 'plan.json'} and {factory / 'plan.png'}" in captured.out
+    assert (factory / "plan.json").exists() and (factory / "plan.png").exists()

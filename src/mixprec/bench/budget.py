@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from mixprec.bench.progress import EVAL_S, Progress, estimate_s, format_duration, job_cost_s, start_s
-from mixprec.bench.runner import Job
+from mixprec.bench.runner import Job, RunResult
 
 #: The budget of the default size when ``--time`` is not given (the other sizes run in full then).
 DEFAULT_TIME = "5m"
@@ -141,8 +141,30 @@ class Budget:
         else:
             why = f"the preset's rounds were estimated at {format_duration(full)} on this machine"
             why += f" ({self.factor:.1f}x the reference's time)"
-        self._note(jobs, chosen, self.budget_s, self.factor, why, fraction)
+        self._note(jobs, chosen, self.budget_s, self.factor, why, fraction, plan=True)
         return chosen
+
+    def outcome(self, results: Sequence[RunResult]) -> str | None:
+        """The closing note: the rounds each workload ran of its preset's, whatever the plan and the cuts
+        said before (None before :meth:`first`, or without results)."""
+        parts = []
+        for workload in dict.fromkeys(r.workload for r in results):
+            job = next((j for j in self.original.values() if j.workload == workload), None)
+            if job is None:
+                continue
+            steps = max(r.steps for r in results if r.workload == workload)
+            ran, planned = math.ceil(steps / job.preset.round_steps), _rounds(job)
+            parts.append(
+                f"{workload} all {planned} rounds"
+                if ran >= planned
+                else f"{workload} {ran} of {planned} rounds"
+            )
+        if not parts:
+            return None
+        return (
+            f"what ran within the time budget {format_duration(self.budget_s)}: {', '.join(parts)} "
+            f"(the preset's rounds; the notes above say when and why any were cut)"
+        )
 
     def rechoose(self, remaining: Sequence[Job], progress: Progress) -> list[Job]:
         """The jobs not started yet, cut anew to the time left at the pace the rounds so far ran at."""
@@ -209,6 +231,7 @@ class Budget:
         why: str,
         fraction: float,
         total: bool = True,
+        plan: bool = False,
     ) -> None:
         if fraction < 1.0 and min(_rounds(job) for job in after) <= MIN_ROUNDS:
             fits = estimate_s(after, factor) <= budget_s
@@ -217,7 +240,10 @@ class Budget:
             )
         label = "" if total else "left "
         text = describe(before, after, budget_s, estimate_s(after, factor), why)
-        self.notes.append(text.replace("time budget ", f"time budget {label}", 1))
+        text = text.replace("time budget ", f"time budget {label}", 1)
+        if plan:  # said before anything ran: the rounds may be cut later, the last note says what ran
+            text = text.replace(":", ", the plan before the first round:", 1)
+        self.notes.append(text)
 
 
 def _at_least(job: Job) -> Job:

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -62,12 +62,17 @@ final_loss is the held-out loss, final_metric is {metrics}. `mixprec report` rea
 """
 
 
+def _alias_targets(per: dict[str, str]) -> str:
+    """``fp32`` when every device runs the same mode, else ``O2-bf16 (cpu)/O2-fp16 (cuda)``."""
+    if len(set(per.values())) == 1 and len(per) > 1:
+        return next(iter(per.values()))
+    return "/".join(f"{v} ({k})" for k, v in per.items())
+
+
 def _describe() -> str:
     workloads = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in WORKLOADS.items())
     modes = "\n".join(f"  {name:<19} {spec.summary}" for name, spec in MODES.items())
-    aliases = ", ".join(
-        f"{alias} = {'/'.join(f'{v} ({k})' for k, v in per.items())}" for alias, per in ALIASES.items()
-    )
+    aliases = ", ".join(f"{alias} = {_alias_targets(per)}" for alias, per in ALIASES.items() if per)
     return DESCRIPTION.format(
         workloads=workloads,
         modes=modes,
@@ -222,13 +227,16 @@ def _announce(plan: Plan, factor: float | None) -> None:
     )
 
 
-def _save(results: list[RunResult], args: argparse.Namespace, planned: int) -> list[str]:
-    """Write the JSON and the log from everything so far; returns the paths written."""
+def _save(
+    results: list[RunResult], args: argparse.Namespace, planned: int, notes: Sequence[str] = ()
+) -> list[str]:
+    """Write the JSON and the log (its trailer holding ``notes``) from everything so far; returns the
+    paths written."""
     written = []
     if args.json:
         written.append(str(write_json(results, args.json, planned)))
     if args.log:
-        written.append(str(write_log(results, args.log, planned)))
+        written.append(str(write_log(results, args.log, planned, notes=notes)))
     return written
 
 
@@ -260,7 +268,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 def _finish(results: list[RunResult], args: argparse.Namespace, plan: Plan, table: str, wall: str) -> None:
     """The last writes (JSON, log, plots, the folder's summary), each file named on stderr."""
-    written = _save(results, args, len(plan.jobs))
+    written = _save(results, args, len(plan.jobs), plan.notes)
     if args.plot:
         from mixprec.bench.plots import write_plots
 
@@ -329,6 +337,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     wall = format_duration(time.perf_counter() - started)
+    outcome = budget.outcome(results) if budget is not None else None
+    if outcome is not None:
+        plan.notes.append(outcome)
     if results:
         table = format_table(results, plan.notes, header=_header(plan, threads))
         print(table, flush=True)

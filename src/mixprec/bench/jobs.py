@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixprec.bench import data as datasets
-from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
+from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES, UNRUNNABLE
 from mixprec.bench.runner import Job
 from mixprec.bench.workloads import SIZES, WORKLOADS
 
@@ -78,6 +78,8 @@ def resolve_modes(names: Sequence[str], device_type: str) -> list[str]:
     resolved = []
     for name in names:
         if name in ALIASES:
+            if device_type not in ALIASES[name]:
+                raise ValueError(f"mode {name!r} cannot run on {device_type}: {UNRUNNABLE[name]}")
             name = ALIASES[name][device_type]
         elif name not in MODES:
             raise _unknown("mode", name, accepted)

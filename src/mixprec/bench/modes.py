@@ -143,6 +143,8 @@ class MasterWeightsMode(TrainMode):
         if scaler is not None and not scaler.is_enabled():
             return None  # no loss scaling at this level (its loss_scale reads 1.0)
         scale = getattr(self.optimizer, "loss_scale", None)
+        if isinstance(getattr(scaler, "rule", None), mixprec.StaticScale) and scale == 1.0:
+            return None  # a static scale of 1 (bf16-true) only skips non-finite steps: it does not scale
         return None if scale is None else float(scale)
 
     def observe(self) -> tuple[float | None, bool]:
@@ -236,10 +238,27 @@ def register(*specs: ModeSpec) -> None:
         MODES[spec.name] = spec
 
 
-#: Names that resolve per device to the recipe a user would reach for there.
+#: Names that resolve per device to the bench mode that runs that recipe there: the presets of
+#: ``mixprec.PRESETS`` and apex's levels (O1's and O3's dtype is fp16 on CUDA, bf16 elsewhere, as in
+#: ``mixprec.initialize``). A device missing from an alias's entry has no bench mode for it
+#: (``UNRUNNABLE`` says what is closest).
 ALIASES: dict[str, dict[str, str]] = {
     "torch-amp": {"cpu": "torch-amp-bf16", "cuda": "torch-amp-fp16"},
+    "32-true": {"cpu": "fp32", "cuda": "fp32"},
+    "O0": {"cpu": "fp32", "cuda": "fp32"},
+    "bf16-mixed": {"cpu": "mixprec-bf16", "cuda": "mixprec-bf16"},
+    "16-mixed": {"cpu": "mixprec-fp16", "cuda": "mixprec-fp16"},
+    "O1": {"cpu": "mixprec-bf16", "cuda": "mixprec-fp16"},
     "O2": {"cpu": "O2-bf16", "cuda": "O2-fp16"},
+    "O3": {"cpu": "bf16-true"},
+    "16-true": {},
+}
+#: Why an alias has no bench mode (on the devices its ``ALIASES`` entry lacks), and what comes closest.
+UNRUNNABLE: dict[str, str] = {
+    "16-true": "fp16 weights without fp32 masters have no bench mode; the closest are 'bf16-true' (bf16 "
+    "weights, no masters) and 'O2-fp16' (fp16 weights, fp32 masters)",
+    "O3": "O3 on CUDA is fp16 weights without fp32 masters ('16-true'), which has no bench mode; the "
+    "closest are 'bf16-true' (bf16 weights, no masters) and 'O2-fp16' (fp16 weights, fp32 masters)",
 }
 
 # ---- the reference: plain fp32

@@ -6,7 +6,11 @@ scaled by how fast this machine does a fixed fp32 matmul right now, with the thr
 against the reference (so a busy machine gets a longer estimate). It is rough (the probe is all matmul,
 the steps are not); the time left that the bar and the lines show adapts to the real pace.
 Once the first rounds have run, the projected total is compared with the estimate and a line says so
-when they differ by more than 25% (:class:`Progress`). On CUDA there is no reference machine: nothing is
+when they differ by more than 25% (:class:`Progress`), also when a time-budget cut changes the total.
+On a CPU the time left is the estimate's until enough rounds have run to judge the pace, then the
+estimate's times the median pace of the recent rounds, each run's first (warm-up) round left out, so
+that the worker processes starting at once or a compile do not throw it off by minutes. A line repeated
+for the same step says "still ..., for N s now". On CUDA there is no reference machine: nothing is
 estimated until every run of the first workload has trained one round; the estimate is then the time
 so far plus the rest of the plan at the pace of those rounds (their wall time over their reference
 seconds; the process starts before them are not part of that pace), and later corrections compare
@@ -19,6 +23,7 @@ terminal too small to draw it (0x0 under ``script``), a plain line goes to stder
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +44,9 @@ HEARTBEAT_S = 14.0  # + up to 1 s of polling: a line at least every 15 s
 MIN_BAR_COLUMNS = 40  # narrower (or a 0x0 terminal): plain lines instead of a bar
 REESTIMATE_OFF = 0.25  # say so when the projected total is off the announced one by more than this
 MEASURE_MIN_S = 10.0  # estimated seconds of training rounds before the pace is trusted
+#: the pace is the median of the last this many rounds' (wall / estimated) ratios, each run's first
+#: round left out: it holds the warm-up steps (and a compile), which say nothing of the rounds to come
+PACE_ROUNDS = 9
 
 
 def _probe_seconds() -> float:
@@ -141,6 +149,10 @@ class Progress:
         self._rounds_seen = 0
         self._first_rounds = sum(1 for job in self.jobs if job.workload == self.jobs[0].workload)
         self._mark = self.started
+        self._round_index: int | None = None  # the round ``where`` named last (None: a start or an eval)
+        self._ratios: list[float] = []  # wall / estimated seconds of each round after a run's first
+        # the label and start of the step the last plain line named, so that a repeat says "still"
+        self._printed: tuple[str, float] | None = None
         self._bar = self._make_bar() if bar and can_draw_bar(self.stream) else None
 
     def _make_bar(self) -> Any:
@@ -164,6 +176,7 @@ class Progress:
         if round_index is not None:
             label += f", round {round_index + 1} of {rounds}"
         self.label = label
+        self._round_index = round_index
         self._mark = self.clock()
         if self._bar is not None:
             self._bar.set_description_str(label, refresh=True)
@@ -180,6 +193,9 @@ class Progress:
             self.measured += estimated_s * self.factor
             self.rounds_wall += now - self._mark
             self._rounds_seen += 1
+            if self._round_index != 0 and estimated_s > 0:
+                self._ratios = [*self._ratios, (now - self._mark) / (estimated_s * self.factor)]
+                self._ratios = self._ratios[-PACE_ROUNDS:]
         self._mark = now
         if self.first_total is None:
             self._first_estimate()
@@ -202,7 +218,10 @@ class Progress:
         self.total += estimate_s(after, self.factor) - estimate_s(before, self.factor)
         if self._bar is not None:
             self._bar.total = round(self.total, 1)
-        self.announced_total = self.projected_total_s()
+        if self.first_total is not None and self._trusted():
+            self._check_estimate(why="rounds re-chosen to fit the time budget")
+        else:
+            self.announced_total = self.projected_total_s()
 
     def _first_estimate(self) -> None:
         """Without a reference: once every run of the first workload has trained a round, the machine
@@ -231,8 +250,12 @@ class Progress:
         """Elapsed seconds plus ``left_s``: the whole run's wall time at the pace so far."""
         return self.clock() - self.started + self.left_s()
 
-    def _check_estimate(self) -> None:
-        if self.measured < min(MEASURE_MIN_S, 0.05 * self.total) or self.done >= self.total:
+    def _trusted(self) -> bool:
+        """Whether enough training rounds ran (``MEASURE_MIN_S``, or 5% of a short plan) to judge the pace."""
+        return self.measured >= min(MEASURE_MIN_S, 0.05 * self.total)
+
+    def _check_estimate(self, why: str = "") -> None:
+        if not self._trusted() or self.done >= self.total:
             return
         projected = self.projected_total_s()
         if abs(projected - self.announced_total) <= REESTIMATE_OFF * self.announced_total:
@@ -241,8 +264,13 @@ class Progress:
         pace = projected / self.announced_total
         self.announced_total = projected
         self.corrections.append((elapsed, projected))
+        because = (
+            f"{why}; the total is now {pace:.2f}x the last estimate"
+            if why
+            else f"the rounds so far ran at {pace:.2f}x the pace of the last estimate"
+        )
         self._say(
-            f"estimate corrected: the rounds so far ran at {pace:.2f}x the pace of the last estimate; "
+            f"estimate corrected: {because}; "
             f"now about {format_duration(projected)} in all, {format_duration(self.left_s())} left"
         )
 
@@ -266,14 +294,24 @@ class Progress:
         reference the training rounds' own (process starts on a GPU machine say nothing of its pace)."""
         if self.from_rounds and self.measured > 0:
             return (self.total - self.done) * self.rounds_wall / self.measured
-        elapsed = self.clock() - self.started
-        if self.done <= 0:
-            return self.total
-        return (self.total - self.done) * elapsed / self.done
+        return max(self.total - self.done, 0.0) * self.round_pace()
+
+    def round_pace(self) -> float:
+        """How much slower than estimated the rounds run: the median (wall / estimated) of the last
+        ``PACE_ROUNDS`` rounds after each run's first, once the pace is trusted; 1.0 before. A median of
+        recent rounds follows a load that comes or goes, and one slow round (a process starting, the
+        warm-up's compile) does not throw the time left off by minutes."""
+        if not self._trusted() or not self._ratios:
+            return 1.0
+        return statistics.median(self._ratios)
 
     def _line(self) -> None:
         self.last_line = self.clock()
         elapsed = self.last_line - self.started
+        label = self.label
+        if (label, self._mark) == self._printed:  # the same step still running: say so, not the same line
+            label = f"still {label}, for {format_duration(self.last_line - self._mark)} now"
+        self._printed = (self.label, self._mark)
         percent = 100.0 * self.done / self.total if self.total else 100.0
         left = (
             f"about {format_duration(self.left_s())} left"
@@ -281,7 +319,7 @@ class Progress:
             else "time left known after the first round"
         )
         print(
-            f"[{percent:3.0f}%] {self.label}; {format_duration(elapsed)} elapsed, {left}",
+            f"[{percent:3.0f}%] {label}; {format_duration(elapsed)} elapsed, {left}",
             file=self.stream,
             flush=True,
         )

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec._files import jsonl_text, write_atomic
+from mixprec.bench.advice import recommend
 from mixprec.bench.memory import COMPONENTS, DESCRIPTIONS
-from mixprec.bench.plots import speedup_text
 from mixprec.bench.stats import AA_LABEL, NOISY_ADVICE, NOISY_IQR, NOISY_WIDTH, round_medians, timings
 from mixprec.bench.workloads import WORKLOADS
 
@@ -62,7 +62,7 @@ _COLUMNS = (
     ("metric", ">"),
     ("skip", ">"),
     ("scale", ">"),
-    ("", "<"),
+    ("noisy", "<"),
 )
 
 
@@ -142,7 +142,7 @@ def _row(record: dict[str, Any]) -> list[str]:
         _number(record["peak_memory_mb"], ".1f"),
         _number(record["final_loss"], ".4f"),
         _number(record["final_metric"], metric_spec),
-        str(record["skipped_steps"]),
+        "-" if record["skipped_steps"] is None else str(record["skipped_steps"]),
         _number(record["final_scale"], ".0f"),
         "NOISY" if record["noisy"] else "",
     ]
@@ -200,6 +200,9 @@ def format_table(results: Sequence[Any], notes: Iterable[str] = (), header: str 
         rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in records if r["workload"] == workload]
         lines += ["", f"{workload} (metric: {spec.metric}, {better} is better)", *_layout(rows)]
         lines += memory_table([r for r in records if r["workload"] == workload])
+        advice = recommend(records, workload)
+        if advice is not None:
+            lines += ["", *_wrap(advice)]
     noisy = [f"{r['workload']}/{r['mode']}" for r in records if r["noisy"]]
     lines.append("")
     for line in footer(results):
@@ -249,6 +252,7 @@ def write_log(
     path: str | Path,
     runs_planned: int | None = None,
     running: Sequence[Any] = (),
+    notes: Sequence[str] = (),
 ) -> Path:
     """JSON Lines, one object per training step with keys ``LOG_KEYS``, then the end-of-log trailer.
 
@@ -256,7 +260,8 @@ def write_log(
     ``schedule.Running``), whose steps so far follow the finished runs' (the bench rewrites the log
     after every round). The whole file is replaced atomically (see ``mixprec._files``); its trailer
     ``{"end_of_log": {"records": N, "runs": R, "runs_planned": P}}`` tells ``mixprec report`` whether
-    the bench had finished (``R == P``); ``"running": U`` is added when ``U`` runs were still training.
+    the bench had finished (``R == P``); ``"running": U`` is added when ``U`` runs were still training,
+    ``"notes": [...]`` when ``notes`` (the table's notes) are given, for the report to repeat.
     """
     lines: list[Mapping[str, Any]] = []
     for r in [*results, *running]:
@@ -265,39 +270,40 @@ def write_log(
             record["loss"] = _finite(record["loss"])
             lines.append({key: record.get(key) for key in LOG_KEYS})
     planned = len(results) if runs_planned is None else runs_planned
-    trailer = {"runs": len(results), "runs_planned": planned}
+    trailer: dict[str, Any] = {"runs": len(results), "runs_planned": planned}
     if running:
         trailer["running"] = len(running)
+    if notes:
+        trailer["notes"] = list(notes)
     return write_atomic(path, jsonl_text(lines, **trailer))
 
 
-def bench_summary(records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path]) -> str:
-    """Markdown: one row per run of ``mixprec bench --json``, the NOISY ones named, the images."""
+def bench_summary(
+    records: Sequence[Mapping[str, Any]], name: str, images: Sequence[Path], notes: Sequence[str] = ()
+) -> str:
+    """Markdown: one row per run of ``mixprec bench --json`` (cells formatted as the printed table's),
+    the NOISY ones named, each workload's "what to use" line, the bench's ``notes``, the images."""
+    head = ["workload", *(label or "noisy" for label, _ in _COLUMNS)]
     lines = [
         f"# mixprec bench report ({name})",
         "",
-        "| workload | mode | step ms | IQR ms | speedup [90% CI] | peak MiB | loss | metric | skipped |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
     for r in records:
-        iqr = f"{_ms(r.get('step_time_q25_ms'))}-{_ms(r.get('step_time_q75_ms'))}"
-        cells = [
-            r["workload"],
-            r["mode"],
-            _ms(r["step_time_ms"]),
-            iqr,
-            speedup_text(r) or "-",
-            _number(r.get("peak_memory_mb"), ".1f"),
-            _number(r.get("final_loss"), ".4f"),
-            _number(r.get("final_metric"), ".4g"),
-            str(r.get("skipped_steps", "-")),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+        full = {key: r.get(key) for key in RECORD_KEYS}
+        full["speedup_low"] = full["speedup_low"] if r.get("speedup_high") is not None else None
+        lines.append("| " + " | ".join([r["workload"], *_row(full)]) + " |")
     noisy = [f"{r['workload']}/{r['mode']}" for r in records if r.get("noisy")]
     if noisy:
         lines += [
             "",
             f"NOISY (timings spread too widely to trust; rerun on a quieter machine): {', '.join(noisy)}.",
         ]
+    advice = [recommend(records, w) for w in dict.fromkeys(r["workload"] for r in records)]
+    if any(advice):
+        lines += ["", "## What to use", "", *(f"- {a}" for a in advice if a)]
+    if notes:
+        lines += ["", "## Notes", "", *(f"- {note}" for note in notes)]
     lines += ["", *(f"![{image.stem}]({image.name})" for image in images)]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ from mixprec.bench.results import incomplete, write_report
 __all__ = ["REPORT_HELP", "add_report_arguments", "report_main", "run_report"]
 
 REPORT_HELP = (
-    "turn a run log (JSONL from ScalerLog or `mixprec bench --log`) into PNGs and a Markdown summary"
+    "turn a `mixprec bench` results folder, a `mixprec bench --json` file or a run log (JSONL from "
+    "ScalerLog or `mixprec bench --log`) into PNGs and a Markdown summary"
 )
 
 

@@ -142,11 +142,13 @@ def _write_folder_report(folder: Path, out_dir: Path) -> list[Path]:
     if bench is None:
         raise ValueError(f"{folder / BENCH_FILE}: not a JSON list; {ACCEPTED}")
     records = load_log(folder / BENCH_LOG) if (folder / BENCH_LOG).exists() else []
+    trailer = read_jsonl(folder / BENCH_LOG)[1] if records else None
+    notes = [str(n) for n in (trailer or {}).get("notes", [])]  # the table's notes, as the bench printed them
     note = incomplete(folder)
     out_dir.mkdir(parents=True, exist_ok=True)
     images = [p for p in _log_images(records, out_dir, BENCH_LOG) if p.name != "step_time.png"]
     images.insert(0, plot_bench_records(bench, out_dir / "step_time.png"))
-    return [*images, write_summary(out_dir, bench_summary(bench, folder.name, images), note)]
+    return [*images, write_summary(out_dir, bench_summary(bench, folder.name, images, notes), note)]
 
 
 def _log_images(records: list[dict[str, Any]], out_dir: Path, name: str) -> list[Path]:

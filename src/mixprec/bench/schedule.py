@@ -135,12 +135,17 @@ def run_workload(
 
 
 def _cut_progress(shown: dict[Job, Job], active: list[Job], steps: int, progress: Progress) -> None:
-    """The progress follows a cut: its total loses the rounds that will not run."""
+    """The progress follows a cut: its total loses the rounds that will not run (one replan, so that a
+    correction of the estimate it brings is said once, for the whole cut)."""
+    before, after = [], []
     for job in active:
         old = shown[job]
         shown[job] = dataclasses.replace(old, steps=min(steps, old.total_steps))
         if old in progress.jobs:
-            progress.replan([old], [shown[job]])
+            before.append(old)
+            after.append(shown[job])
+    if before:
+        progress.replan(before, after)
 
 
 def run_plan(

@@ -13,6 +13,7 @@ import importlib
 import itertools
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the model is stepped, for the memory model (default kahan)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=Path("plan.json"), help="where the plan goes")
-    parser.add_argument("--plot", type=Path, default=Path("plan.png"), help="where the plot goes")
+    parser.add_argument(
+        "--json", type=Path, default=Path("plan.json"), help="where the plan goes (default: ./plan.json)"
+    )
+    parser.add_argument(
+        "--plot", type=Path, default=Path("plan.png"), help="where the plot goes (default: ./plan.png)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +105,31 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"output folder {path.parent} does not exist")
     model, batches, loss_fn = _from_factory(args.factory) if args.factory else _from_workload(args)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
-    plan = plan_precision(
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
+        plan = _plan(plan_precision, model, batches, loss_fn, formats, args)
+    for warning in caught:
+        _say_warning(warning)
+    print(plan.table())
+    write_atomic(args.json, plan.to_json())  # complete or absent, see mixprec._files
+    plan.plot(args.plot)
+    print(f"wrote {args.json.resolve()} and {args.plot.resolve()} (--json and --plot choose where)")
+    return 0
+
+
+def _say_warning(warning: warnings.WarningMessage) -> None:
+    """The planner's warnings as a CLI user reads them: its keyword arguments named by their flags,
+    one plain line on stderr (not Python's ``file:line: UserWarning``); other warnings shown as usual."""
+    text = str(warning.message)
+    if text.startswith("plan_precision: tokens_per_step not given"):
+        text = text.replace("plan_precision: tokens_per_step not given", "--tokens-per-step not given")
+        text = text.replace("pass tokens_per_step=N", "pass --tokens-per-step N")
+        print(f"mixprec plan: note: {text}", file=sys.stderr)
+        return
+    warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+def _plan(plan_precision: Any, model: Any, batches: Any, loss_fn: Any, formats: tuple, args: Any) -> Any:
+    return plan_precision(
         model,
         batches,
         loss_fn,
@@ -118,11 +147,6 @@ def run(args: argparse.Namespace) -> int:
         weight_update=args.weight_update,
         compiled=args.compile,
     )
-    print(plan.table())
-    write_atomic(args.json, plan.to_json())  # complete or absent, see mixprec._files
-    plan.plot(args.plot)
-    print(f"wrote {args.json} and {args.plot}")
-    return 0
 
 
 def _from_workload(args: argparse.Namespace) -> tuple[Any, list, Any]:
