@@ -38,11 +38,21 @@ def _scale_of(amax_bits, ELEM_MAX: tl.constexpr, POW2: tl.constexpr, PRECISE: tl
 
 
 @triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+# Triton's own @jit helpers (tl.max, its combine function) are made when Triton is first imported, under
+# whichever TRITON_INTERPRET setting that import saw; the other setting cannot call them (the compiler
+# fails on an interpreted one, the interpreter on a compiled tl.max). So the compiled kernels reduce with
+# this module's own combine function, made here under their setting, and the interpreted ones with
+# tl.standard's, which the interpreter recognizes by identity and runs as numpy's max.
+_MAX_COMBINE: Any = tl.standard._elementwise_max if INTERPRET else _maximum
+
+
+@triton.jit
 def _amax(bits, axis: tl.constexpr):
-    # tl.max's own reduction, called directly: tl.max is a @jit function made when Triton was imported,
-    # which the interpreter cannot call unless that import was already under TRITON_INTERPRET=1 (a test
-    # sets it for itself); the interpreter runs this combine function as numpy's max, by its identity.
-    return tl.reduce(bits, axis, tl.standard._elementwise_max)
+    return tl.reduce(bits, axis, _MAX_COMBINE)
 
 
 @triton.jit
@@ -60,15 +70,22 @@ def _store(ptr, v, mask, CAST: tl.constexpr, F8: tl.constexpr):
 
 
 @triton.jit
-def amax(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, BM: tl.constexpr, BK: tl.constexpr,
-                ROWWISE: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
-    # max |x| as the int32 of its float32 bits (sign cleared): ordered as the magnitudes, a nan
-    # above inf, so an atomic integer max is exact in any order and keeps a nan.
+def _tile(x_ptr, M, K, sxm, sxk, BM: tl.constexpr, BK: tl.constexpr):
+    # This program's BM x BK tile of the (M, K) strided input as float32, zeros beyond M and K.
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return rm, rk, mask, x.to(tl.float32)
+
+
+@triton.jit
+def amax(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, BM: tl.constexpr, BK: tl.constexpr,
+                ROWWISE: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+    # max |x| as the int32 of its float32 bits (sign cleared): ordered as the magnitudes, a nan
+    # above inf, so an atomic integer max is exact in any order and keeps a nan.
+    rm, rk, _, x = _tile(x_ptr, M, K, sxm, sxk, BM, BK)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if ROWWISE:
         tl.atomic_max(row_ptr + rm, _amax(bits, 1), mask=rm < M)
         if COLS:
@@ -85,11 +102,7 @@ def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_p
     # MODE 0: one scale from the tensor amax; 1: a given scale; 2: a scale per row (and per column
     # for the transposed copy).
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rk = pid_k * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    rm, rk, mask, x = _tile(x_ptr, M, K, sxm, sxk, BM, BK)
     if MODE == 2:
         s_row = _scale_of(tl.load(row_ptr + rm, mask=rm < M, other=0), ELEM_MAX, POW2, PRECISE)
         y = _saturate(x * s_row[:, None], ELEM_MAX)
@@ -128,11 +141,7 @@ def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
     # One BM x 128 tile (zeros beyond M, K: quantize's padding): 1x128 blocks are its rows, the
     # transposed copy's 1x128 blocks its columns (BM = 128), a 128x128 block the tile itself.
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rk = pid_k * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    rm, rk, _, x = _tile(x_ptr, M, K, sxm, sxk, BM, BK)
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     n_kb = KP // BK
     n_mb = MP // BK
