@@ -80,7 +80,7 @@ def quantize(
     if not stochastic and tensor_amax is None and (pad or not (x2.shape[0] % rows or x2.shape[1] % cols)):
         fused = _fused(x2, fmt)
         if fused is not None:  # the same bits from one or two Triton kernels (CUDA, eager)
-            return Quantized(fused.data, fused.scale, None, fmt, x.shape, x.dtype, axis)
+            return Quantized(fused[0].data, fused[0].scale, None, fmt, x.shape, x.dtype, axis)
     x2 = _pad(x2, rows, cols, pad, fmt, x.shape, axis)
     x2 = x2.to(torch.float32)
     amax = block_scales.block_amax(x2, rows, cols)
@@ -127,14 +127,11 @@ def quantize_pair(x: torch.Tensor, fmt: LowbitFormat | str) -> tuple[Quantized, 
     _check(x, -1, False, None, True)
     if x.dim() != 2:
         raise ValueError(f"quantize_pair takes a 2-D (M, K) tensor, got shape {tuple(x.shape)}")
-    on_kernel = x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
-    if on_kernel and not torch.compiler.is_compiling():
-        from mixprec.lowbit import triton_quantize
-
-        if triton_quantize.fused_eligible(x, fmt):
-            q, q_t = triton_quantize.quantize(x, fmt, transpose=True)
-            assert q_t is not None
-            return q, q_t
+    fused = _fused(x, fmt, transpose=True)
+    if fused is not None:
+        q, q_t = fused
+        assert q_t is not None
+        return q, q_t
     q = quantize(x, fmt, pad=True)
     if fmt.is_tensorwise:  # one scale for both: the transposed copy is the same bits, seen transposed
         shape_t = torch.Size((x.shape[1], x.shape[0]))
@@ -142,15 +139,20 @@ def quantize_pair(x: torch.Tensor, fmt: LowbitFormat | str) -> tuple[Quantized, 
     return q, quantize(x.t(), fmt, pad=True)
 
 
-def _fused(x2: torch.Tensor, fmt: LowbitFormat) -> Quantized | None:
-    """``x2`` quantized by :mod:`mixprec.lowbit.triton_quantize` where it is eligible, else None."""
+def _fused(
+    x2: torch.Tensor, fmt: LowbitFormat, transpose: bool = False
+) -> tuple[Quantized, Quantized | None] | None:
+    """``x2`` (and with ``transpose`` its transposed copy) quantized by
+    :mod:`mixprec.lowbit.triton_quantize` where it is eligible, else None."""
     if torch.compiler.is_compiling() or (
         x2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
     ):
         return None  # compiled: inductor fuses the pure-torch ops; a CPU tensor: not without the interpreter
     from mixprec.lowbit import triton_quantize
 
-    return triton_quantize.quantize(x2, fmt)[0] if triton_quantize.fused_eligible(x2, fmt) else None
+    if not triton_quantize.fused_eligible(x2, fmt):
+        return None
+    return triton_quantize.quantize(x2, fmt, transpose=transpose)
 
 
 def _on_device(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
