@@ -151,6 +151,34 @@ def test_operand_quantizations_per_step_and_the_memory_backward_keeps(name, monk
         assert _qbytes(x_t) <= x_bytes // 4 + x_bytes // 64  # 1 byte a value (fp4: half) and the scales
 
 
+@pytest.mark.parametrize("name", ["fp8_rowwise", "fp8_rowwise_gw_hp", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("share", [True, False])
+def test_a_gradient_not_asked_for_keeps_nothing_for_it(name, share, monkeypatch):
+    """A frozen weight's layer keeps no input (only wgrad reads it), an input without grad keeps no
+    weight copy (only dgrad reads it): what backward keeps is the bytes the other gradient needs."""
+    shape = (2, 128, 128)
+    frozen = _step(RECIPES[name], share, monkeypatch, grads=(True, False), shape=shape)
+    first = _step(RECIPES[name], share, monkeypatch, grads=(False, True), shape=shape)
+    assert frozen[2] is None and first[1] is None  # the gradient not asked for
+    assert frozen[1] is not None and first[2] is not None
+    # frozen weight: nothing but dgrad's weight copy (or nothing, when the parameter itself is read)
+    recipe = RECIPES[name]
+    w_copy = (
+        _qbytes(quantize(torch.randn(128, 64), recipe.dgrad_w, pad=True))
+        if share and shared_operands(recipe)[1]
+        else 0
+    )
+    assert frozen[3] == w_copy
+    # no input gradient: the input (hp or its quantized transposed copy), never a weight copy
+    x_bytes = 256 * 128 * 4
+    x_t = (
+        quantize(torch.randn(128, 256), recipe.wgrad_x, pad=True)
+        if share and shared_operands(recipe)[0]
+        else None
+    )
+    assert first[3] == (_qbytes(x_t) if x_t is not None else x_bytes)
+
+
 def test_shared_operands_follow_the_recipe(monkeypatch):
     assert shared_operands(RECIPES["fp8_rowwise"]) == (True, True, True)
     assert shared_operands(RECIPES["nvfp4"]) == (False, True, False)

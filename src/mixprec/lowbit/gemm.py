@@ -539,7 +539,8 @@ class LowbitLinearFunction(torch.autograd.Function):
     way) is quantized once with its transposed copy (:func:`~mixprec.lowbit.quantize.quantize_pair`,
     Transformer Engine's cast-transpose; bit for bit the per-use quantization), and backward keeps the
     copy: the fp8 ``x.T`` in place of ``x``, the weight's beside it. Any other operand is saved in its
-    own precision and quantized by backward. A quantized weight is cast from its own dtype (an fp32
+    own precision and quantized by backward; nothing is kept for a gradient not asked for (a frozen
+    weight's layer keeps no input). A quantized weight is cast from its own dtype (an fp32
     master under bf16 autocast is rounded once, to the low-bit format, as torchao's float8 and Transformer
     Engine round it); a high-precision operand enters its GEMM in the output dtype.
 
@@ -615,8 +616,10 @@ def _per_operand_forward(
     # The weight is quantized from its own dtype, as torchao and TE do.
     qx: Quantized | torch.Tensor = x2
     qw: Quantized | torch.Tensor = weight
-    saved_x: Quantized | torch.Tensor = x2
-    saved_w: Quantized | torch.Tensor = weight
+    # Only what a needed gradient reads is kept: x for wgrad, the weight for dgrad (a frozen weight's
+    # layer keeps no input, a first layer's no weight).
+    saved_x: Quantized | torch.Tensor | None = x2 if ctx.needs_input_grad[1] else None
+    saved_w: Quantized | torch.Tensor | None = weight if ctx.needs_input_grad[0] else None
     if share_x:
         qx, saved_x = _quantize_both(x2, recipe.fprop_x)
     elif recipe.fprop_x != HP:
@@ -632,12 +635,12 @@ def _per_operand_forward(
     return out
 
 
-def _meta(t: Quantized | torch.Tensor) -> tuple[Any, ...] | None:
-    """What a saved :class:`Quantized` needs besides its tensors (None: a plain tensor)."""
+def _meta(t: Quantized | torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What a saved :class:`Quantized` needs besides its tensors (None: a plain tensor or nothing)."""
     return (t.fmt, t.shape, t.dtype, t.axis) if isinstance(t, Quantized) else None
 
 
-def _tensors(t: Quantized | torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _tensors(t: Quantized | torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return (t.data, t.scale, t.tensor_scale) if isinstance(t, Quantized) else (t, None, None)
 
 
