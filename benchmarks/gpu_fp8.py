@@ -25,7 +25,7 @@ ratio to bf16 (same eager/compiled) paired round by round (median, range); the t
 step, ``torch.cuda.max_memory_allocated`` during the step minus the memory allocated before it (the
 activations and temporaries; weights, gradients kept by ``set_to_none`` zeroing aside); the graph breaks
 Dynamo counted while compiling it. Then the GEMM level, at ``--gemm-shape`` (8192^3 on CUDA): one
-``nn.Linear``'s forward and both backward GEMMs with their quantization, per format, timed by
+bf16 ``nn.Linear``'s forward and both backward GEMMs with their quantization, per format, timed by
 ``benchmarks/plan_cost.py``'s ``measure`` (``mixprec.plan.cost.MeasuredCost``: interleaved repeats,
 median and IQR), relative to bf16. Then the quantize level, at ``--quant-shape`` (8192x8192 bf16 on
 CUDA): per fp8 format, an operand quantized along K and its transposed copy quantized along M (what the
@@ -327,7 +327,10 @@ def run_configs(results: Results, compiled: bool, args: argparse.Namespace, star
 def run_gemm(results: Results, args: argparse.Namespace) -> None:
     """The GEMM level: plan_cost's measure at ``--gemm-shape`` (one shape, every format interleaved)."""
     shape = tuple(int(v) for v in args.gemm_shape.split(","))
-    options = argparse.Namespace(device=args.device, warmup=args.gemm_warmup, repeats=args.gemm_repeats)
+    # bf16 layers, as the steps' model: rowwise_gw_hp's high-precision wgrad then runs in bf16, as bf16's
+    options = argparse.Namespace(
+        device=args.device, warmup=args.gemm_warmup, repeats=args.gemm_repeats, dtype="bfloat16"
+    )
     try:
         rows, _ = plan_cost.measure([("gemm", shape)], list(GEMM_FORMATS), options)
     except Exception as exc:

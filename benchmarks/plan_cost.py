@@ -16,6 +16,9 @@ planner then keeps layers in bf16 or fp32, whichever is faster). A CPU timing is
 alike. On CUDA, each format's GEMMs run on the tensor-core kernel ``mixprec.lowbit.gemm.kernel_path``
 names for the device, else emulated. A format that raises at a shape gets a row with its ``error`` (the
 other formats are then timed one by one, so they keep their figures); the exit code is then 1.
+The layer and its input are float32 by default; ``--dtype bfloat16`` makes them bf16, as a bf16 model
+trains them, so a recipe's high-precision GEMMs (``fp8_rowwise_gw_hp``'s weight gradient) run in bf16 like
+the bf16 reference, not in float32 (``fp32`` is then left out of the formats).
 ``--json`` is rewritten after each shape (``meta.shapes_done`` of ``shapes_planned``), so a run cut
 short by a time limit keeps the shapes it measured.
 
@@ -23,6 +26,7 @@ Usage::
 
     python benchmarks/plan_cost.py --threads 1 --json benchmarks/plan_cost.json
     python benchmarks/plan_cost.py --device cuda --shape 8192,8192,8192 --json plan_cost_cuda.json
+    python benchmarks/plan_cost.py --device cuda --dtype bfloat16 --formats fp8_rowwise,fp8_rowwise_gw_hp
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def _timed(cost: MeasuredCost, formats: list[str], shape: tuple[int, int, int], 
         pass
     errors = {}
     for fmt in formats:
-        alone = MeasuredCost(args.device, torch.float32, [fmt], warmup=args.warmup, repeats=args.repeats)
+        alone = MeasuredCost(args.device, _dtype(args), [fmt], warmup=args.warmup, repeats=args.repeats)
         try:
             alone(fmt, *shape)
         except Exception as exc:
@@ -103,9 +107,17 @@ def _timed(cost: MeasuredCost, formats: list[str], shape: tuple[int, int, int], 
     return errors
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _dtype(args) -> torch.dtype:
+    """The layer's parameter and input dtype (``args.dtype``, float32 when absent)."""
+    return DTYPES[getattr(args, "dtype", "float32")]
+
+
 def measure(shapes, formats, args) -> tuple[list[dict], str]:
     """One row per (shape, format); a format that raises at a shape gets a row with its ``error``."""
-    cost = MeasuredCost(args.device, torch.float32, formats, warmup=args.warmup, repeats=args.repeats)
+    cost = MeasuredCost(args.device, _dtype(args), formats, warmup=args.warmup, repeats=args.repeats)
     rows = []
     for source, (m, n, k) in shapes:
         errors = _timed(cost, formats, (m, n, k), args)
@@ -133,11 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32",
+        help="the layer's parameters and input; a low-bit recipe's high-precision GEMMs run in it",
+    )  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     formats = [f for f in args.formats.split(",") if f]
+    if args.dtype != "float32" and "fp32" in formats:
+        if args.formats != parser.get_default("formats"):
+            parser.error(f"--formats fp32 needs --dtype float32 (a {args.dtype} layer has no fp32 GEMM)")
+        formats.remove("fp32")
     if "bf16" not in formats:
         formats.append("bf16")  # the reference of every ratio
     shapes = [(src, s) for src, found in workload_shapes().items() for s in found]

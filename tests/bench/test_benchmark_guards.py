@@ -227,6 +227,36 @@ def test_plan_cost_cut_short_keeps_the_shapes_it_measured(tmp_path: Path, monkey
     ]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_cost_runs_a_recipes_high_precision_gemm_in_the_layers_dtype(dtype, capsys) -> None:
+    """``--dtype bfloat16``: rowwise_gw_hp's weight-gradient GEMM (the one torch.mm with an (N, K) result)
+    runs in bf16 as the bf16 reference does, not in float32; fp32 is left out of a bf16 run's formats."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    script = _script("plan_cost")
+    seen: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                seen.append((args[0].dtype, tuple(out.shape)))
+            return out
+
+    args = argparse.Namespace(device="cpu", warmup=0, repeats=1, dtype=dtype)
+    rows, _ = script.measure([("extra", (16, 32, 64))], ["fp8_rowwise_gw_hp"], args)
+    assert "error" not in rows[0] and [r["format"] for r in rows] == ["fp8_rowwise_gw_hp"]
+    cost = plan_cost_lib.MeasuredCost("cpu", script._dtype(args), ["fp8_rowwise_gw_hp"], warmup=0, repeats=1)
+    with Record():  # the layer measure() times, alone (measure times the bf16 reference too)
+        cost("fp8_rowwise_gw_hp", 16, 32, 64)
+    wgrad = {d for d, shape in seen if shape == (32, 64)}  # (N, K): the weight gradient
+    assert wgrad == {getattr(torch, dtype)}
+    if dtype == "bfloat16":
+        with pytest.raises(SystemExit):
+            script.main(["--dtype", "bfloat16", "--formats", "fp8_rowwise,fp32"])
+        assert "--formats fp32 needs --dtype float32" in capsys.readouterr().err
+
+
 # precision_paths
 
 PATHS_ARGV = ["--widths", "16", "--depth", "1", "--steps", "2", "--warmup", "1", "--rounds", "1"]
