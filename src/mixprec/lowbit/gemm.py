@@ -406,14 +406,19 @@ _OCP_FP8 = ("e4m3", "e5m2")
 
 
 def _post_scaled(kernel: Kernel, a: Quantized, b: Quantized, fast_accum: bool) -> bool:
-    """Whether a GEMM on ``kernel`` runs as :func:`_rowwise_post_scaled`: rowwise x rowwise fp8 on a CUDA
-    tensor (a fake one included) without fast accumulation, as torchao's ``addmm_float8_unwrapped`` does."""
+    """Whether a GEMM on ``kernel`` runs as :func:`_rowwise_post_scaled`: on a CUDA tensor (a fake one
+    included) where :func:`_post_scale_rule` says so."""
+    return a.data.device.type == "cuda" and _post_scale_rule(kernel, a, b, fast_accum)
+
+
+def _post_scale_rule(kernel: Kernel, a: Quantized, b: Quantized, fast_accum: bool) -> bool:
+    """Rowwise x rowwise OCP fp8 without fast accumulation: where torchao's ``addmm_float8_unwrapped``
+    takes the tensorwise kernel (the device aside: the tests force the path on a CPU with this)."""
     return (
         kernel.kinds == ("row", "row")
         and not fast_accum
         and a.fmt.element in _OCP_FP8
         and b.fmt.element in _OCP_FP8
-        and a.data.device.type == "cuda"
     )
 
 
