@@ -142,7 +142,9 @@ def test_rowwise_gemms_run_as_torchaos(fake_hopper, name, api) -> None:
     assert len(backward) == (2 if name == "rowwise" else 1)
     v2 = api == "scaled_mm_v2" and gemm._SCALED_MM_V2 is not None
     ops = [e.op for e in fake_hopper.of("scaled_mm")]
-    assert ops == [f"aten._scaled_mm{'_v2' if v2 else ''}.default"] + ["aten._scaled_mm.default"] * len(backward)
+    assert ops == [f"aten._scaled_mm{'_v2' if v2 else ''}.default"] + ["aten._scaled_mm.default"] * len(
+        backward
+    )
     if not v2:  # (the v2 op takes lists of scales)
         assert fprop["scale_a"]["shape"] == (m, 1) and fprop["scale_b"]["shape"] == (1, n)
         assert fprop["use_fast_accum"] is True

@@ -40,10 +40,14 @@ def interpret(monkeypatch: pytest.MonkeyPatch):
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal, a nan equal to a nan (its payload and sign aside)."""
     nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-    return bool(torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.int16)[~nan_a], b.view(torch.int16)[~nan_b]))
+    return bool(
+        torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.int16)[~nan_a], b.view(torch.int16)[~nan_b])
+    )
 
 
-def _case(shape: tuple[int, int], kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _case(
+    shape: tuple[int, int], kind: str, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     m, n = shape
     out = (torch.randn(m, n, generator=g) * torch.logspace(-3, 3, n)).to(torch.bfloat16)
@@ -55,7 +59,9 @@ def _case(shape: tuple[int, int], kind: str, seed: int = 0) -> tuple[torch.Tenso
     elif kind == "specials":  # nan, infs, zeros of both signs, overflow to inf, bf16 subnormal results
         flat = out.view(-1)
         specials = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38, 1e-30, 2e-38]
-        flat[: min(len(specials), flat.numel())] = torch.tensor(specials[: flat.numel()], dtype=torch.bfloat16)
+        flat[: min(len(specials), flat.numel())] = torch.tensor(
+            specials[: flat.numel()], dtype=torch.bfloat16
+        )
         row[0] = 2.0
         if m > 1:
             row[1] = 1e-10  # 1e-30 * 1e-10 * col: float32 subnormal or zero
@@ -182,7 +188,9 @@ def test_the_gpu_kernel_compiles_with_torchs_rounding(monkeypatch):
     signature = {**_POST_SCALE_SIGNATURE, "M": "i32", "N": "i32", "som": "i32", "son": "i32"}
     constexprs = {"BM": 32, "BN": 128, "PRECISE": True}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    ptx = compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+    ).asm["ptx"]
     assert "cvt.rn.bf16" in ptx  # cvt.rn.bf16.f32 or its two-lane form
     assert "mul.f32" in ptx or "mul.rn.f32" in ptx
     assert "fma" not in ptx and ".ftz" not in ptx

@@ -103,3 +103,14 @@ def test_kernel_path_says_how_rowwise_runs_without_fast_accum() -> None:
     assert path == "fp8_rowwise" and "addmm_float8_unwrapped" in reason and "unit scales" in reason
     path, reason = gemm.kernel_path(quantize(x, "fp8_tensorwise"), quantize(w, "fp8_tensorwise"), (9, 0))
     assert path == "fp8_tensorwise" and "addmm_float8_unwrapped" not in reason
+
+
+def test_the_path_compiles_in_one_graph_with_the_same_bits() -> None:
+    """Under ``torch.compile`` the post-scale is torch's expression (inductor fuses it on CUDA): no graph
+    break (fullgraph), the eager bits."""
+    x, w = _operands(48, 64, 40, seed=2)
+    qa, qb = quantize(x, "fp8_rowwise_fp32"), quantize(w, "fp8_rowwise_fp32")
+    args = (qa.data, qb.data.t(), qa.block_descale(), qb.block_descale().t(), torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(gemm._rowwise_post_scaled, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(*args), gemm._rowwise_post_scaled(*args))

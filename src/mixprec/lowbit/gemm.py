@@ -360,8 +360,10 @@ def _scaled(
 ) -> torch.Tensor:
     """``a @ b.T`` on ``kernel``; the result trimmed to the operands' unpadded rows.
 
-    The one call site of torch's scaled matmul in mixprec: A row-major, B.T column-major (cuBLASLt's
-    layout; a transposed view, as a tensorwise operand reused by another GEMM is, is copied).
+    The one entry to torch's scaled matmul in mixprec (through :func:`_call`): A row-major, B.T
+    column-major (cuBLASLt's layout; a transposed view, as a tensorwise operand reused by another GEMM
+    is, is copied). A rowwise pair without fast accumulation on CUDA runs as
+    :func:`_rowwise_post_scaled` (torchao's path, see the module doc).
     """
     kind_a, kind_b = kernel.kinds
     scale_a = _operand_scale(a, kind_a, False, a.data.shape[0])
@@ -389,7 +391,8 @@ def _call(
     fast_accum: bool,
 ) -> torch.Tensor:
     """torch's scaled matmul of ``mat_a`` (M, K) @ ``mat_b`` (K, N) as ``kernel`` takes it: the aten
-    ``_scaled_mm_v2`` where this torch has it and the kernel's table entry allows, else ``torch._scaled_mm``."""
+    ``_scaled_mm_v2`` where this torch has it and the kernel's table entry allows, else
+    ``torch._scaled_mm``."""
     kind_a, kind_b = kernel.kinds
     if _SCALED_MM_V2 is not None and not kernel.legacy_api:
         return _SCALED_MM_V2(
@@ -447,7 +450,8 @@ def _rowwise_post_scaled(
 
 def _post_scale_(out: torch.Tensor, descale_a: torch.Tensor, descale_b: torch.Tensor) -> None:
     """``out *= descale_a * descale_b`` in place: the fused Triton pass where it is eligible, else torch's
-    expression (compiled, inductor fuses it; a CPU, a fake tensor, no Triton, ``MIXPREC_FUSED_QUANTIZE=0``)."""
+    expression (compiled, where inductor fuses it; a CPU, a fake tensor, no Triton,
+    ``MIXPREC_FUSED_QUANTIZE=0``)."""
     if not torch.compiler.is_compiling() and (
         out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     ):

@@ -32,10 +32,17 @@ environment variable ``MIXPREC_FUSED_QUANTIZE`` not set to ``0`` (the switch tha
 path, read at each call). This module imports Triton only when a kernel is first launched, so mixprec
 imports without it.
 
+One kernel here is not a quantizer: :func:`post_scale_`, the epilogue of a rowwise fp8 GEMM run as
+torchao runs it without fast accumulation (``float8_ops.addmm_float8_unwrapped``: the tensorwise kernel
+with unit scales, then ``out *= scale_a * scale_b`` on its bf16 output). It gives torch's bits in one
+pass over the output, without the (M, N) float32 outer product torch's expression allocates, behind the
+same gate (:func:`post_scale_eligible`).
+
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1`` set before the first launch) the kernels run on
 CPU tensors, which is how the tests check them; the interpreter's float32-to-fp8 conversion is wrong
 where rounding carries into the next binade, so ``cast=False`` (tests) stores the scaled, clamped
-float32 values instead of the fp8 ones.
+float32 values instead of the fp8 ones; its float32-to-bfloat16 conversion truncates, so the interpreted
+post-scale rounds on the bits (see :func:`post_scale_`).
 """
 
 from __future__ import annotations
