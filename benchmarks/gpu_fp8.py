@@ -27,7 +27,13 @@ activations and temporaries; weights, gradients kept by ``set_to_none`` zeroing 
 Dynamo counted while compiling it. Then the GEMM level, at ``--gemm-shape`` (8192^3 on CUDA): one
 bf16 ``nn.Linear``'s forward and both backward GEMMs with their quantization, per format, timed by
 ``benchmarks/plan_cost.py``'s ``measure`` (``mixprec.plan.cost.MeasuredCost``: interleaved repeats,
-median and IQR), relative to bf16. Then the quantize level, at ``--quant-shape`` (8192x8192 bf16 on
+median and IQR), relative to bf16; and at the same shape, one rowwise fp8 GEMM (bf16 out, no fast
+accumulation) three ways: torch's rowwise kernel (CUTLASS), and what mixprec runs (torchao's
+``addmm_float8_unwrapped``): the tensorwise kernel with unit scales then ``out *= scale_a * scale_b``,
+the scaling fused (Triton) or torch's expression, interleaved rounds of ``--gemm-repeats`` timed calls,
+median and range in ms, TFLOP/s, the ratio to the rowwise kernel, the transient memory of a call, and
+whether the fused scaling gives torch's expression's bits (the CPU has no rowwise kernel: that row is
+skipped there). Then the quantize level, at ``--quant-shape`` (8192x8192 bf16 on
 CUDA): per fp8 format, an operand quantized along K and its transposed copy quantized along M (what the
 forward and the backward need), by the pure-torch quantizers (``MIXPREC_FUSED_QUANTIZE=0``) and by the
 fused Triton kernels (``mixprec.lowbit.triton_quantize``, where the device has them), interleaved
@@ -264,6 +270,7 @@ class Results:
         self.configs: dict[bool, list[Config]] = {False: [], True: []}
         self.skipped: list[dict[str, Any]] = []
         self.gemm: list[dict[str, Any]] = []
+        self.rowwise_gemm: list[dict[str, Any]] = []
         self.quantize: list[dict[str, Any]] = []
         self.passes: list[dict[str, Any]] = []
 
@@ -279,6 +286,7 @@ class Results:
             "meta": self.meta,
             "rows": self.rows(),
             "gemm": self.gemm,
+            "rowwise_gemm": self.rowwise_gemm,
             "quantize": self.quantize,
             "passes": self.passes,
         }
@@ -340,6 +348,101 @@ def run_gemm(results: Results, args: argparse.Namespace) -> None:
         {k: r.get(k) for k in ("format", "shape", "median_s", "iqr_s", "relative_to_bf16", "error")}
         for r in rows
     ]
+
+
+ROWWISE_PATHS = ("rowwise kernel", "tensorwise + fused post-scale", "tensorwise + torch post-scale")
+
+
+def _with_switch(value: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``MIXPREC_FUSED_QUANTIZE`` set to ``value`` (restored after)."""
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = value
+    try:
+        return fn()
+    finally:
+        if before is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
+def run_rowwise_gemm(results: Results, args: argparse.Namespace) -> None:
+    """The rowwise GEMM paths at ``--gemm-shape`` (see the module doc): the rowwise kernel against the
+    tensorwise kernel with the scales applied after, fused and not, timed in turn each round."""
+    from mixprec.lowbit import gemm as lowbit_gemm
+    from mixprec.lowbit import triton_quantize
+    from mixprec.lowbit.kernels import KERNELS
+    from mixprec.lowbit.quantize import quantize
+
+    device = torch.device(args.device)
+    m, n, k = (int(v) for v in args.gemm_shape.split(","))
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device=device, generator=gen).to(torch.bfloat16)
+    qa, qb = quantize(x, "fp8_rowwise_fp32"), quantize(w, "fp8_rowwise_fp32")
+    mat_a, mat_b, da, db = qa.data, qb.data.t(), qa.block_descale(), qb.block_descale().t()
+    del x, w
+    rowwise = next(kern for kern in KERNELS if kern.name == "fp8_rowwise")
+    bf16 = torch.bfloat16
+    calls: dict[str, Callable[[], torch.Tensor]] = {
+        ROWWISE_PATHS[0]: lambda: lowbit_gemm._call(rowwise, mat_a, mat_b, da, db, bf16, False),
+        ROWWISE_PATHS[1]: lambda: lowbit_gemm._rowwise_post_scaled(mat_a, mat_b, da, db, bf16),
+        ROWWISE_PATHS[2]: lambda: _with_switch(
+            "0", lambda: lowbit_gemm._rowwise_post_scaled(mat_a, mat_b, da, db, bf16)
+        ),
+    }
+    rows = {p: {"path": p, "shape": [m, n, k]} for p in ROWWISE_PATHS}
+    outs: dict[str, torch.Tensor] = {}
+    if device.type != "cuda":
+        rows[ROWWISE_PATHS[0]]["skipped"] = f"no rowwise kernel on {device.type}"
+        del calls[ROWWISE_PATHS[0]]
+    probe = torch.empty(1, 1, dtype=bf16, device=device)
+    if not triton_quantize.post_scale_eligible(probe):
+        why = f"not eligible on {device.type} (Triton {triton_quantize.triton_available()})"
+        rows[ROWWISE_PATHS[1]]["skipped"] = why
+        del calls[ROWWISE_PATHS[1]]
+    for path in list(calls):  # the first call (Triton's compile) and the output to compare
+        try:
+            outs[path] = calls[path]()
+            _sync(device)
+        except Exception as exc:
+            rows[path]["error"] = _error(exc)
+            del calls[path]
+    times: dict[str, list[float]] = {p: [] for p in calls}
+    transient: dict[str, int] = {}
+    keys = list(calls)
+    for rnd in range(args.gemm_repeats):
+        for path in keys[rnd % len(keys) :] + keys[: rnd % len(keys)] if keys else []:
+            _sync(device)
+            if device.type == "cuda":
+                before = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            started = time.perf_counter()
+            calls[path]()
+            _sync(device)
+            times[path].append(time.perf_counter() - started)
+            if device.type == "cuda":
+                transient[path] = torch.cuda.max_memory_allocated(device) - before
+    for path, row_ in rows.items():
+        if times.get(path):
+            ms = [t * 1e3 for t in times[path]]
+            row_.update(median_ms=statistics.median(ms), range_ms=_range(ms), repeats=len(ms))
+            row_["tflops"] = 2 * m * n * k / (row_["median_ms"] * 1e-3) / 1e12
+            if path in transient:
+                row_["transient_mib"] = transient[path] / 2**20
+    base = rows[ROWWISE_PATHS[0]].get("median_ms")
+    for path in ROWWISE_PATHS[1:]:
+        if base and "median_ms" in rows[path]:
+            rows[path]["vs_rowwise_kernel"] = rows[path]["median_ms"] / base
+        if path in outs and ROWWISE_PATHS[0] in outs:  # two roundings of one product: near, not equal
+            diff = (outs[path].float() - outs[ROWWISE_PATHS[0]].float()).abs().max()
+            rows[path]["max_abs_diff_vs_rowwise_kernel"] = float(diff)
+    fused, plain = outs.get(ROWWISE_PATHS[1]), outs.get(ROWWISE_PATHS[2])
+    if fused is not None and plain is not None:
+        rows[ROWWISE_PATHS[1]]["bitwise_vs_torch_post_scale"] = bool(torch.equal(fused, plain))
+        if not torch.equal(fused, plain):
+            rows[ROWWISE_PATHS[1]]["error"] = "the fused post-scale differs from torch's out *= a * b"
+    results.rowwise_gemm = list(rows.values())
 
 
 def _sync(device: torch.device) -> None:
@@ -513,6 +616,15 @@ def _print(results: Results) -> None:
             print(f"GEMM fwd+bwd {','.join(map(str, g['shape']))} {g['format']:18} "
                   f"{g['median_s'] * 1e3:8.3f} ms  {ratio}")  # fmt: skip
 
+    for r in results.rowwise_gemm:
+        where = f"rowwise GEMM {','.join(map(str, r['shape']))} {r['path']:30}"
+        if "median_ms" not in r:
+            print(f"{where} {r.get('skipped') or 'FAILED: ' + str(r.get('error'))}")
+            continue
+        vs = f"  {r['vs_rowwise_kernel']:.2f}x rowwise kernel" if "vs_rowwise_kernel" in r else ""
+        bits = f"  bitwise: {r['bitwise_vs_torch_post_scale']}" if "bitwise_vs_torch_post_scale" in r else ""
+        print(f"{where} {r['median_ms']:8.3f} ms [{r['range_ms'][0]:.3f}-{r['range_ms'][1]:.3f}] "
+              f"{r['tflops']:7.1f} TFLOP/s{vs}{bits}")  # fmt: skip
     for q in results.quantize:
         where = f"quantize {q['format']:20} {q['path']:10}"
         if "median_ms" not in q:
@@ -583,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.gemm_shape:
             run_gemm(results, args)
             results.save("running: GEMM level done")
+            run_rowwise_gemm(results, args)
+            results.save("running: rowwise GEMM paths done")
         if args.quant_shape:
             run_quantize(results, args)
             results.save("running: quantize level done")
@@ -600,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     _print(results)
     failed = [r for r in results.rows() if "error" in r] + [g for g in results.gemm if g.get("error")]
     failed += [q for q in results.quantize if q.get("error")] + [p for p in results.passes if p.get("error")]
+    failed += [r for r in results.rowwise_gemm if r.get("error")]
     return 1 if failed else 0
 
 

@@ -263,6 +263,24 @@ def _fp8_md(data: dict[str, Any]) -> list[str]:
             "",
         ]
         lines += _table(["format", "median ms", "x bf16"], gemm)
+    rowwise = []
+    for r in data.get("rowwise_gemm", []):
+        if r.get("median_ms") is None:
+            rowwise.append(
+                [r.get("path", "-"), r.get("skipped") or f"FAILED: {r.get('error')}", "-", "-", "-", "-"]
+            )
+            continue
+        ms = f"{_num(r['median_ms'], '.3f')} [{'-'.join(_num(v, '.3f') for v in r['range_ms'])}]"
+        bits = "-" if "bitwise_vs_torch_post_scale" not in r else str(r["bitwise_vs_torch_post_scale"])
+        rowwise.append(
+            [r["path"], ms, _num(r.get("tflops"), ".0f"), _num(r.get("vs_rowwise_kernel"), ".2f"),
+             _num(r.get("transient_mib"), ".0f"), bits]
+        )  # fmt: skip
+    if rowwise:
+        shape = ",".join(map(str, data["rowwise_gemm"][0].get("shape") or []))
+        lines += ["", f"one rowwise fp8 GEMM, M,N,K = {shape}, bf16 out, no fast accumulation:", ""]
+        head_rw = ["path", "median ms [range]", "TFLOP/s", "x rowwise kernel", "transient MiB", "bitwise"]
+        lines += _table(head_rw, rowwise)
     quant = []
     for q in data.get("quantize", []):
         if q.get("median_ms") is None:

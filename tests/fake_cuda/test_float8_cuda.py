@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fake_cuda.harness import Recorder, direct_autograd, fake_cuda
-from mixprec.float8 import Float8Config, Float8Linear, convert_to_float8_training
+from mixprec.float8 import Float8Config, Float8GemmConfig, Float8Linear, convert_to_float8_training
 from mixprec.float8.config import RECIPE_NAMES, SCALINGS
 from mixprec.lowbit import gemm
 from mixprec.lowbit.gemm import LowbitLinearFunction
@@ -109,17 +109,50 @@ def test_each_config_reaches_scaled_mm_accepted_and_without_host_cost(capability
 
 def test_rowwise_with_gw_hp_dgrad_at_512_to_1024_is_accepted(fake_hopper) -> None:
     """The crash: the dgrad paired rowwise go's (M, 1) scale with the weight's tensorwise (1, 1) one,
-    which _scaled_mm refuses ("Invalid scaling configuration"); it must be expanded to (1, N)."""
+    which _scaled_mm refuses ("Invalid scaling configuration"); it must be expanded to (1, N). The
+    rowwise kernel gets the scales with fast accumulation (without, the dgrad is tensorwise, below)."""
     m, k, n = BIG
     model = nn.Sequential(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
-    convert_to_float8_training(model, config=Float8Config.from_recipe_name("rowwise_with_gw_hp"))
+    config = Float8Config.from_recipe_name(
+        "rowwise_with_gw_hp", gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True)
+    )
+    convert_to_float8_training(model, config=config)
     with _legacy_api("_scaled_mm"):  # the API whose meta kernel raised the issue's error
         _, grad_x, grad_w = _step(model, m, k)
     fprop, dgrad = _accepted(fake_hopper)
     assert fprop["scale_a"]["shape"] == (m, 1) and fprop["scale_b"]["shape"] == (1, n)
     assert dgrad["self"]["shape"] == (m, n) and dgrad["mat2"]["shape"] == (n, k)
     assert dgrad["scale_a"]["shape"] == (m, 1) and dgrad["scale_b"]["shape"] == (1, k)
+    assert dgrad["use_fast_accum"] is True
     assert grad_x.shape == (m, k) and grad_w.shape == (n, k)
+
+
+@pytest.mark.parametrize("api", ["_scaled_mm", "scaled_mm_v2"])
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_gemms_run_as_torchaos(fake_hopper, name, api) -> None:
+    """torchao's default: fast accumulation in the forward GEMM only. So fprop takes the rowwise kernel
+    with (M, 1) and (1, N) scales; dgrad and wgrad (torchao's addmm_float8_unwrapped without fast accum)
+    the tensorwise ``torch._scaled_mm`` with unit 0-dim scales writing bf16, the scales applied after."""
+    m, k, n = BIG
+    model = nn.Sequential(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
+    convert_to_float8_training(model, config=Float8Config.from_recipe_name(name))
+    with _legacy_api(api):
+        out, grad_x, grad_w = _step(model, m, k)
+    fprop, *backward = _accepted(fake_hopper)
+    assert len(backward) == (2 if name == "rowwise" else 1)
+    v2 = api == "scaled_mm_v2" and gemm._SCALED_MM_V2 is not None
+    ops = [e.op for e in fake_hopper.of("scaled_mm")]
+    assert ops == [f"aten._scaled_mm{'_v2' if v2 else ''}.default"] + ["aten._scaled_mm.default"] * len(
+        backward
+    )
+    if not v2:  # (the v2 op takes lists of scales)
+        assert fprop["scale_a"]["shape"] == (m, 1) and fprop["scale_b"]["shape"] == (1, n)
+        assert fprop["use_fast_accum"] is True
+    for call in backward:
+        assert call["scale_a"]["shape"] == () and call["scale_b"]["shape"] == ()
+        assert call["out_dtype"] == torch.bfloat16 and not call.get("use_fast_accum", False)
+    assert out.shape == (m, n) and grad_x.shape == (m, k) and grad_w.shape == (n, k)
+    assert grad_x.dtype == grad_w.dtype == torch.bfloat16
 
 
 def test_tensorwise_rows_not_a_multiple_of_16_reach_scaled_mm(fake_hopper) -> None:

@@ -55,20 +55,22 @@ class _Recorder:
         self._v1 = torch._scaled_mm
         self._v2 = gemm._SCALED_MM_V2
 
-    def lowbit_mm(self, a, b, out_dtype):
+    def lowbit_mm(self, a, b, out_dtype, options=None):
         path, reason = gemm.kernel_path(a, b)
         self.gemms.append({"path": path, "reason": reason, "calls": []})
-        out = self._mm(a, b, out_dtype)
+        out = self._mm(a, b, out_dtype, options)
         assert out.shape == (a.shape[0], b.shape[0]) and out.dtype == out_dtype
         assert out.device == a.data.device
         return out
 
-    def v1(self, mat_a, mat_b, *, scale_a, scale_b, out_dtype):
-        self.gemms[-1]["calls"].append(("v1", mat_a, mat_b, scale_a, scale_b))
-        return self._v1(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    def v1(self, mat_a, mat_b, *, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        self.gemms[-1]["calls"].append(("v1", mat_a, mat_b, scale_a, scale_b, out_dtype, use_fast_accum))
+        accum = {"use_fast_accum": True} if use_fast_accum else {}
+        return self._v1(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **accum)
 
     def v2(self, mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs):
-        self.gemms[-1]["calls"].append(("v2", mat_a, mat_b, scale_a, scale_b))
+        call = ("v2", mat_a, mat_b, scale_a, scale_b, kwargs["output_dtype"], kwargs["use_fast_accum"])
+        self.gemms[-1]["calls"].append(call)
         return self._v2(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
 
 
@@ -90,14 +92,14 @@ def _fake_cuda(cap: tuple[int, int], use_v2: bool):
         yield rec
 
 
-def _run_layer(recipe_name: str, m: int, k: int, n: int) -> None:
-    """LowbitLinearFunction's forward and backward, called directly on fake CUDA bf16 tensors."""
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+def _run_layer(recipe_name: str, m: int, k: int, n: int, gemms=None, dtype=torch.bfloat16) -> None:
+    """LowbitLinearFunction's forward and backward, called directly on fake CUDA tensors (bf16 default)."""
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
     saved: list[torch.Tensor] = []
     ctx = SimpleNamespace(needs_input_grad=(True, True, False, False))
     ctx.save_for_backward = lambda *tensors: saved.extend(tensors)
-    out = gemm.LowbitLinearFunction.forward(ctx, x, w, RECIPES[recipe_name], None)
+    out = gemm.LowbitLinearFunction.forward(ctx, x, w, RECIPES[recipe_name], None, gemms)
     ctx.saved_tensors = tuple(saved)
     grad_x, grad_w, *_ = gemm.LowbitLinearFunction.backward(ctx, torch.randn_like(out))
     assert out.shape == (m, n) and grad_x.shape == x.shape and grad_w.shape == w.shape
@@ -106,7 +108,7 @@ def _run_layer(recipe_name: str, m: int, k: int, n: int) -> None:
 
 def _check_blockwise_strides(call: tuple) -> None:
     """ScaledBlas.cpp is_blockwise_1x128_scaling / is_blockwise_128x128_scaling, on A and on B.T."""
-    _, mat_a, mat_b, scale_a, scale_b = call
+    _, mat_a, mat_b, scale_a, scale_b, *_ = call
     for t, s in ((mat_a, scale_a), (mat_b.t(), scale_b.t())):
         rows, kb = t.shape[0], -(-t.shape[1] // 128)
         if s.shape == (rows, kb):  # 1x128: outer-dim-major
@@ -161,15 +163,61 @@ def test_odd_sizes_fall_back_on_the_tensorwise_recipe() -> None:
     assert all("needs K a multiple of 16 and N of 16" in g["reason"] for g in rec.gemms)
 
 
+FAST = (gemm.GemmOptions(use_fast_accum=True),) * 3
+
+
 def test_rowwise_with_gw_hp_dgrad_pairs_an_expanded_tensorwise_scale() -> None:
-    """The issue's crash: rowwise go (M, 1) x tensorwise w (1, 1) refused by _scaled_mm."""
+    """The issue's crash: rowwise go (M, 1) x tensorwise w (1, 1) refused by _scaled_mm (the rowwise
+    kernel, which the dgrad takes with fast accumulation)."""
     with _fake_cuda((9, 0), use_v2=False) as rec:
-        _run_layer("fp8_rowwise_gw_hp", *BIG)
+        _run_layer("fp8_rowwise_gw_hp", *BIG, gemms=FAST)
     dgrad = rec.gemms[1]
     assert dgrad["path"] == "fp8_rowwise"
-    (_, mat_a, mat_b, scale_a, scale_b) = dgrad["calls"][0]
-    assert scale_a.shape == (mat_a.shape[0], 1) and scale_b.shape == (1, mat_b.shape[1])
+    (_, mat_a, mat_b, scale_a, scale_b, _, fast) = dgrad["calls"][0]
+    assert scale_a.shape == (mat_a.shape[0], 1) and scale_b.shape == (1, mat_b.shape[1]) and fast
     assert scale_a.is_contiguous() and scale_b.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("use_v2", [True, False], ids=["scaled_mm", "_scaled_mm"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_rowwise_without_fast_accum_runs_the_tensorwise_kernel_then_scales(recipe, use_v2, dtype) -> None:
+    """torchao's addmm_float8_unwrapped: row x row without fast accumulation is the tensorwise kernel
+    (torch._scaled_mm, as mixprec calls it for tensorwise) with unit 0-dim scales writing bf16, then the
+    (M, 1) x (1, N) descales applied in place to that output; the result in the asked dtype."""
+    post: list[tuple] = []
+    real = gemm._post_scale_
+
+    def recorded(out, descale_a, descale_b):
+        post.append((out.shape, out.dtype, descale_a.shape, descale_b.shape, descale_a.dtype))
+        return real(out, descale_a, descale_b)
+
+    m, k, n = BIG
+    with _fake_cuda((9, 0), use_v2) as rec, mock.patch.object(gemm, "_post_scale_", recorded):
+        _run_layer(recipe, m, k, n, dtype=dtype)
+    rows = [g for g in rec.gemms if g["path"] == "fp8_rowwise"]
+    assert len(rows) == (3 if recipe == "fp8_rowwise" else 2) and len(post) == len(rows)
+    shapes = [(m, n), (m, k), (n, k)]  # fprop, dgrad, wgrad outputs
+    for record, out_shape, seen in zip(rows, shapes, post, strict=False):
+        assert "addmm_float8_unwrapped" in record["reason"]
+        ((api, mat_a, mat_b, scale_a, scale_b, out_dtype, fast),) = record["calls"]
+        assert api == "v1" and not fast and out_dtype == torch.bfloat16
+        assert scale_a.shape == () and scale_b.shape == () and scale_a.dtype == torch.float32
+        assert (mat_a.shape[0], mat_b.shape[1]) == out_shape
+        assert seen == (out_shape, torch.bfloat16, (out_shape[0], 1), (1, out_shape[1]), torch.float32)
+
+
+@pytest.mark.parametrize("use_v2", [True, False], ids=["scaled_mm", "_scaled_mm"])
+def test_rowwise_with_fast_accum_keeps_the_rowwise_kernel(use_v2) -> None:
+    m, k, n = BIG
+    with _fake_cuda((9, 0), use_v2) as rec:
+        _run_layer("fp8_rowwise", m, k, n, gemms=FAST)
+    assert [g["path"] for g in rec.gemms] == ["fp8_rowwise"] * 3
+    for record in rec.gemms:
+        ((api, mat_a, mat_b, scale_a, scale_b, out_dtype, fast),) = record["calls"]
+        assert api == ("v2" if use_v2 and rec._v2 is not None else "v1") and fast
+        assert scale_a.shape == (mat_a.shape[0], 1) and scale_b.shape == (1, mat_b.shape[1])
+        assert out_dtype == torch.bfloat16
 
 
 def test_the_hadamard_matrix_is_built_on_the_device_without_a_host_copy() -> None:

@@ -168,5 +168,29 @@ def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
         _store(out_t_ptr + rk[:, None].to(tl.int64) * MP + rm[None, :], tl.trans(yt), mask_t, CAST, F8)
 
 
+@triton.jit
+def post_scale(out_ptr, row_ptr, col_ptr, M, N, som, son, BM: tl.constexpr, BN: tl.constexpr,
+               PRECISE: tl.constexpr):  # fmt: skip
+    # out[i, j] = bf16(f32(out[i, j]) * (row[i] * col[j])) in place; out is the bfloat16 tensor's bits
+    # (int16), widened to float32 exactly by a shift, so the interpreter's own bf16 casts never run.
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    ptrs = out_ptr + rm[:, None].to(tl.int64) * som + rn[None, :].to(tl.int64) * son
+    bits = tl.load(ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    row = tl.load(row_ptr + rm, mask=rm < M, other=0.0)
+    col = tl.load(col_ptr + rn, mask=rn < N, other=0.0)
+    y = x * (row[:, None] * col[None, :])  # the scale product first, as torch's outer product
+    if PRECISE:  # cvt.rn.bf16.f32, the conversion torch's CUDA kernels use (sm80+)
+        out = y.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:  # the interpreter's cast truncates: round to nearest even on the bits, a nan as 0x7FC0 (c10's)
+        u = y.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(y != y, 0x7FC0, r)
+        out = r.to(tl.uint16).to(tl.int16, bitcast=True)
+    tl.store(ptrs, out, mask=mask)
+
+
 #: The fp8 element types by lowbit element name.
 DTYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}

@@ -10,6 +10,15 @@ block formats, sizes the kernels refuse) the GEMM is emulated exactly as torchao
 operands to float32, ``torch.mm``, cast to the output dtype (:func:`emulated_mm`), with one warning per
 process for each pair of formats, device and reason. :func:`kernel_path` says which path a pair takes.
 
+A rowwise x rowwise fp8 GEMM on CUDA without fast accumulation (``GemmOptions.use_fast_accum`` False:
+float8's dgrad and wgrad by default) runs as torchao's ``float8_ops.addmm_float8_unwrapped`` runs it,
+since torch's rowwise CUTLASS kernel is slow without fast accumulation: cuBLAS's tensorwise kernel with
+unit scales, written in bf16 (for an fp16 / fp32 output too, cast at the end), then
+``out *= scale_a * scale_b`` with the (M, 1) and (1, N) float32 descales (in eager mode on a CUDA tensor
+one Triton pass, :func:`mixprec.lowbit.triton_quantize.post_scale_`, bit for bit torch's expression
+without its (M, N) float32 product). So ``mixprec.float8``'s rowwise GEMMs are torchao's bit for bit on a
+GPU. With fast accumulation the rowwise kernel runs, as in torchao.
+
 The random Hadamard transform (NVFP4's wgrad recipe) multiplies each run of 16 rows along M by
 ``H16 @ diag(signs) / 4``, an orthogonal matrix, on both wgrad operands, so ``(Q go).T (Q x) = go.T x``
 exactly before quantization; it spreads an outlier over 16 values. The signs are fixed (drawn once from a
@@ -18,6 +27,7 @@ exactly before quantization; it spreads an outlier over 16 values. The signs are
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -28,7 +38,7 @@ import torch
 from mixprec.lowbit import history as tensor_history
 from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.history import GRAD_OUTPUT, INPUT, WEIGHT
-from mixprec.lowbit.kernels import Kernel, select_kernel, to_blocked
+from mixprec.lowbit.kernels import KERNELS, Kernel, select_kernel, to_blocked
 from mixprec.lowbit.quantize import Quantized, quantize, quantize_pair
 from mixprec.lowbit.recipes import HP, Recipe
 
@@ -89,6 +99,13 @@ _V2_RECIPE = {
     "mx": "BlockWise1x32",
     "nv16": "BlockWise1x16",
 }
+
+
+#: How a rowwise x rowwise fp8 GEMM runs on CUDA without fast accumulation (kernel_path's reason says it).
+_ROWWISE_WITHOUT_FAST_ACCUM = (
+    "use_fast_accum=False runs it on fp8_tensorwise with unit scales, then out *= scale_a * scale_b on the "
+    "bf16 output (torchao float8_ops.addmm_float8_unwrapped)"
+)
 
 
 @dataclass(frozen=True)
@@ -186,9 +203,13 @@ def kernel_path(
     The name is a :data:`mixprec.lowbit.kernels.KERNELS` entry (``"fp8_rowwise"``, ``"mxfp8"``, ...) or
     None when :func:`lowbit_mm` emulates; the string names the formats, the device and the reason.
     ``capability``: decide for this CUDA compute capability instead of the operands' device's (a table
-    for GPUs this machine lacks; the operands may be CPU or meta tensors).
+    for GPUs this machine lacks; the operands may be CPU or meta tensors). For ``fp8_rowwise`` the reason
+    adds how :func:`lowbit_mm` runs it without fast accumulation (torchao's tensorwise kernel with unit
+    scales and the scales applied to its bf16 output; see the module doc).
     """
     kernel, reason = _select(a, b, capability)
+    if kernel is not None and kernel.kinds == ("row", "row"):
+        reason += f"; {_ROWWISE_WITHOUT_FAST_ACCUM}"
     return (kernel.name if kernel is not None else None), reason
 
 
@@ -339,28 +360,107 @@ def _scaled(
 ) -> torch.Tensor:
     """``a @ b.T`` on ``kernel``; the result trimmed to the operands' unpadded rows.
 
-    The one call site of torch's scaled matmul in mixprec: A row-major, B.T column-major (cuBLASLt's
-    layout; a transposed view, as a tensorwise operand reused by another GEMM is, is copied).
+    The one entry to torch's scaled matmul in mixprec (through :func:`_call`): A row-major, B.T
+    column-major (cuBLASLt's layout; a transposed view, as a tensorwise operand reused by another GEMM
+    is, is copied). A rowwise pair without fast accumulation on CUDA runs as
+    :func:`_rowwise_post_scaled` (torchao's path, see the module doc).
     """
     kind_a, kind_b = kernel.kinds
     scale_a = _operand_scale(a, kind_a, False, a.data.shape[0])
     scale_b = _operand_scale(b, kind_b, True, b.data.shape[0])
     data_a, data_b = _kernel_data(a).contiguous(), _kernel_data(b).contiguous()
+    if _post_scaled(kernel, a, b, fast_accum):
+        out = _rowwise_post_scaled(data_a, data_b.t(), scale_a, scale_b, out_dtype)
+        return out.narrow(0, 0, _rows(a)).narrow(1, 0, _rows(b))
     two_level = a.tensor_scale is not None or b.tensor_scale is not None
     dtype = torch.float32 if two_level else out_dtype
-    if _SCALED_MM_V2 is not None and not kernel.legacy_api:
-        out = _SCALED_MM_V2(
-            data_a, data_b.t(), scale_a, _v2_recipe(kind_a), scale_b, _v2_recipe(kind_b),
-            swizzle_a=_v2_swizzle(kind_a), swizzle_b=_v2_swizzle(kind_b), output_dtype=dtype,
-            use_fast_accum=fast_accum,
-        )  # fmt: skip
-    else:
-        accum: dict[str, Any] = {"use_fast_accum": True} if fast_accum else {}  # torch's default is False
-        out = torch._scaled_mm(data_a, data_b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, **accum)
+    out = _call(kernel, data_a, data_b.t(), scale_a, scale_b, dtype, fast_accum)
     if two_level:  # NVFP4's per-tensor scales, folded into the output: out * (t_a * t_b)
         scales = [t for t in (a.tensor_scale, b.tensor_scale) if t is not None]
         out = out * (scales[0] * scales[1] if len(scales) == 2 else scales[0])
     return out.narrow(0, 0, _rows(a)).narrow(1, 0, _rows(b)).to(out_dtype)
+
+
+def _call(
+    kernel: Kernel,
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """torch's scaled matmul of ``mat_a`` (M, K) @ ``mat_b`` (K, N) as ``kernel`` takes it: the aten
+    ``_scaled_mm_v2`` where this torch has it and the kernel's table entry allows, else
+    ``torch._scaled_mm``."""
+    kind_a, kind_b = kernel.kinds
+    if _SCALED_MM_V2 is not None and not kernel.legacy_api:
+        return _SCALED_MM_V2(
+            mat_a, mat_b, scale_a, _v2_recipe(kind_a), scale_b, _v2_recipe(kind_b),
+            swizzle_a=_v2_swizzle(kind_a), swizzle_b=_v2_swizzle(kind_b), output_dtype=dtype,
+            use_fast_accum=fast_accum,
+        )  # fmt: skip
+    accum: dict[str, Any] = {"use_fast_accum": True} if fast_accum else {}  # torch's default is False
+    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, **accum)
+
+
+_TENSORWISE_KERNEL = next(k for k in KERNELS if k.name == "fp8_tensorwise")
+_OCP_FP8 = ("e4m3", "e5m2")
+
+
+def _post_scaled(kernel: Kernel, a: Quantized, b: Quantized, fast_accum: bool) -> bool:
+    """Whether a GEMM on ``kernel`` runs as :func:`_rowwise_post_scaled`: on a CUDA tensor (a fake one
+    included) where :func:`_post_scale_rule` says so."""
+    return a.data.device.type == "cuda" and _post_scale_rule(kernel, a, b, fast_accum)
+
+
+def _post_scale_rule(kernel: Kernel, a: Quantized, b: Quantized, fast_accum: bool) -> bool:
+    """Rowwise x rowwise OCP fp8 without fast accumulation: where torchao's ``addmm_float8_unwrapped``
+    takes the tensorwise kernel (the device aside: the tests force the path on a CPU with this)."""
+    return (
+        kernel.kinds == ("row", "row")
+        and not fast_accum
+        and a.fmt.element in _OCP_FP8
+        and b.fmt.element in _OCP_FP8
+    )
+
+
+def _rowwise_post_scaled(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    descale_a: torch.Tensor,
+    descale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """A rowwise fp8 GEMM on the tensorwise kernel: torchao's ``float8_ops.addmm_float8_unwrapped``
+    without fast accumulation, bit for bit.
+
+    ``mat_a`` (M, K) @ ``mat_b`` (K, N) on the ``fp8_tensorwise`` kernel with unit scales, written in
+    bfloat16 (whatever ``out_dtype``), then ``out *= descale_a * descale_b`` (float32 (M, 1) and (1, N):
+    the product and the multiply in float32, one rounding to bfloat16; on a CUDA tensor in eager mode one
+    Triton pass, :func:`mixprec.lowbit.triton_quantize.post_scale_`, without the (M, N) float32 product),
+    then cast to ``out_dtype`` (bf16, fp16 or fp32). torchao's reason: torch's rowwise CUTLASS kernel is
+    much slower than cuBLAS's tensorwise one without fast accumulation.
+    """
+    one = descale_a.new_ones(())
+    out = _call(_TENSORWISE_KERNEL, mat_a, mat_b, one, one, torch.bfloat16, False)
+    _post_scale_(out, descale_a, descale_b)
+    return out.to(out_dtype)
+
+
+def _post_scale_(out: torch.Tensor, descale_a: torch.Tensor, descale_b: torch.Tensor) -> None:
+    """``out *= descale_a * descale_b`` in place: the fused Triton pass where it is eligible, else torch's
+    expression (compiled, where inductor fuses it; a CPU, a fake tensor, no Triton,
+    ``MIXPREC_FUSED_QUANTIZE=0``)."""
+    if not torch.compiler.is_compiling() and (
+        out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    ):
+        from mixprec.lowbit import triton_quantize  # imported here: Triton only when a kernel may run
+
+        if triton_quantize.post_scale_eligible(out):
+            triton_quantize.post_scale_(out, descale_a, descale_b)
+            return
+    out.mul_(descale_a * descale_b)
 
 
 def _kernel_data(q: Quantized) -> torch.Tensor:

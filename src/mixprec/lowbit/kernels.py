@@ -91,7 +91,10 @@ _DEEPSEEK = "ScaledBlas.cpp _check_deepseek_support: 'only supported in CUDA for
 #: (outer-dim-major 1x128, row-major 128x128) are the same in every release that has them, while
 #: ``scaled_mm``'s v2 layouts for those recipes changed. MXFP4 too: v2 routes CUDA MXFP4 to MSLK/FBGEMM,
 #: which a build may lack, v1 to cuBLASLt. Tensorwise fp8 too: it is torchao float8's call, so a
-#: Float8Linear's GEMMs are torchao's on every torch.
+#: Float8Linear's GEMMs are torchao's on every torch. ``fp8_rowwise`` is called as such only with fast
+#: accumulation: without it :mod:`mixprec.lowbit.gemm` runs the pair on ``fp8_tensorwise`` with unit
+#: scales and applies the row and column scales to the bf16 output, as torchao's
+#: ``float8_ops.addmm_float8_unwrapped`` does (the rowwise CUTLASS kernel is slow without fast accum).
 KERNELS: tuple[Kernel, ...] = (
     Kernel("fp8_tensorwise", ("tensor", "tensor"), _pairs(_FP8, _FP8) | _pairs(_FNUZ, _FNUZ), None,
            (8, 9), 16, True, "scaled_mm_arch_allowed: compute capability >= 8.9; hipBLASLt for fnuz"),

@@ -32,10 +32,17 @@ environment variable ``MIXPREC_FUSED_QUANTIZE`` not set to ``0`` (the switch tha
 path, read at each call). This module imports Triton only when a kernel is first launched, so mixprec
 imports without it.
 
+One kernel here is not a quantizer: :func:`post_scale_`, the epilogue of a rowwise fp8 GEMM run as
+torchao runs it without fast accumulation (``float8_ops.addmm_float8_unwrapped``: the tensorwise kernel
+with unit scales, then ``out *= scale_a * scale_b`` on its bf16 output). It gives torch's bits in one
+pass over the output, without the (M, N) float32 outer product torch's expression allocates, behind the
+same gate (:func:`post_scale_eligible`).
+
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1`` set before the first launch) the kernels run on
 CPU tensors, which is how the tests check them; the interpreter's float32-to-fp8 conversion is wrong
 where rounding carries into the next binade, so ``cast=False`` (tests) stores the scaled, clamped
-float32 values instead of the fp8 ones.
+float32 values instead of the fp8 ones; its float32-to-bfloat16 conversion truncates, so the interpreted
+post-scale rounds on the bits (see :func:`post_scale_`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ __all__ = [
     "ENV_SWITCH",
     "format_supported",
     "fused_eligible",
+    "post_scale_",
+    "post_scale_eligible",
     "quantize",
     "scaled_cast",
     "tensor_amax",
@@ -90,14 +99,18 @@ def fused_eligible(x: torch.Tensor, fmt: LowbitFormat | str) -> bool:
     ``TRITON_INTERPRET=1``), in eager mode, Triton importable, ``fmt`` supported and
     ``MIXPREC_FUSED_QUANTIZE`` not ``0``. Stochastic rounding and a given per-tensor amax are the
     caller's to exclude."""
+    return 0 < x.dim() <= 2 and format_supported(fmt) and _launchable(x)
+
+
+def _launchable(x: torch.Tensor) -> bool:
+    """The gate every kernel here shares: a non-empty plain CUDA tensor or Parameter (a CPU one under the
+    interpreter), eager mode, Triton importable, ``MIXPREC_FUSED_QUANTIZE`` not ``0``."""
     return (
         type(x) in (torch.Tensor, torch.nn.Parameter)
         and (x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting()))
-        and 0 < x.dim() <= 2
         and x.numel() > 0
         and os.environ.get(ENV_SWITCH, "1") != "0"
         and not torch.compiler.is_compiling()
-        and format_supported(fmt)
         and triton_available()
     )
 
@@ -259,6 +272,59 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
             x2, m, k, x2.stride(0), x2.stride(1), out, out, BM=bm, BK=bk, ROWWISE=False, COLS=False
         )
     return out.view(torch.float32).reshape(())
+
+
+def post_scale_eligible(out: torch.Tensor) -> bool:
+    """Whether :func:`post_scale_` runs its kernel on ``out``: a 2-D bfloat16 tensor that passes the gate
+    the quantizers pass (a plain CUDA tensor, or a CPU one under the interpreter, in eager mode, Triton
+    importable, ``MIXPREC_FUSED_QUANTIZE`` not ``0``); elsewhere the caller computes
+    ``out *= row_scale * col_scale`` with torch (inductor fuses it under ``torch.compile``)."""
+    return out.dim() == 2 and out.dtype == torch.bfloat16 and _launchable(out)
+
+
+def post_scale_(out: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor) -> torch.Tensor:
+    """``out *= row_scale * col_scale`` in place, bit for bit torch's, without the (M, N) float32 product.
+
+    Each element becomes ``bfloat16(float32(out[i, j]) * (row_scale[i] * col_scale[j]))``: the scale
+    product rounded to float32 and the multiply in float32, rounded once to bfloat16 (nearest even), as
+    torch's ``out *= row_scale * col_scale`` computes it, in one pass over ``out`` instead of torch's
+    two (the outer product, then the multiply). The rowwise GEMM's epilogue of torchao's
+    ``float8_ops.addmm_float8_unwrapped`` without fast accumulation (see :mod:`mixprec.lowbit.gemm`).
+    On a GPU the cast is the device's float32-to-bfloat16 conversion, as torch's CUDA kernels convert;
+    under the interpreter, whose own conversion truncates, an integer round to nearest even (torch's CPU
+    ``c10::detail::round_to_nearest_even``, a nan as 0x7FC0).
+
+    Args:
+        out: bfloat16 (M, N), any strides, on a CUDA device (a CPU one under the interpreter).
+        row_scale: float32 with M elements ((M, 1) or (M,)), on ``out``'s device.
+        col_scale: float32 with N elements ((1, N) or (N,)), on ``out``'s device.
+
+    Returns:
+        ``out``, modified in place.
+
+    Raises:
+        ValueError: for an ``out`` that is not 2-D bfloat16, or scales of another dtype, size or device
+            (``out`` is left unchanged).
+    """
+    if out.dim() != 2 or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be a 2-D bfloat16 tensor, got {out.dtype} of shape {tuple(out.shape)}")
+    m, n = out.shape
+    for name, scale, size in (("row_scale", row_scale, m), ("col_scale", col_scale, n)):
+        if scale.dtype != torch.float32 or scale.numel() != size or scale.device != out.device:
+            raise ValueError(
+                f"{name} must be float32 with {size} elements on {out.device} for out of shape {(m, n)}, "
+                f"got {scale.dtype} of shape {tuple(scale.shape)} on {scale.device}"
+            )
+    if out.numel() == 0:
+        return out
+    rows, cols = row_scale.reshape(-1).contiguous(), col_scale.reshape(-1).contiguous()
+    bits = out.view(torch.int16)  # the kernel reads and writes bfloat16 as its bits (see the doc)
+    bm, bn = 32, 128
+    with _device_of(out):
+        _kernels(_interpreting()).post_scale[(triton_cdiv(m, bm), triton_cdiv(n, bn))](
+            bits, rows, cols, m, n, bits.stride(0), bits.stride(1), BM=bm, BN=bn, PRECISE=not _interpreting()
+        )
+    return out
 
 
 def triton_cdiv(a: int, b: int) -> int:
