@@ -1,4 +1,4 @@
-"""The one Adam/AdamW step engine: torch's fused CPU/GPU Adam kernel on cache-sized fp32 chunk copies.
+"""The one Adam/AdamW step engine: torch's fused CPU/GPU Adam kernel on fp32 copies of chunks.
 
 Every fused Adam step of both wrappers goes through :func:`adam_step`: ``CompensatedOptimizer``'s bf16
 Adam/AdamW (Kahan or stochastic rounding, moments in torch's layout) and, with ``state_format=``, both

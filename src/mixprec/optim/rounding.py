@@ -12,7 +12,7 @@ step, and no scratch the size of a big model exists. Its buffers are bounded per
 * on a CUDA device by ``CUDA_CHUNK`` elements, the fold too (``CUDA_FOLD``). A GPU kernel over 2**24 fp32
   values runs for tens of microseconds at HBM bandwidth, several times the host's cost of launching it, so
   the device stays busy while the host issues the next chunk's ten or so ops (at ``CHUNK`` a 403M step
-  would be ~1,500 chunks and ~17,000 launches, launch-bound); the price is memory: 64 MiB per fp32
+  would be ~1,540 chunks and 17,000 to 20,000 launches, launch-bound); the price is memory: 64 MiB per fp32
   buffer, at most five (plus 32 MiB of random bits for stochastic rounding), against the several GiB of
   weights, gradients and moments a step of that size holds.
 
@@ -69,9 +69,7 @@ __all__ = [
     "widen",
 ]
 
-CHUNK = (
-    2**18
-)  # most elements per workspace buffer on a CPU (1 MiB fp32, cache-sized); never more than stepped
+CHUNK = 2**18  # most elements per buffer on a CPU (1 MiB in fp32, cache-sized); never more than stepped
 FOLD = 2**20  # most gradient values a guarded fused Adam step copies up front to check them (4 MiB fp32)
 CUDA_CHUNK = 2**24  # on a CUDA device: kernels long enough to hide their launches (64 MiB in fp32)
 CUDA_FOLD = CUDA_CHUNK  # the "grad" buffer a chunk needs anyway: folding costs no memory more
