@@ -21,6 +21,11 @@ records:
 - ``bad_generator``: a random op whose ``generator=`` lives on another device type than its output;
 - ``scaled_mm``: every ``_scaled_mm`` / ``_scaled_mm_v2`` / ``_scaled_grouped_mm`` call, its operands'
   shapes, strides and dtypes, its scales' shapes and dtypes, and the error the meta kernel raised, if any;
+- ``launches`` (a tally per op name, kept apart from ``events``): every op on a CUDA tensor (or making
+  one) that runs a kernel, i.e. neither a view (``slice``, ``view``, ``detach``, ...) nor a bare
+  allocation (``empty``, ...) nor the scalar read itself nor a ``prim`` metadata query (``device``); one
+  dispatched op as the host issues it (a ``_foreach_*`` or fused op over a long list may launch a few
+  kernels on a GPU, torch's as well as ours);
 - ``device_mismatch``: an op mixing CPU and CUDA tensors that the real CUDA kernel refuses. The recorder
   raises it at once (a ``RuntimeError``, as the GPU would) and also keeps it in
   :attr:`Recorder.device_errors`, which :meth:`Recorder.reset` leaves alone: :func:`fake_cuda` fails on
@@ -37,6 +42,7 @@ records:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 from collections.abc import Iterator
@@ -94,6 +100,9 @@ _RANDOM = {
     "random_",
     "multinomial",
 }
+# Ops that allocate or read back without running a kernel on the device (views are told by their schema).
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+              "_local_scalar_dense"}  # fmt: skip
 _SCALED_MM = {"_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm", "_scaled_grouped_mm_v2"}
 
 
@@ -139,8 +148,9 @@ class Recorder(TorchDispatchMode):
     """Records host syncs, host<->device copies, foreign generators and scaled GEMMs, and refuses ops that mix
     devices as a GPU would (see the module doc).
 
-    ``events`` is every record in call order; :meth:`count` and :meth:`of` filter them; :meth:`reset`
-    clears them (e.g. after a first call whose one-time copies are allowed). ``device_errors`` keeps every
+    ``events`` is every record in call order; :meth:`count` and :meth:`of` filter them; ``launches``
+    tallies the kernel-running CUDA ops per name (:meth:`launch_count` sums it); :meth:`reset` clears
+    both (e.g. after a first call whose one-time copies are allowed). ``device_errors`` keeps every
     ``device_mismatch`` event until cleared by hand; ``check_devices`` turns the check on and off.
     ``overflow`` set True makes the synced CUDA values read as an overflowed step's (see :meth:`scalar`)
     until it is set back.
@@ -149,12 +159,18 @@ class Recorder(TorchDispatchMode):
     def __init__(self, check_devices: bool = True) -> None:
         super().__init__()
         self.events: list[Event] = []
+        self.launches: collections.Counter[str] = collections.Counter()
         self.device_errors: list[Event] = []
         self.check_devices = check_devices
         self.overflow = False
 
     def reset(self) -> None:
         self.events.clear()
+        self.launches.clear()
+
+    def launch_count(self) -> int:
+        """Kernel-running CUDA ops since the last :meth:`reset` (see the module doc)."""
+        return sum(self.launches.values())
 
     def of(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
@@ -184,6 +200,7 @@ class Recorder(TorchDispatchMode):
         bound = _bind(func, args, kwargs)
         if self.check_devices:
             self._devices(func, bound)
+        self._launch(func, name, bound)
         if func in _SYNC:
             if args[0].device.type == "cuda":  # only a device tensor makes the host wait
                 self.events.append(Event("sync", str(func), {}))
@@ -210,6 +227,14 @@ class Recorder(TorchDispatchMode):
         self.events.append(event)
         self.device_errors.append(event)
         raise DeviceMismatch(f"{func}: {problem} (fake-CUDA device check; a GPU refuses this call)")
+
+    def _launch(self, func: Any, name: str, bound: dict[str, Any]) -> None:
+        """Tallies an op that runs a kernel on a CUDA device (not a view, not a bare allocation)."""
+        if func.namespace == "prim" or func.is_view or name in _NO_KERNEL:  # prim: metadata (``device``)
+            return
+        tensors = _tensors(list(bound.values()))
+        if _target_device(bound) == "cuda" or any(t.device.type == "cuda" for t in tensors):
+            self.launches[name] += 1
 
     def _copies(self, func: Any, name: str, bound: dict[str, Any]) -> None:
         """Records an explicit or implicit copy between the host and a CUDA device."""

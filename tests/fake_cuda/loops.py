@@ -141,3 +141,33 @@ def function_loop(recorder: Recorder, function: type, args: tuple, needs: tuple,
         function.backward(ctx, torch.randn_like(out))
 
     return _counted(recorder, steps, step)
+
+
+def gpt_shapes(width: int = 2048, layers: int = 8) -> list[tuple[int, ...]]:
+    """A GPT's weight shapes as ``benchmarks/optimizer_speed.py`` steps them (per block qkv, proj, the
+    MLP's two and two norms); the defaults are its 403M parameters."""
+    d = width
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)] * layers
+
+
+Launches = list[tuple[int, int]]
+
+
+def optimizer_launches(
+    recorder: Recorder,
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    shapes: list[tuple[int, ...]],
+    steps: int = 3,
+) -> Launches:
+    """``(host syncs, kernel launches)`` of each of ``steps`` steps of the optimizer ``make`` builds on bf16
+    params of ``shapes`` (gradients set before the count, as backward leaves them: not counted)."""
+    ps = [nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for shape in shapes]
+    opt = make(ps)
+    counts = []
+    for _ in range(steps):
+        _set_grads(ps)
+        recorder.reset()
+        opt.step()
+        counts.append((recorder.host_syncs(), recorder.launch_count()))
+        opt.zero_grad(set_to_none=True)
+    return counts

@@ -11,7 +11,16 @@ from torch import nn
 
 from mixprec.amp import initialize
 from mixprec.optim import CompensatedOptimizer
-from mixprec.optim.rounding import KEEP_HIGH_16_BITS, POOL, RandomBits
+from mixprec.optim.rounding import (
+    CHUNK,
+    CUDA_CHUNK,
+    KEEP_HIGH_16_BITS,
+    POOL,
+    RandomBits,
+    Workspace,
+    add_fresh_bits,
+)
+from mixprec.optim.state_formats import MOMENTS, ORIGINS, block_count, new_moments, scale_key
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -215,6 +224,84 @@ def test_random_bit_pool_holds_every_pattern_equally_and_rounds_without_bias():
     assert frequency.mean().item() == pytest.approx(0.3, abs=0.003)  # all values, all draws
     spread = (0.3 * 0.7 / draws) ** 0.5
     assert (frequency[:1000] - 0.3).abs().max() < 5 * spread  # each element over its own draws
+
+
+def test_fresh_bits_as_a_cuda_chunk_draws_them_round_a_big_chunk_without_bias():
+    """The bits every chunk gets on a CUDA device (``add_fresh_bits``, whatever the chunk's size; a CPU chunk
+    this big reads the pool), drawn here for CPU tensors: each 16-bit pattern about equally often, and
+    1 + 0.3 ulp rounds up with probability 0.3, element by element."""
+    generator = torch.Generator().manual_seed(0)
+    n = 3 * POOL // 2
+    draws = torch.empty((2**22 + 3) // 4, dtype=torch.int64)
+    bits = torch.zeros(2**22, dtype=torch.int32)
+    add_fresh_bits(bits, generator, draws)
+    counts = torch.bincount(bits, minlength=2**16)
+    assert counts.numel() == 2**16 and bits.min() >= 0  # every value in [0, 2**16)
+    assert 20 < counts.min() and counts.max() < 120  # 64 expected per pattern, sd 8
+    value = torch.tensor(1 + 0.3 * 2**-7)
+    ups = torch.zeros(n)
+    repeats = 400
+    for _ in range(repeats):
+        flat = torch.full((n,), value.item())
+        view = flat.view(torch.int32)
+        add_fresh_bits(view, generator, draws)
+        view.bitwise_and_(KEEP_HIGH_16_BITS)
+        assert set(flat.to(BF16).unique().tolist()) <= {1.0, 1.0 + 2**-7}
+        ups += flat > 1
+    frequency = ups / repeats
+    assert frequency.mean().item() == pytest.approx(0.3, abs=0.003)
+    spread = (0.3 * 0.7 / repeats) ** 0.5
+    assert (frequency - 0.3).abs().max() < 6 * spread  # each of the 393,216 elements over its own draws
+
+
+# Cut inside tensors by the CPU's CHUNK and by 1000 values, odd tails (a short last block and vector)
+SIZES = ((517, 600), (1001,), (700, 333), (37,))
+
+
+def _grid_restarting(opt, param, fmt, origins):
+    """Zero state for ``param`` on a block grid that restarts at ``origins``, as a resharded state's."""
+    state = {"step": torch.zeros(()), **new_moments(fmt, param), ORIGINS: torch.tensor(origins)}
+    for key in MOMENTS if fmt != "bf16" else ():
+        state[scale_key(key)] = torch.zeros(block_count(param.numel(), origins))
+    opt.state[param] = state
+
+
+@pytest.mark.parametrize(
+    ("method", "state_format", "betas"),
+    [
+        ("kahan", None, (0.9, 0.999)),  # an fp32 second moment, stepped where it lies
+        ("kahan", None, (0.9, 0.95)),  # a bf16 one, through a copy
+        ("kahan", "int8", (0.9, 0.95)),
+        ("nearest", "int8", (0.9, 0.999)),
+        ("nearest", "fp8", (0.9, 0.95)),
+        ("nearest", "bf16", (0.9, 0.95)),
+    ],
+)
+def test_the_cpu_and_cuda_chunk_sizes_step_bit_for_bit_alike(method, state_format, betas):
+    """Kahan and nearest rounding, torch's layout and every state format give the same bits whether the
+    workspace holds 1000 values, the CPU's ``CHUNK`` or the CUDA device's ``CUDA_CHUNK`` (one chunk here):
+    a tensor is cut only at vector or block edges, the low-bit grid of one tensor restarting inside it
+    (a resharded state's ``block_origins``) included."""
+    runs = []
+    for chunk in (1000, CHUNK, CUDA_CHUNK):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(size).to(BF16)) for size in SIZES]
+        inner = torch.optim.AdamW(params, lr=1e-2, betas=betas, weight_decay=0.1)
+        opt = CompensatedOptimizer(inner, method, state_format=state_format)
+        opt.workspace = Workspace(chunk, chunk)
+        if state_format is not None:
+            _grid_restarting(opt, params[0], state_format, [0, 1000, 300_000])
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(BF16)
+            opt.step()
+        state = opt.state_dict()["optimizer"]["state"]
+        runs.append(
+            [p.detach() for p in params] + opt.compensation + [v for s in state.values() for v in s.values()]
+        )
+    for other in runs[1:]:
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
 
 
 @pytest.mark.parametrize("update", ["kahan", "stochastic"])

@@ -31,7 +31,8 @@ in torch's foreach Adam); a counter found elsewhere (loaded from a state_dict) m
 With ``skip_nonfinite`` (the default) a step is skipped, state and weights untouched, when a gradient is
 inf/nan or (Adam) its square would overflow the second moment; the fused Adam path checks inside its pass
 (the fp32 copies of the gradients it makes anyway, before anything is written) when the step holds at most
-``rounding.FOLD`` values, the others and bigger steps check the gradients first. ``skipped_steps`` and
+``rounding.FOLD`` values (``rounding.CUDA_FOLD`` on a CUDA device), the others and bigger steps check the
+gradients first. ``skipped_steps`` and
 ``last_step_skipped`` report it, and each skip warns.
 
 Why not build on torch-optimi (whose ``kahan_sum`` this mirrors)? Its Adam has other hyperparameter
@@ -54,7 +55,7 @@ from mixprec._generators import DeviceGenerators
 from mixprec.optim import updates
 from mixprec.optim.fused_adam import AdamUnit, adam_step, check_lowbit_params, step_groups
 from mixprec.optim.guard import HugeGradientGuard, grads_fit, grads_of
-from mixprec.optim.rounding import CHUNK, FOLD, Workspace
+from mixprec.optim.rounding import CHUNK, CUDA_CHUNK, CUDA_FOLD, FOLD, Workspace
 from mixprec.optim.sharding import agree_finite, local, local_params, replaced_params
 from mixprec.optim.state import check_compensated_state, load_inner_state
 from mixprec.optim.state_formats import TorchMoments
@@ -81,7 +82,12 @@ class CompensatedOptimizer(OptimizerWrapper):
         seed: seed of the stochastic-rounding generators (default: ``torch.initial_seed()``).
         scratch_numel: most weights stepped at once (consecutive whole tensors), which bounds the fp32
             temporaries: the scratch copies of the generic path, the fp32 values of fp32-state updates;
-            None: all at once.
+            None: all at once. It also caps the fused Adam pass's chunks (slices of the flattened
+            tensors), which are at most ``rounding.CHUNK`` (2**18) values on a CPU and ``rounding.CUDA_CHUNK``
+            (2**24) on a CUDA device: its workspace holds up to five fp32 buffers of a chunk (weights,
+            gradients, both moments, Kahan buffers; 320 MiB on a GPU at the default) plus, for stochastic
+            rounding, 2 bytes of random bits per chunk value, and a ``state_format`` step allocates up to
+            8 bytes per value of a tensor's slice of the chunk for the moment it is encoding.
         state_dtype: None (bf16 where the method allows it, see ``mixprec.optim.updates.moment_dtypes``)
             or ``torch.float32`` (always fp32 state: bit for bit the torch optimizer stepping an fp32
             scratch copy of each weight, then rounding it).
@@ -134,7 +140,8 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.model_params: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
         self.generators = DeviceGenerators(self.seed)  # one per device the params are on, made lazily
-        self.workspace = Workspace(min(CHUNK, scratch_numel or CHUNK), min(FOLD, scratch_numel or FOLD))
+        bounds = (CHUNK, FOLD, CUDA_CHUNK, CUDA_FOLD)  # scratch_numel caps the workspace on every device
+        self.workspace = Workspace(*(min(n, scratch_numel or n) for n in bounds))
         for group in optimizer.param_groups:
             self._adopt(group["params"])
 

@@ -1,22 +1,23 @@
-"""The one Adam/AdamW step engine: torch's fused CPU/GPU Adam kernel on cache-sized fp32 chunk copies.
+"""The one Adam/AdamW step engine: torch's fused CPU/GPU Adam kernel on fp32 copies of chunks.
 
 Every fused Adam step of both wrappers goes through :func:`adam_step`: ``CompensatedOptimizer``'s bf16
 Adam/AdamW (Kahan or stochastic rounding, moments in torch's layout) and, with ``state_format=``, both
 wrappers' low-bit moments (:func:`step_groups`). How the moments are stored is data the engine reads, a
 ``state_formats.TorchMoments`` or ``CodedMoments`` (where a tensor may be cut, whether chunk views are
 kept, which moment is stepped in place, how a chunk's moments are decoded into fp32 and encoded back);
-the loop is the same. Each chunk of at most ``workspace.numel`` values (a big tensor spans chunks, small
-ones share one) is copied into fp32 buffers of a reused :class:`Workspace` (small enough to stay in
-cache), stepped there by torch's own fused Adam/AdamW kernel (``torch._fused_adamw_``, the kernel behind
-``torch.optim.AdamW(fused=True)``: one pass for decay, both moments, bias corrections and the update), and
-written back::
+the loop is the same. Each chunk of at most ``workspace.numel_on(device)`` values (a big tensor spans
+chunks, small ones share one) is copied into fp32 buffers of a reused :class:`Workspace` (on a CPU small
+enough to stay in cache, on a CUDA device big enough that its kernels outlast their launches: see
+``mixprec.optim.rounding``), stepped there by torch's own fused Adam/AdamW kernel
+(``torch._fused_adamw_``, the kernel behind ``torch.optim.AdamW(fused=True)``: one pass for decay, both
+moments, bias corrections and the update), and written back::
 
     t = fp32(w) + fp32(c)                    # kahan: what the weight tracks; else fp32(w); fp32 w: w itself
     g = fp32(grad);  m, v = decode(exp_avg), decode(exp_avg_sq)   # an fp32 moment of torch's layout: itself
     torch._fused_adamw_(t, g, m, v, step)    # (_fused_adam_ for Adam): torch's AdamW on the fp32 copies
     exp_avg, exp_avg_sq = encode(m), encode(v)                    # bf16(m), or the block codes
     kahan:       w = round(t);  c = round(t - w)          # t - w is exact in fp32
-    stochastic:  w = round_stochastic(t)                  # rounding.RandomBits, drawn once per chunk
+    stochastic:  w = round_stochastic(t)                  # bits drawn per chunk (rounding.round_stochastic)
     nearest:     w = round(t)
 
 In torch's layout (the first moment in bf16, the second in bf16 where its average can move,
@@ -32,11 +33,12 @@ is inf/nan or so large (L2 norm over ``sqrt(max / 2)`` of v's dtype, about 1.3e1
 overflow the second moment: either would make ``exp_avg_sq`` inf or nan and freeze the weight for good
 (``m / inf = 0`` every later step). Where it reads the gradients:
 
-* folded into the pass when the whole step holds at most ``workspace.fold_numel`` values (``rounding.FOLD``)
-  on one device: every gradient is copied into one fp32 workspace buffer first (the copy the kernel needs
-  anyway, done for all chunks before the first kernel), the check is one ``torch.dot`` of that hot copy
-  with itself (the squared norm of all gradients together: inf or nan exactly when a gradient is, or the
-  squares overflow) and one host read, and the chunks then step from those copies;
+* folded into the pass when the whole step holds at most ``workspace.fold_numel_on(device)`` values
+  (``rounding.FOLD`` on a CPU, ``rounding.CUDA_FOLD`` on a CUDA device) on one device: every gradient
+  is copied into one fp32 workspace buffer first (the copy the kernel needs anyway, done for all chunks
+  before the first kernel), the check is one ``torch.dot`` of that hot copy with itself (the squared norm
+  of all gradients together: inf or nan exactly when a gradient is, or the squares overflow) and one host
+  read, and the chunks then step from those copies;
 * above that, one multi-tensor ``_foreach_norm`` of the bf16 gradients first
   (:func:`~mixprec.optim.guard.grads_fit`, each tensor's norm against the limit), a read the size of such
   a step amortizes.
@@ -140,8 +142,8 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
 
     Args:
         units: the groups to step.
-        workspace: the scratch buffers (its ``numel`` bounds every buffer, ``fold_numel`` the gradient
-            copies of a folded step).
+        workspace: the scratch buffers (its ``numel_on(device)`` bounds every buffer, ``fold_numel_on``
+            the gradient copies of a folded step).
         guard: skip the step when a gradient is non-finite or too large (see the module docstring).
 
     Returns:
@@ -173,7 +175,8 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
 def _foldable(units: list[AdamUnit], workspace: Workspace) -> bool:
     """Whether the whole step's gradients fit the workspace's fold buffer (one device)."""
     total = sum(p.numel() for unit in units for p in unit.params)
-    return total <= workspace.fold_numel and len({unit.params[0].device for unit in units}) == 1
+    devices = {unit.params[0].device for unit in units}
+    return len(devices) == 1 and total <= workspace.fold_numel_on(devices.pop())
 
 
 def _copied_grads_fit(units: list[AdamUnit], workspace: Workspace, used: dict[tuple[Any, ...], Any]) -> bool:
@@ -245,7 +248,7 @@ def _plan(
             return used[key]
     device = unit.params[0].device
     total = sum(p.numel() for p in unit.params)
-    limit = min(max(workspace.numel, fmt.align), total)
+    limit = min(max(workspace.numel_on(device), fmt.align), total)
     lows = [p.dtype != _F32 for p in unit.params]
     roles = (["values"] if any(lows) else []) + ["grad"]
     roles += [role for role, second in (("moment", False), ("second", True)) if not fmt.in_place(second)]

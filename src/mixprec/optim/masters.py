@@ -74,7 +74,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             Adam's moments stored in that low-bit format (``mixprec.optim.state_formats``) and the masters
             stepped chunk by chunk through torch's fused kernel (``mixprec.optim.fused_adam``, the step
             counters on the masters' device); needs a fresh ``torch.optim.Adam``/``AdamW`` (any
-            foreach/fused/capturable flag).
+            foreach/fused/capturable flag). A chunk is at most ``rounding.CHUNK`` (2**18) values on a CPU
+            and ``rounding.CUDA_CHUNK`` (2**24) on a CUDA device; the step's workspace holds three fp32
+            buffers of a chunk (gradients, both moments: 192 MiB on a GPU) and allocates up to 8 bytes
+            per value of a tensor's slice of the chunk for the moment it is encoding.
 
     Raises:
         TypeError: ``optimizer`` is not an Optimizer or is already a MixedPrecisionOptimizer;

@@ -1,26 +1,45 @@
 """The low-precision building blocks of the compensated updates: workspace, chunks, Kahan fold, rounding.
 
 Temporaries (fp32 copies of the gradients and moments, Adam's denominator, stochastic rounding's values and
-random bits) live in a :class:`Workspace` of at most ``CHUNK`` elements per buffer that survives between
-steps: an update allocates nothing per step, and no scratch the size of a big model exists. One buffer may
-reach ``FOLD`` elements: the fp32 gradient copies of a whole guarded fused Adam step small enough to be
-checked in the workspace before anything is written (:func:`mixprec.optim.fused_adam.adam_step`). Each
-chunk is a list of consecutive slices of the flattened tensors (a big tensor spans chunks, small ones share
-one), so the foreach ops see the same values as on whole tensors; only the grouping differs.
+random bits) live in a :class:`Workspace` that survives between steps: an update allocates nothing per
+step, and no scratch the size of a big model exists. Its buffers are bounded per device type
+(:meth:`Workspace.numel_on`):
+
+* on a CPU by ``CHUNK`` elements (1 MiB in fp32: cache-sized, so a chunk's copies are still in cache when
+  the kernel reads them), one buffer up to ``FOLD`` elements: the fp32 gradient copies of a whole guarded
+  fused Adam step small enough to be checked in the workspace before anything is written
+  (:func:`mixprec.optim.fused_adam.adam_step`);
+* on a CUDA device by ``CUDA_CHUNK`` elements, the fold too (``CUDA_FOLD``). A GPU kernel over 2**24 fp32
+  values runs for tens of microseconds at HBM bandwidth, several times the host's cost of launching it, so
+  the device stays busy while the host issues the next chunk's ten or so ops (at ``CHUNK`` a 403M step
+  would be ~1,540 chunks and 17,000 to 20,000 launches, launch-bound); the price is memory: 64 MiB per fp32
+  buffer, at most five (plus 32 MiB of random bits for stochastic rounding), against the several GiB of
+  weights, gradients and moments a step of that size holds.
+
+Each chunk is a list of consecutive slices of the flattened tensors (a big tensor spans chunks, small ones
+share one), so the foreach ops see the same values as on whole tensors; only the grouping differs.
 
 Stochastic rounding (Zamirai et al. 2020; Gupta et al. 2015, "Deep Learning with Limited Numerical
 Precision") adds 16 uniform random bits below bf16's last bit of the fp32 pattern and truncates, so the
 carry into bf16's last bit happens with probability (dropped fraction): unbiased. Where the bits come from:
 
 * :func:`round_stochastic_into` (fp32-state paths): one ``randint`` per value from the generator;
-* :func:`round_stochastic` with :class:`RandomBits` (the fused Adam engine, every state format): a pool of
+* :func:`round_stochastic` (the fused Adam engine, every state format), on a CUDA device and for chunks
+  under ``POOL // 4`` values: fresh bits from the generator (:func:`add_fresh_bits`, four values per
+  int64 draw), drawn on the device with nothing read back to the host;
+* :func:`round_stochastic` on a CPU, chunks of ``POOL // 4`` values or more: :class:`RandomBits`, a pool of
   ``POOL`` int32 values holding every 16-bit pattern equally often, shuffled once from a fixed seed and
   stored twice over, read at windows that start at offsets drawn from the generator for every chunk of
   every step.
   Given a uniform offset each value is exactly uniform over the 2**16 patterns, so each rounding stays
   unbiased; rounding errors of two weights in one step may be correlated (their windows may overlap), never
-  biased. Drawing the offsets costs one small ``randint`` per chunk instead of 16 bits per weight; chunks
-  under ``POOL // 4`` values draw fresh bits (:func:`add_fresh_bits`, four values per int64 draw).
+  biased. Drawing the offsets costs one small ``randint`` per chunk instead of 16 bits per weight, but the
+  offsets are host numbers: on a GPU every chunk would wait for the device, hence fresh bits there.
+
+Which bits a weight gets depends on the chunking (the draws are made chunk by chunk), so a stochastic run
+repeats bit for bit only with the same chunk sizes on the same device type; Kahan and nearest rounding and
+the moments do not depend on it (a tensor is cut only where its vectors or blocks end, see
+:func:`segments`).
 """
 
 from __future__ import annotations
@@ -33,6 +52,8 @@ import torch
 __all__ = [
     "ALIGN",
     "CHUNK",
+    "CUDA_CHUNK",
+    "CUDA_FOLD",
     "FOLD",
     "POOL",
     "RandomBits",
@@ -48,8 +69,10 @@ __all__ = [
     "widen",
 ]
 
-CHUNK = 2**18  # most elements per workspace buffer (1 MiB in fp32, cache-sized); never more than stepped
+CHUNK = 2**18  # most elements per buffer on a CPU (1 MiB in fp32, cache-sized); never more than stepped
 FOLD = 2**20  # most gradient values a guarded fused Adam step copies up front to check them (4 MiB fp32)
+CUDA_CHUNK = 2**24  # on a CUDA device: kernels long enough to hide their launches (64 MiB in fp32)
+CUDA_FOLD = CUDA_CHUNK  # the "grad" buffer a chunk needs anyway: folding costs no memory more
 POOL = 2**18  # random-bit pool: every 16-bit pattern 4 times; chunks under POOL // 4 draw fresh bits
 KEEP_HIGH_16_BITS = -65536  # 0xFFFF0000 as int32: clears the low 16 bits of an fp32 pattern
 ALIGN = 64  # elements: a multiple of every vector width torch's kernels use
@@ -58,21 +81,38 @@ ROLES = ("grad", "moment", "second", "values", "kahan", "denom", "bits")
 
 class Workspace:
     """Scratch buffers reused across steps, one per (device, dtype, role), at most ``numel`` elements each
-    (the ``"grad"`` buffer up to ``fold_numel`` when a whole fused Adam step's gradients are checked in it).
+    (the ``"grad"`` buffer up to ``fold_numel`` when a whole fused Adam step's gradients are checked in it);
+    on a CUDA device ``cuda_numel`` and ``cuda_fold_numel`` (see the module doc; :meth:`numel_on`).
 
     Roles (what the buffer holds during an update): ``"grad"``, ``"moment"``, ``"second"`` (fp32 copies of
     the gradients and moments), ``"values"`` (the new weights in fp32), ``"kahan"``, ``"denom"`` (bf16
     temporaries of the unfused paths), ``"bits"``; the random-bit pools live here too (:attr:`pools`).
     """
 
-    def __init__(self, numel: int = CHUNK, fold_numel: int = FOLD) -> None:
+    def __init__(
+        self,
+        numel: int = CHUNK,
+        fold_numel: int = FOLD,
+        cuda_numel: int = CUDA_CHUNK,
+        cuda_fold_numel: int = CUDA_FOLD,
+    ) -> None:
         self.numel = numel
         self.fold_numel = fold_numel
+        self.cuda_numel = cuda_numel
+        self.cuda_fold_numel = cuda_fold_numel
         self.buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
         self.pools: dict[str, RandomBits] = {}
         self.plans: dict[tuple[Any, ...], Any] = {}  # the engine's kept chunk views, keyed by their tensors
         self.tables: dict[tuple[Any, ...], Any] = {}  # constant lookup tables per device (the int8 state map)
         self.generation = 0  # bumped whenever a buffer is replaced, which makes cached views stale
+
+    def numel_on(self, device: torch.device) -> int:
+        """Most elements of a chunk (a buffer) on ``device``: ``cuda_numel`` on CUDA, else ``numel``."""
+        return self.cuda_numel if device.type == "cuda" else self.numel
+
+    def fold_numel_on(self, device: torch.device) -> int:
+        """Most gradient values a guarded step on ``device`` checks in the workspace (see ``fold_numel``)."""
+        return self.cuda_fold_numel if device.type == "cuda" else self.fold_numel
 
     def get(self, device: torch.device, dtype: torch.dtype, role: str, numel: int) -> torch.Tensor:
         """A buffer of at least ``numel`` elements (grown, never shrunk, while the optimizer lives).
@@ -102,8 +142,13 @@ class Workspace:
 
     def __getstate__(self) -> dict[str, Any]:
         # scratch, not state: recreated on demand
-        return {"numel": self.numel, "fold_numel": self.fold_numel, "buffers": {}, "pools": {}, "plans": {},
+        return {"numel": self.numel, "fold_numel": self.fold_numel, "cuda_numel": self.cuda_numel,
+                "cuda_fold_numel": self.cuda_fold_numel, "buffers": {}, "pools": {}, "plans": {},
                 "tables": {}, "generation": 0}  # fmt: skip
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a workspace pickled before the CUDA bounds existed gets the defaults
+        self.__dict__.update({"cuda_numel": CUDA_CHUNK, "cuda_fold_numel": CUDA_FOLD, **state})
 
 
 def views(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -235,12 +280,13 @@ def round_stochastic(
     generator: torch.Generator,
     workspace: Workspace,
 ) -> None:
-    """``weights = round_stochastic(values)`` (bf16) with bits from the workspace's pool, or fresh ones for
-    a chunk under ``POOL // 4`` values; ``flat`` is the fp32 buffer the ``values`` views cover, used as
-    workspace."""
+    """``weights = round_stochastic(values)`` (bf16) with fresh bits on a CUDA device or for a chunk under
+    ``POOL // 4`` values, else bits from the workspace's pool (see the module doc); ``flat`` is the fp32
+    buffer the ``values`` views cover, used as workspace."""
     bits = flat.view(torch.int32)
     device = weights[0].device
-    if flat.numel() < POOL // 4:  # small chunks: fresh bits cost little, and no pool is made
+    # small chunks: fresh bits cost little and no pool is made; CUDA: the pool's offsets would sync the host
+    if flat.numel() < POOL // 4 or device.type == "cuda":
         add_fresh_bits(bits, generator, workspace.get(device, torch.int64, "bits", (flat.numel() + 3) // 4))
     else:
         workspace.random_bits(device).add_(bits, generator)

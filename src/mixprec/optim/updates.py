@@ -155,7 +155,7 @@ def _kahan_fold_through(params: list[torch.Tensor], kahan: list[torch.Tensor], w
     if not contiguous(params, kahan):
         kahan_fold(params, kahan, [torch.empty_like(p) for p in params])
         return
-    limit = min(workspace.numel, sum(p.numel() for p in params))
+    limit = min(workspace.numel_on(params[0].device), sum(p.numel() for p in params))
     buffer = workspace.get(params[0].device, params[0].dtype, "denom", limit)
     for (p, c), _ in chunks([params, kahan], limit):
         kahan_fold(p, c, views(buffer, p))
