@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import _triton_adam
 from mixprec.optim.guard import grads_fit, grads_of
 from mixprec.optim.rounding import Workspace, narrow, segments, views, widen
 from mixprec.optim.sharding import local_grads
@@ -148,7 +149,8 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
         False when the guard skipped the step: weights, Kahan buffers and state unchanged (none created).
     """
     used: dict[tuple[Any, ...], Any] = {}
-    folded = guard and _foldable(units, workspace)
+    one_pass = [_triton_adam.takes(unit) for unit in units]  # CUDA bf16 in torch's layout: one kernel each
+    folded = guard and not any(one_pass) and _foldable(units, workspace)
     if guard and not (
         _copied_grads_fit(units, workspace, used)
         if folded
@@ -156,9 +158,12 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     ):
         return False
     offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
-    for unit in units:
+    for unit, fast in zip(units, one_pass, strict=True):
         unit.moments.keep(unit.states)
         new_states(unit.states, unit.params, unit.moments.new)  # torch's layout: step, then the moments
+        if fast:
+            _triton_adam.step_unit(unit)
+            continue
         flat_grads = [] if folded else [g.reshape(-1) for g in grads_of(unit.params)]
         for chunk in _plan(unit, workspace, used, offset if folded else None):
             if not folded:
