@@ -78,11 +78,11 @@ def test_the_gpu_kernel_compiles_with_torchs_rounding(monkeypatch):
 
     k = _triton_adam._kernels(False)
     args = "w_ptr c_ptr g_ptr m_ptr v_ptr step_ptr seed_ptr bc_ptr n index lr beta1 beta2 eps wd".split()
-    types = {"w_ptr": "*i16", "c_ptr": "*i16", "g_ptr": "*i16", "m_ptr": "*i16", "v_ptr": "*fp32",
-             "step_ptr": "*fp32", "seed_ptr": "*i64", "bc_ptr": "*fp32", "n": "i32", "index": "i32"}  # fmt: skip
+    types = dict.fromkeys(["w_ptr", "c_ptr", "g_ptr", "m_ptr"], "*i16") | {"seed_ptr": "*i64"}
+    types |= {"v_ptr": "*fp32", "step_ptr": "*fp32", "bc_ptr": "*fp32", "n": "i32", "index": "i32"}
     signature = {a: types.get(a, "fp32") for a in args}
-    consts = {"ADAMW": True, "DECAY": True, "MAXIMIZE": False, "ROUND": 1, "M_BF16": True, "V_BF16": False,
-              "PRECISE": True, "BLOCK": 1024}  # fmt: skip
+    consts = {"ADAMW": True, "DECAY": True, "MAXIMIZE": False, "ROUND": 1, "M_BF16": True}
+    consts |= {"V_BF16": False, "PRECISE": True, "BLOCK": 1024}
     signature.update(dict.fromkeys(consts, "constexpr"))
     source = ASTSource(fn=k.adam, signature=signature, constexprs=consts)
     ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
@@ -194,8 +194,10 @@ def test_steps_are_bitwise_the_reference(interpret, name, rounding, second):
     params = [(torch.randn(s, generator=gen) * 0.5).to(BF16) for s in shapes]
     kahan = [torch.zeros_like(p) for p in params] if rounding == "kahan" else None
     dtypes = (BF16, second)
-    ref = [[p.clone(), torch.zeros_like(p), torch.zeros_like(p, dtype=BF16), torch.zeros_like(p, dtype=second)]
-           for p in params]  # fmt: skip
+    ref = [
+        [p.clone(), torch.zeros_like(p), torch.zeros_like(p, dtype=BF16), torch.zeros_like(p, dtype=second)]
+        for p in params
+    ]
     unit, count = _unit(group, params, kahan, dtypes)
     for step in range(1, 5):
         for p in params:

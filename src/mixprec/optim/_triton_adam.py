@@ -97,7 +97,8 @@ def takes(unit: AdamUnit) -> bool:
 
 def step_unit(unit: AdamUnit) -> None:
     """One step of every param of ``unit`` (:func:`takes` it; its states made and counted by the caller)."""
-    group, params = unit.group, unit.params
+    group, params, moments = unit.group, unit.params, unit.moments
+    assert isinstance(moments, TorchMoments)
     device = params[0].device
     kern = _kernels(_interpreting())
     rounding = 1 if unit.kahan is not None else 2 if unit.generator is not None else 0
@@ -112,13 +113,13 @@ def step_unit(unit: AdamUnit) -> None:
         "DECAY": decay,
         "MAXIMIZE": bool(group.get("maximize", False)),
         "ROUND": rounding,
-        "M_BF16": unit.moments.dtypes[0] == _BF16,
-        "V_BF16": unit.moments.dtypes[1] == _BF16,
+        "M_BF16": moments.dtypes[0] == _BF16,
+        "V_BF16": moments.dtypes[1] == _BF16,
         "PRECISE": not _interpreting(),
         "BLOCK": BLOCK,
     }
     options = {} if _interpreting() else {"enable_fp_fusion": False}  # only the kernel's explicit fmas
-    kahan = unit.kahan if unit.kahan is not None else params
+    kahan = [c if c is not None else p for c, p in zip(unit.kahan or params, params, strict=True)]
     with _device_of(params[0]):
         for index, (param, grad, buffer, state) in enumerate(
             zip(params, grads_of(params), kahan, unit.states, strict=True)
