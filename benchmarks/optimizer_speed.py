@@ -21,7 +21,9 @@ error in the JSON and the others go on. The parameters are a GPT's weight shapes
 between two synchronizes, per step). Reported per config: the median of the rounds' per-step times, their
 min/max and quartiles, and the ratio to ``torch-fused`` paired round by round (median, min, max). The JSON
 is rewritten after the warm-up and every round (and on SIGTERM), so a run cut short keeps its rounds
-(``partial`` says why); ``--budget-s`` stops starting rounds that would not fit.
+(``partial`` says why); ``--budget-s`` stops starting rounds that would not fit. First (unless
+``--no-bitwise``), :func:`bitwise_check` compares ``mixprec-kahan``'s steps on the first block's shapes with
+torch's fused kernel on fp32 copies, bit for bit (``bitwise_vs_torch_fused`` in the JSON).
 
     python benchmarks/optimizer_speed.py --device cuda --json optim.json           # 403M on a GPU
     python benchmarks/optimizer_speed.py --device cpu --width 64 --layers 2 --configs torch-fused,optimi-kahan
@@ -85,6 +87,59 @@ def build(config: str, params: list[torch.Tensor], device: torch.device) -> Any:
 
         return AdamW8bit(params, **kwargs)
     raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+
+
+def bitwise_check(device: torch.device, dims: list[tuple[int, ...]], steps: int = 3) -> dict[str, Any]:
+    """``CompensatedOptimizer``'s Kahan Adam/AdamW step against torch's own fused kernel (``_fused_adam_`` /
+    ``_fused_adamw_``) on fp32 copies, step by step: before each step the reference takes ``fp32(w) +
+    fp32(c)`` and the stored moments widened to fp32, after it rounds as the wrapper does (``w = rn(t)``,
+    ``c = rn(t - w)``, the moments to their stored dtypes). Per case: values compared and how many differ
+    (weights, buffers and both moments over all steps); on CUDA the step is the one-pass Triton kernel
+    (``mixprec.optim._triton_adam``), elsewhere the chunked engine."""
+    from mixprec import CompensatedOptimizer
+
+    out: dict[str, Any] = {}
+    cases = {
+        "adamw-bf16-moments": (torch.optim.AdamW, BETAS, True),
+        "adamw-fp32-second-moment": (torch.optim.AdamW, (0.9, 0.999), True),
+        "adam-l2-decay": (torch.optim.Adam, BETAS, False),
+    }
+    for name, (cls, betas, decoupled) in cases.items():
+        gen = torch.Generator(device=device).manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen, device=device).to(torch.bfloat16) * 0.02)
+                  for s in dims]  # fmt: skip
+        opt = CompensatedOptimizer(cls(params, lr=LR, betas=betas, weight_decay=WD), "kahan")
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        mismatched = compared = 0
+        for step in range(1, steps + 1):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, device=device).to(torch.bfloat16) * 1e-3
+            comps = list(opt.compensation)
+            states = [opt.optimizer.state.get(p, {}) for p in params]
+            t = [p.float() + c.float() for p, c in zip(params, comps, strict=True)]
+            m = [
+                s["exp_avg"].to(torch.float32, copy=True) if s else torch.zeros_like(x)
+                for s, x in zip(states, t, strict=True)
+            ]
+            v = [
+                s["exp_avg_sq"].to(torch.float32, copy=True) if s else torch.zeros_like(x)
+                for s, x in zip(states, t, strict=True)
+            ]
+            counters = [torch.tensor(float(step), device=device) for _ in params]
+            kernel(t, [p.grad.float() for p in params], m, v, [], counters, lr=LR, beta1=betas[0],
+                   beta2=betas[1], eps=1e-8, weight_decay=WD, amsgrad=False, maximize=False)  # fmt: skip
+            opt.step()
+            for p, c, x, mx, vx in zip(params, comps, t, m, v, strict=True):
+                state = opt.optimizer.state[p]
+                w_ref = x.to(torch.bfloat16)
+                pairs = [(p, w_ref), (c, (x - w_ref.float()).to(torch.bfloat16))]
+                pairs += [(state["exp_avg"], mx.to(state["exp_avg"].dtype))]
+                pairs += [(state["exp_avg_sq"], vx.to(state["exp_avg_sq"].dtype))]
+                for got, want in pairs:
+                    mismatched += int((got.detach() != want).sum())
+                    compared += got.numel()
+        out[name] = {"steps": steps, "values": compared, "mismatched": mismatched}
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -159,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per config per round")
     parser.add_argument("--budget-s", type=float, default=None, help="start no round past this many seconds")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--no-bitwise", dest="bitwise_shapes", action="store_false",
+        help="skip the bitwise check of mixprec-kahan against torch's fused kernel on fp32 copies",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     started = time.perf_counter()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -187,6 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         "rounds_planned": args.rounds,
         "steps_per_round": args.steps,
     }
+    if args.bitwise_shapes:  # the first block's shapes: every kind of tensor, a few seconds
+        try:
+            meta["bitwise_vs_torch_fused"] = bitwise_check(device, dims[:6])
+        except Exception as exc:  # the timing still runs
+            meta["bitwise_vs_torch_fused"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(
+            f"optimizer_speed: bitwise vs torch's fused kernel: {meta['bitwise_vs_torch_fused']}",
+            file=sys.stderr,
+        )
     runs: dict[str, Run] = {}
     errors: dict[str, str] = {}
     skipped: dict[str, str] = {}

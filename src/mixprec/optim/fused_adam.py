@@ -28,6 +28,10 @@ With a low-bit format the update uses the moments at full precision within the s
 AdamW does) and only what is carried to the next step is quantized; no fp32 copy of a whole moment, weight
 or gradient exists.
 
+On CUDA (eager, Triton importable, torch's layout, bf16 params, ``MIXPREC_FUSED_OPTIM`` not ``0``) a unit
+skips the chunks: :mod:`mixprec.optim._triton_adam` steps each tensor in one Triton pass, bit for bit
+torch's CUDA fused kernel on an fp32 copy, rounded as above; the gradients are then checked unfolded.
+
 The guard (``guard=True``) skips the whole step, before anything is created or written, when a gradient
 is inf/nan or so large (L2 norm over ``sqrt(max / 2)`` of v's dtype, about 1.3e19) that a square could
 overflow the second moment: either would make ``exp_avg_sq`` inf or nan and freeze the weight for good
@@ -62,6 +66,7 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import _triton_adam
 from mixprec.optim.guard import grads_fit, grads_of
 from mixprec.optim.rounding import Workspace, narrow, segments, views, widen
 from mixprec.optim.sharding import local_grads
@@ -150,7 +155,8 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
         False when the guard skipped the step: weights, Kahan buffers and state unchanged (none created).
     """
     used: dict[tuple[Any, ...], Any] = {}
-    folded = guard and _foldable(units, workspace)
+    one_pass = [_triton_adam.takes(unit) for unit in units]  # CUDA bf16 in torch's layout: one kernel each
+    folded = guard and not any(one_pass) and _foldable(units, workspace)
     if guard and not (
         _copied_grads_fit(units, workspace, used)
         if folded
@@ -158,9 +164,12 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
     ):
         return False
     offset = 0  # where the unit's gradient copies start in the folded step's "grad" buffer
-    for unit in units:
+    for unit, fast in zip(units, one_pass, strict=True):
         unit.moments.keep(unit.states)
         new_states(unit.states, unit.params, unit.moments.new)  # torch's layout: step, then the moments
+        if fast:
+            _triton_adam.step_unit(unit)
+            continue
         flat_grads = [] if folded else [g.reshape(-1) for g in grads_of(unit.params)]
         for chunk in _plan(unit, workspace, used, offset if folded else None):
             if not folded:
