@@ -207,11 +207,14 @@ def test_rowwise_without_fast_accum_runs_the_tensorwise_kernel_then_scales(recip
         assert seen == (out_shape, torch.bfloat16, (out_shape[0], 1), (1, out_shape[1]), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("use_v2", [True, False], ids=["scaled_mm", "_scaled_mm"])
-def test_rowwise_with_fast_accum_keeps_the_rowwise_kernel(use_v2) -> None:
+def test_rowwise_with_fast_accum_keeps_the_rowwise_kernel(use_v2, dtype) -> None:
+    """... asking it for bf16 whatever the layer's dtype (the kernel outside sm90's cuBLAS writes only
+    bf16; torchao asks for bf16 and casts), the result in the layer's dtype (``_run_layer`` checks)."""
     m, k, n = BIG
     with _fake_cuda((9, 0), use_v2) as rec:
-        _run_layer("fp8_rowwise", m, k, n, gemms=FAST)
+        _run_layer("fp8_rowwise", m, k, n, gemms=FAST, dtype=dtype)
     assert [g["path"] for g in rec.gemms] == ["fp8_rowwise"] * 3
     for record in rec.gemms:
         ((api, mat_a, mat_b, scale_a, scale_b, out_dtype, fast),) = record["calls"]

@@ -374,6 +374,10 @@ def _scaled(
         return out.narrow(0, 0, _rows(a)).narrow(1, 0, _rows(b))
     two_level = a.tensor_scale is not None or b.tensor_scale is not None
     dtype = torch.float32 if two_level else out_dtype
+    if kernel.kinds == ("row", "row") and a.data.device.type == "cuda" and dtype != torch.bfloat16:
+        # torch's rowwise kernels write bf16 only outside sm90's cuBLAS (ScaledBlas.cpp); torchao asks
+        # for bf16 and casts (addmm_float8_unwrapped, pytorch#156771), as here
+        dtype = torch.bfloat16
     out = _call(kernel, data_a, data_b.t(), scale_a, scale_b, dtype, fast_accum)
     if two_level:  # NVFP4's per-tensor scales, folded into the output: out * (t_a * t_b)
         scales = [t for t in (a.tensor_scale, b.tensor_scale) if t is not None]
