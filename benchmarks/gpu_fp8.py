@@ -599,7 +599,7 @@ def _print(results: Results) -> None:
     for r in results.rows():
         mode = "compiled" if r["compiled"] else "eager"
         if "skipped" in r or "error" in r or "step_ms" not in r:
-            print(f"{r['config']:20} {mode:9} {r.get('skipped') or 'FAILED: ' + str(r.get('error'))}")
+            print(f"{r['config']:20} {mode:9} {_status(r)}")
             continue
         ratio = f"{r['vs_bf16']:.3f}" if "vs_bf16" in r else "-"
         spread = "{:.3f}-{:.3f}".format(*r["vs_bf16_range"]) if "vs_bf16_range" in r else "-"
@@ -617,29 +617,34 @@ def _print(results: Results) -> None:
                   f"{g['median_s'] * 1e3:8.3f} ms  {ratio}")  # fmt: skip
 
     for r in results.rowwise_gemm:
-        where = f"rowwise GEMM {','.join(map(str, r['shape']))} {r['path']:30}"
-        if "median_ms" not in r:
-            print(f"{where} {r.get('skipped') or 'FAILED: ' + str(r.get('error'))}")
-            continue
         vs = f"  {r['vs_rowwise_kernel']:.2f}x rowwise kernel" if "vs_rowwise_kernel" in r else ""
         bits = f"  bitwise: {r['bitwise_vs_torch_post_scale']}" if "bitwise_vs_torch_post_scale" in r else ""
-        print(f"{where} {r['median_ms']:8.3f} ms [{r['range_ms'][0]:.3f}-{r['range_ms'][1]:.3f}] "
-              f"{r['tflops']:7.1f} TFLOP/s{vs}{bits}")  # fmt: skip
+        where = f"rowwise GEMM {','.join(map(str, r['shape']))} {r['path']:30}"
+        _print_timed(where, r, "tflops", "TFLOP/s", vs + bits)
     for q in results.quantize:
-        where = f"quantize {q['format']:20} {q['path']:10}"
-        if "median_ms" not in q:
-            print(f"{where} {q.get('skipped') or 'FAILED: ' + str(q.get('error'))}")
-            continue
         vs = f"  {q['vs_pure']:.2f}x pure" if "vs_pure" in q else ""
         bits = "" if "bitwise" not in q else f"  bitwise: {q['bitwise']}"
-        print(f"{where} {q['median_ms']:8.3f} ms [{q['range_ms'][0]:.3f}-{q['range_ms'][1]:.3f}] "
-              f"{q['gb_per_s']:7.1f} GB/s{vs}{bits}")  # fmt: skip
+        _print_timed(f"quantize {q['format']:20} {q['path']:10}", q, "gb_per_s", "GB/s", vs + bits)
     for p in results.passes:
         where = f"quantization passes per linear per step, {p['recipe']:18}"
         if "per_use" not in p:
             print(f"{where} FAILED: {p.get('error')}")
             continue
         print(f"{where} {p['per_use']} per use -> {p['shared']} shared  bitwise: {p['bitwise']}")
+
+
+def _status(row: dict) -> str:
+    """Why a row has no figures: the reason it was skipped, or the error it failed with."""
+    return row.get("skipped") or "FAILED: " + str(row.get("error"))
+
+
+def _print_timed(where: str, row: dict, rate: str, unit: str, extras: str) -> None:
+    """One timed row: median and range in ms, ``row[rate]`` in ``unit``, then ``extras``; or its status."""
+    if "median_ms" not in row:
+        print(f"{where} {_status(row)}")
+        return
+    lo, hi = row["range_ms"]
+    print(f"{where} {row['median_ms']:8.3f} ms [{lo:.3f}-{hi:.3f}] {row[rate]:7.1f} {unit}{extras}")
 
 
 def main(argv: list[str] | None = None) -> int:

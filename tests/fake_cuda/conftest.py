@@ -70,3 +70,14 @@ def fake_hopper(request: pytest.FixtureRequest):
     """The fake CUDA mode at sm90 only, for paths the capability does not change."""
     with _checked(request, (9, 0)) as recorder:
         yield recorder
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch):
+    """Triton's CPU interpreter for this test, the fused-quantize switch unset; the fused module
+    ``mixprec.lowbit.triton_quantize`` (imported here: it needs Triton). A module may define its own."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE", raising=False)
+    from mixprec.lowbit import triton_quantize
+
+    return triton_quantize

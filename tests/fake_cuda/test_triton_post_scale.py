@@ -20,29 +20,14 @@ import importlib.util
 import pytest
 import torch
 
+from fake_cuda.bits import same_bits
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # numpy's, in the interpreter: 3e38 * 2 -> inf
 ]
 
 SHAPES = [(1, 1), (5, 7), (70, 300), (33, 129)]
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE", raising=False)
-    from mixprec.lowbit import triton_quantize
-
-    return triton_quantize
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal, a nan equal to a nan (its payload and sign aside)."""
-    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-    return bool(
-        torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.int16)[~nan_a], b.view(torch.int16)[~nan_b])
-    )
 
 
 def _case(
@@ -76,7 +61,7 @@ def test_the_kernel_is_torchs_out_times_row_times_col(interpret, shape, kind):
     ref *= row * col  # torchao's expression
     got = out.clone()
     assert interpret.post_scale_(got, row, col) is got
-    assert _same(got, ref)
+    assert same_bits(got, ref)
     if kind == "ties" and out.numel() > 16:  # the case exercises rounding: truncation differs here
         truncated = ((out.float() * (row * col)).view(torch.int32) >> 16).to(torch.int16)
         assert not torch.equal(truncated, ref.view(torch.int16))
@@ -90,14 +75,14 @@ def test_a_strided_view_is_scaled_in_place_and_the_rest_untouched(interpret):
     ref = base.clone()
     ref[3:35, ::2] *= r * c
     interpret.post_scale_(view, r, c)
-    assert _same(base, ref)
+    assert same_bits(base, ref)
 
 
 def test_one_dim_scales_and_an_empty_out(interpret):
     out, row, col = _case((8, 24), "randn", seed=5)
     ref = out.clone()
     ref *= row * col
-    assert _same(interpret.post_scale_(out, row.reshape(-1), col.reshape(-1)), ref)
+    assert same_bits(interpret.post_scale_(out, row.reshape(-1), col.reshape(-1)), ref)
     empty = torch.empty(0, 5, dtype=torch.bfloat16)
     assert interpret.post_scale_(empty, torch.empty(0), torch.ones(5)).shape == (0, 5)
 
@@ -141,7 +126,7 @@ def test_gemm_dispatches_to_the_kernel_and_the_switch_turns_it_off(interpret, mo
     monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
     plain = out.clone()
     gemm._post_scale_(plain, row, col)
-    assert calls == [1] and _same(fused, plain)
+    assert calls == [1] and same_bits(fused, plain)
 
 
 def test_rowwise_as_tensorwise_through_the_kernel_is_torchaos(interpret):

@@ -19,6 +19,7 @@ import importlib.util
 import pytest
 import torch
 
+from fake_cuda.bits import same_bits
 from mixprec.lowbit.formats import get_format
 from mixprec.lowbit.quantize import Quantized, quantize
 
@@ -38,16 +39,6 @@ FORMATS = [
     "fp8_blockwise_2d",
 ]
 SHAPES = [(64, 256), (70, 200), (1, 5), (130, 300)]
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch):
-    """Triton's CPU interpreter for this test; the fused module (imported here, it needs Triton)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE", raising=False)
-    from mixprec.lowbit import triton_quantize
-
-    return triton_quantize
 
 
 def _reference(x: torch.Tensor, fmt: str, monkeypatch: pytest.MonkeyPatch) -> Quantized:
@@ -75,15 +66,6 @@ def _input(shape: tuple[int, int], kind: str, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal, a nan anywhere equal to a nan (its payload and sign aside)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-    bits = {1: torch.uint8, 4: torch.int32}[a.element_size()]
-    return torch.equal(nan_a, nan_b) and torch.equal(a.view(bits)[~nan_a], b.view(bits)[~nan_b])
-
-
 def _expand(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     rows, cols = shape[0] // scale.shape[0], shape[1] // scale.shape[1]
     return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
@@ -99,9 +81,11 @@ def _pre_cast(ref: Quantized, x: torch.Tensor) -> torch.Tensor:
 
 def _check_before_cast(got: Quantized, ref: Quantized, x: torch.Tensor) -> None:
     assert got.data.dtype == torch.float32
-    assert _same(got.scale, ref.scale), (got.scale, ref.scale)
-    assert _same(got.data, _pre_cast(ref, x))
-    assert _same(got.data.to(ref.data.dtype), ref.data)  # torch's cast of the kernel's values: the same bits
+    assert same_bits(got.scale, ref.scale), (got.scale, ref.scale)
+    assert same_bits(got.data, _pre_cast(ref, x))
+    assert same_bits(
+        got.data.to(ref.data.dtype), ref.data
+    )  # torch's cast of the kernel's values: the same bits
     assert (got.shape, got.dtype, got.axis) == (ref.shape, ref.dtype, ref.axis)
 
 
@@ -161,7 +145,7 @@ def test_the_in_kernel_cast_differs_only_where_the_interpreter_is_wrong(interpre
     got, got_t = interpret.quantize(x, fmt, transpose=True)
     pre, pre_t = interpret.quantize(x, fmt, transpose=True, cast=False)
     for g, p, r in ((got, pre, ref), (got_t, pre_t, _reference(x.t(), fmt, monkeypatch))):
-        assert _same(g.scale, r.scale)
+        assert same_bits(g.scale, r.scale)
         differs = g.data.view(torch.uint8) != r.data.view(torch.uint8)
         explained = _interpreter_cast_error(p.data, g.data, r.data, elem)
         assert not (differs & ~explained).any(), p.data[differs & ~explained][:8]
@@ -176,10 +160,10 @@ def test_scaled_cast_is_history_to_float8(interpret):
         elem = get_format(fmt).elem
         scale = torch.tensor(elem.max / 3e4, dtype=torch.float32)
         pre, pre_t = interpret.scaled_cast(x, scale, fmt, transpose=True, cast=False)
-        assert _same(pre.to(elem.dtype), to_float8(x, scale, elem))
-        assert _same(pre_t, pre.t().contiguous())
+        assert same_bits(pre.to(elem.dtype), to_float8(x, scale, elem))
+        assert same_bits(pre_t, pre.t().contiguous())
         data, data_t = interpret.scaled_cast(x, scale, fmt, transpose=True)
-        assert data.dtype == elem.dtype and _same(data_t, data.t().contiguous())
+        assert data.dtype == elem.dtype and same_bits(data_t, data.t().contiguous())
 
 
 def test_the_dispatch_of_quantize_takes_the_kernels_and_the_switch_turns_them_off(interpret, monkeypatch):
@@ -226,7 +210,7 @@ def test_on_a_gpu_every_bit_is_the_pure_torch_quantizers(monkeypatch, fmt):
             got, got_t = triton_quantize.quantize(x, fmt, transpose=True)
             refs = _reference(x, fmt, monkeypatch), _reference(x.t(), fmt, monkeypatch)
             for g, r in zip((got, got_t), refs, strict=True):
-                assert _same(g.scale, r.scale) and _same(g.data, r.data), (fmt, shape, kind)
+                assert same_bits(g.scale, r.scale) and same_bits(g.data, r.data), (fmt, shape, kind)
 
 
 _SIGNATURES = {
@@ -275,7 +259,7 @@ def test_tensor_amax_is_amax_of(interpret, kind):
     for view in (x, x.t(), x[3]):  # 2-D, a transposed view, 1-D
         got = interpret.tensor_amax(view)
         assert got.shape == () and got.dtype == torch.float32
-        assert _same(got, amax_of(view)), (got, amax_of(view))
+        assert same_bits(got, amax_of(view)), (got, amax_of(view))
 
 
 def _layer_step(recipe, seed: int = 9):
