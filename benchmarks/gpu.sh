@@ -6,22 +6,22 @@
 #   env              15  benchmarks/gpu_env.py: device, capability, versions, which optional packages import
 #   numerics         20  benchmarks/gemm_numerics.py: every lowbit recipe's fprop/dgrad/wgrad on the path
 #                        lowbit_mm takes (tensor cores where there is a kernel) against the emulation
-#   tests            35  pytest tests/test_cuda.py, and the tests marked `cuda` (-m cuda) in their files
+#   tests            40  pytest tests/test_cuda.py, and the tests marked `cuda` (-m cuda) in their files
 #   distributed      25  benchmarks/gpu_distributed.py: a 1-rank NCCL group; DDP (mixprec autocast + GradScaler
 #                        against a twin, the fp8 comm hook) and FSDP2 with the fp8 all-gather train 8 steps
 #   fp8             105  benchmarks/gpu_fp8.py --budget-s 90: 2-layer GPT d=4096, seq 2048, batch 4, step time
 #                        and transient memory of bf16, torchao and mixprec float8 (tensorwise, rowwise), eager
 #                        and compiled, interleaved rounds; quantize+GEMM fwd+bwd at 8192^3 per format;
 #                        pure-torch vs fused (Triton) quantization at 8192x8192 per fp8 format, bitwise checked
-#   bench            70  mixprec bench --size large --workload lm --time 50s: fp32, torch.amp and mixprec bf16,
+#   bench            55  mixprec bench --size large --workload lm --time 38s: fp32, torch.amp and mixprec bf16,
 #                        mixprec fp16, O2 bf16, bf16-true(+kahan) and the fp8 modes interleaved, cut by the
-#                        bench to fit 50 s (at least 4 rounds of 20 steps); MODES=... for others, BENCH_STEPS=N
+#                        bench to fit 38 s (at least 4 rounds of 20 steps); MODES=... for others, BENCH_STEPS=N
 #                        for N steps (the cnn / tabular workloads, in WORKLOADS, need scikit-learn)
 #   lowbit_lm        30  benchmarks/lowbit_lm.py --task lm --steps 40: each lowbit recipe's step time and loss
 #   plan_cost        20  benchmarks/plan_cost.py: the planner's measured GEMM cost per format and shape
 #   precision_paths  20  benchmarks/precision_paths.py --device cuda --in-process --widths 4096: each precision
 #                        path's step time and memory (skips torch-optimi's rows when it is missing)
-#   optim            15  benchmarks/optimizer_speed.py: one AdamW step on 403M bf16 parameters, torch fused,
+#   optim            25  benchmarks/optimizer_speed.py: one AdamW step on 403M bf16 parameters, torch fused,
 #                        CompensatedOptimizer kahan/stochastic/int8, optimi Kahan, torchao AdamW8bit
 # then writes RESULTS_DIR/gpu.json (everything, one file) and RESULTS_DIR/gpu.md (the Markdown tables).
 # Each step's limit is clamped to what is left of the budget (5 s kept for the summary); a step with
@@ -43,8 +43,8 @@
 set -uo pipefail
 
 STEPS=(env numerics tests distributed fp8 bench lowbit_lm plan_cost precision_paths optim)
-declare -A LIMIT=([env]=15 [numerics]=20 [tests]=35 [distributed]=25 [fp8]=105 [bench]=70 [lowbit_lm]=30
-    [plan_cost]=20 [precision_paths]=20 [optim]=15)
+declare -A LIMIT=([env]=15 [numerics]=20 [tests]=40 [distributed]=25 [fp8]=105 [bench]=55 [lowbit_lm]=30
+    [plan_cost]=20 [precision_paths]=20 [optim]=25)
 MIN_LEFT=10 SUMMARY_S=5
 
 die() { echo "gpu.sh: $*" >&2; exit 2; }
@@ -198,7 +198,7 @@ bench_command() {  # the bench: large on the GPU, tiny in the dry run; drops wha
     if [ -n "${BENCH_STEPS:-}" ]; then
         cmd+=(--steps "$BENCH_STEPS")
     elif [ "$dry" = 0 ]; then  # the bench cuts its rounds to fit (10 modes took ~110 s for 150 steps)
-        cmd+=(--time "${BENCH_TIME:-50s}")
+        cmd+=(--time "${BENCH_TIME:-38s}")
     fi
     cmd+=(--json "$out/bench-$size.json" --log "$out/bench-$size-steps.jsonl")
     [ "$plot" = 0 ] || cmd+=(--plot "$out/plots-$size")

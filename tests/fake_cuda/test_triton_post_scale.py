@@ -181,6 +181,7 @@ def test_the_gpu_kernel_compiles_with_torchs_rounding(monkeypatch):
     assert "fma" not in ptx and ".ftz" not in ptx
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernel)")
 @pytest.mark.parametrize("kind", ["randn", "ties", "specials"])
 def test_on_a_gpu_every_bit_is_torchs(monkeypatch, kind):

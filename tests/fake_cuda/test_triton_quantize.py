@@ -198,6 +198,7 @@ def test_unsupported_input_is_refused_by_name(interpret):
     assert all(interpret.format_supported(f) for f in FORMATS)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernels)")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_on_a_gpu_every_bit_is_the_pure_torch_quantizers(monkeypatch, fmt):
@@ -305,6 +306,7 @@ def test_a_layer_reads_each_operand_once_and_gets_the_per_use_bits(interpret, mo
         assert torch.equal(a, b)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernels)")
 @pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "per_tensor"])
 def test_on_a_gpu_a_layer_step_with_the_cast_transpose_is_the_per_use_step(monkeypatch, recipe):
