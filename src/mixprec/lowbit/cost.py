@@ -4,9 +4,8 @@ A linear layer with ``M`` rows of input (tokens), ``K`` inputs and ``N`` outputs
 training step (forward ``M x K x N``, input gradient ``M x N x K``, weight gradient ``N x M x K``), each of
 ``2 M N K`` FLOPs. On a target with dense tensor-core rate ``R[class]`` (FLOP/s) and memory bandwidth ``B``
 (byte/s), one GEMM takes ``max(2 M N K / R, bytes moved / B)`` (the roofline model: Williams, Waterman and
-Patterson, "Roofline", CACM 2009), and a low-bit format also pays a memory-bound cast of each of its six
-operands (read in bf16, write the low-bit values plus their scales). So a 4-bit GEMM is up to 4x cheaper
-than bf16 on a large matrix and the gain shrinks on a small one, where the casts and the memory traffic
+Patterson, "Roofline", CACM 2009), and a low-bit format also pays the memory-bound quantization of its
+operands (below). So a 4-bit GEMM is up to 4x cheaper than bf16 on a large matrix and the gain shrinks on a small one, where the casts and the memory traffic
 dominate (the effect torchtitan's ``auto_filter_small_kn`` encodes in a size threshold).
 
 Dense rates (TFLOPS, without sparsity) and bandwidth, from NVIDIA's datasheets:
@@ -26,9 +25,32 @@ there. The fp32 figure is the non-tensor-core rate (PyTorch's default fp32 matmu
 drops the memory terms (compute at the peak rate only): the large-matrix limit, which is how a small
 stand-in model's layers would cost at scale.
 
-A rowwise fp8 cast (``fp8_rowwise``, ``fp8_rowwise_gw_hp``) pays one more bf16 write and read per operand
-than a tensorwise or block-scaled one: its second axis is cast from a transposed copy, the kernels torchao
-models in ``torchao/testing/training/roofline_utils.py`` (``get_tensor_memory_traffic_ovhd_s``).
+**The quantization, priced on the path that runs.** Each low-bit recipe adds the memory traffic of its
+quantizer calls (:func:`quantize_bytes`, bytes read plus written over ``B``), counted per call as
+:class:`~mixprec.lowbit.gemm.LowbitLinearFunction` makes them (an operand with one format in both its GEMMs
+quantized once with its transposed copy, ``gemm.shared_operands``; the others per use; bf16 operands,
+``s = 2`` bytes; ``e`` the element's bytes, ``c`` a copy's scale bytes per element). ``quantize`` picks the
+path (:data:`QUANTIZE_PATHS`, :func:`quantize_path`):
+
+* ``"triton"``, CUDA eager (the kernels of :mod:`mixprec.lowbit.triton_quantize`, read from them):
+  tensorwise and rowwise fp8 pay an amax pass and one cast pass that writes both copies, ``2 s + 2 (e + c)``
+  per element of the operand (``6`` bytes: a rowwise cast no longer writes and reads a transposed bf16
+  copy); 1x128 / 128x128 blocks pay one pass, ``s + 2 (e + c)`` (no amax pass). A format without a kernel
+  (MX, NVFP4), stochastic rounding and NVFP4's Hadamard rotation run the pure-torch ops, priced as below.
+* ``"fused"``, ``torch.compile``: inductor fuses each pure-torch ``quantize`` call into one pass that reads
+  the source and writes ``e + c``, after an amax pass where the amax spans more than a 1 x B run (a tensor,
+  a row, a 2-D tile, NVFP4's tensor amax); a non-tensorwise pair is two calls (``x`` and ``x.T``), a
+  tensorwise one a single cast whose transpose is a view. This is a model of inductor's fusion, not read
+  from generated code.
+* ``"unfused"``, the pure-torch ops one kernel each (a CPU, ``MIXPREC_FUSED_QUANTIZE=0``, no Triton): the
+  float32 copy (``s + 4``), abs and amax (``12``), scale, clamp and cast (``21`` for fp8; ``241.5`` for
+  e2m1, whose rounding and packing take about 30 float32 ops), the ops on each block's amax and scale
+  (50-123 bytes per block, by scale kind), a contiguous copy of a transposed view (``2 s``), a second
+  abs/amax for a two-level format's tensor amax, stochastic rounding's float64 noise (``224``) and the
+  Hadamard rotation (``54``): 39 bytes per element per axis for fp8 tensorwise, rowwise and 128x128, 43
+  for MXFP8, 262-275 for the fp4 formats. ``tests/lowbit/test_cost_paths.py``
+  records the ops of real CPU calls (a ``TorchDispatchMode``) and checks every format's call and every
+  recipe's training step against these counts, so the model follows the code.
 
 :func:`auto_filter` is torchao's ``_auto_filter_for_recipe`` / torchtitan's ``auto_filter_small_kn``
 (a ``module_filter_fn(module, fqn) -> bool``) decided by this cost model at the run's ``tokens_per_step``
