@@ -30,7 +30,7 @@ _SKIP = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.defaul
 def _touched(t: torch.Tensor) -> int:
     """Bytes an op reads or writes of ``t``: its elements, a broadcast (stride 0) dim counted once."""
     n = t.element_size()
-    for size, stride in zip(t.shape, t.stride()):
+    for size, stride in zip(t.shape, t.stride(), strict=True):
         n *= size if stride else 1
     return n
 
@@ -105,7 +105,9 @@ def test_a_layer_steps_unfused_quantization_is_the_models(recipe) -> None:
 def test_the_fused_paths_per_format() -> None:
     m, n, k = 4096, 4096, 4096
     per_elem = {
-        (r, p): quantize_bytes(r, m, n, k, p) / (m * k + n * k + m * n) for r in RECIPES for p in QUANTIZE_PATHS
+        (r, p): quantize_bytes(r, m, n, k, p) / (m * k + n * k + m * n)
+        for r in RECIPES
+        for p in QUANTIZE_PATHS
     }
     # tensorwise and rowwise: an amax pass and a cast-transpose pass, 2 + 2 + 1 + 1 bytes (Triton)
     assert per_elem[("fp8_tensorwise", "triton")] == pytest.approx(6.0)
@@ -136,7 +138,9 @@ def test_the_rule_that_picks_the_path(monkeypatch) -> None:
     monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
     assert quantize_path() == "unfused" and quantize_path(compiled=True) == "fused"
     assert quantize_path("triton") == "triton"  # an explicit path wins
-    with pytest.raises(ValueError, match=r"quantize must be one of 'fused', 'triton', 'unfused'.*got 'eager'"):
+    with pytest.raises(
+        ValueError, match=r"quantize must be one of 'fused', 'triton', 'unfused'.*got 'eager'"
+    ):
         quantize_path("eager")
     with pytest.raises(ValueError, match="got 'eager'"):
         gemm_cost(TARGETS["h100"], "fp8_rowwise", 64, 64, 64, "eager")

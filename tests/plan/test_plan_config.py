@@ -203,7 +203,9 @@ def test_compiled_prices_a_roofline_targets_quantization_fused(monkeypatch):
     unfused = plan_precision(_mlp(), _batches(), loss_fn, quantize="unfused", **args)
     monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
     switched = plan_precision(_mlp(), _batches(), loss_fn, **args)
-    assert {f: i["cost"] for f, i in switched.layers.items()} == {f: i["cost"] for f, i in unfused.layers.items()}
+    assert {f: i["cost"] for f, i in switched.layers.items()} == {
+        f: i["cost"] for f, i in unfused.layers.items()
+    }
 
 
 def test_compiled_with_a_callable_cost_warns_and_prices_its_figure():
@@ -215,5 +217,7 @@ def test_compiled_with_a_callable_cost_warns_and_prices_its_figure():
 
 
 def test_a_bad_quantize_path_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"quantize must be one of 'fused', 'triton', 'unfused'.*got 'inductor'"):
+    with pytest.raises(
+        ValueError, match=r"quantize must be one of 'fused', 'triton', 'unfused'.*got 'inductor'"
+    ):
         PlanConfig(quantize="inductor")

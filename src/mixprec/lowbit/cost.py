@@ -5,8 +5,8 @@ training step (forward ``M x K x N``, input gradient ``M x N x K``, weight gradi
 ``2 M N K`` FLOPs. On a target with dense tensor-core rate ``R[class]`` (FLOP/s) and memory bandwidth ``B``
 (byte/s), one GEMM takes ``max(2 M N K / R, bytes moved / B)`` (the roofline model: Williams, Waterman and
 Patterson, "Roofline", CACM 2009), and a low-bit format also pays the memory-bound quantization of its
-operands (below). So a 4-bit GEMM is up to 4x cheaper than bf16 on a large matrix and the gain shrinks on a small one, where the casts and the memory traffic
-dominate (the effect torchtitan's ``auto_filter_small_kn`` encodes in a size threshold).
+operands (below). So a 4-bit GEMM is up to 4x cheaper than bf16 on a large matrix and the gain shrinks
+on a small one, where the casts and the memory traffic dominate (the effect torchtitan's ``auto_filter_small_kn`` encodes in a size threshold).
 
 Dense rates (TFLOPS, without sparsity) and bandwidth, from NVIDIA's datasheets:
 
@@ -203,8 +203,10 @@ def _casts(recipe: Recipe, m: int, n: int, k: int) -> list[_Cast]:
     """The quantizer calls of one training step of an ``(m, k) x (k, n)`` layer, as
     :class:`~mixprec.lowbit.gemm.LowbitLinearFunction` makes them (both gradients asked for)."""
     if recipe.scaling is not None:  # each tensor: its amax, one cast that writes the transpose too
-        return [_Cast(m * k, recipe.fprop_x, "scaled"), _Cast(n * k, recipe.fprop_w, "scaled")] + [
-            _Cast(m * n, recipe.dgrad_go, "scaled")
+        return [
+            _Cast(m * k, recipe.fprop_x, "scaled"),
+            _Cast(n * k, recipe.fprop_w, "scaled"),
+            _Cast(m * n, recipe.dgrad_go, "scaled"),
         ]
     share_x, share_w, share_go = shared_operands(recipe)
     casts: list[_Cast] = []

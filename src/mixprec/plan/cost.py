@@ -21,7 +21,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from mixprec.lowbit.cost import TARGETS, CostFn, Target, format_class, gemm_cost, quantize_path, resolve_target
+from mixprec.lowbit.cost import (
+    TARGETS,
+    CostFn,
+    Target,
+    format_class,
+    gemm_cost,
+    quantize_path,
+    resolve_target,
+)
 from mixprec.plan.measure import swapped_in
 
 __all__ = ["TARGETS", "CostFn", "MeasuredCost", "Target", "format_class", "gemm_cost", "resolve_cost"]
