@@ -6,7 +6,8 @@ training step (forward ``M x K x N``, input gradient ``M x N x K``, weight gradi
 (byte/s), one GEMM takes ``max(2 M N K / R, bytes moved / B)`` (the roofline model: Williams, Waterman and
 Patterson, "Roofline", CACM 2009), and a low-bit format also pays the memory-bound quantization of its
 operands (below). So a 4-bit GEMM is up to 4x cheaper than bf16 on a large matrix and the gain shrinks
-on a small one, where the casts and the memory traffic dominate (the effect torchtitan's ``auto_filter_small_kn`` encodes in a size threshold).
+on a small one, where the casts and the memory traffic dominate (the effect torchtitan's
+``auto_filter_small_kn`` encodes in a size threshold).
 
 Dense rates (TFLOPS, without sparsity) and bandwidth, from NVIDIA's datasheets:
 
