@@ -27,13 +27,14 @@ drops the memory terms (compute at the peak rate only): the large-matrix limit, 
 stand-in model's layers would cost at scale.
 
 **The quantization, priced on the path that runs.** Each low-bit recipe adds the memory traffic of its
-quantizer calls (:func:`quantize_bytes`, bytes read plus written over ``B``), counted per call as
-:class:`~mixprec.lowbit.gemm.LowbitLinearFunction` makes them (an operand with one format in both its GEMMs
-quantized once with its transposed copy, ``gemm.shared_operands``; the others per use; bf16 operands,
-``s = 2`` bytes; ``e`` the element's bytes, ``c`` a copy's scale bytes per element). ``quantize`` picks the
-path (:data:`QUANTIZE_PATHS`, :func:`quantize_path`):
+quantizer calls (:func:`~mixprec.lowbit.cost.quantize_bytes`, bytes read plus written over ``B``),
+counted per call as ``mixprec.lowbit.gemm.LowbitLinearFunction`` makes them (an operand with one format
+in both its GEMMs quantized once with its transposed copy, ``gemm.shared_operands``; the others per use;
+bf16 operands, ``s = 2`` bytes; ``e`` the element's bytes, ``c`` a copy's scale bytes per element).
+``quantize`` picks the path (:data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`,
+:func:`~mixprec.lowbit.cost.quantize_path`):
 
-* ``"triton"``, CUDA eager (the kernels of :mod:`mixprec.lowbit.triton_quantize`, read from them):
+* ``"triton"``, CUDA eager (the kernels of ``mixprec.lowbit.triton_quantize``, read from them):
   tensorwise and rowwise fp8 pay an amax pass and one cast pass that writes both copies, ``2 s + 2 (e + c)``
   per element of the operand (``6`` bytes: a rowwise cast no longer writes and reads a transposed bf16
   copy); 1x128 / 128x128 blocks pay one pass, ``s + 2 (e + c)`` (no amax pass). A format without a kernel
@@ -49,9 +50,9 @@ path (:data:`QUANTIZE_PATHS`, :func:`quantize_path`):
   (50-123 bytes per block, by scale kind), a contiguous copy of a transposed view (``2 s``), a second
   abs/amax for a two-level format's tensor amax, stochastic rounding's float64 noise (``224``) and the
   Hadamard rotation (``54``): 39 bytes per element per axis for fp8 tensorwise, rowwise and 128x128, 43
-  for MXFP8, 262-275 for the fp4 formats. ``tests/lowbit/test_cost_paths.py``
-  records the ops of real CPU calls (a ``TorchDispatchMode``) and checks every format's call and every
-  recipe's training step against these counts, so the model follows the code.
+  for MXFP8, 262-275 for the fp4 formats. ``tests/lowbit/test_cost_paths.py`` records the ops of real
+  CPU calls (a ``TorchDispatchMode``) and checks every format's call and every recipe's training step
+  against these counts, so the model follows the code.
 
 :func:`auto_filter` is torchao's ``_auto_filter_for_recipe`` / torchtitan's ``auto_filter_small_kn``
 (a ``module_filter_fn(module, fqn) -> bool``) decided by this cost model at the run's ``tokens_per_step``
@@ -141,7 +142,7 @@ def _block_scaled(fmt: str) -> bool:
 
 #: How each operand's quantization runs, the path the roofline prices (see the module doc):
 #: ``"fused"``: every format in fused passes (``torch.compile``: inductor fuses the pure-torch quantizers);
-#: ``"triton"``: CUDA eager, the Triton kernels of :mod:`mixprec.lowbit.triton_quantize` for the formats
+#: ``"triton"``: CUDA eager, the Triton kernels of ``mixprec.lowbit.triton_quantize`` for the formats
 #: that have one, the pure-torch ops for the rest (MX, NVFP4, stochastic rounding, the Hadamard rotation);
 #: ``"unfused"``: the pure-torch ops for every format (a CPU, ``MIXPREC_FUSED_QUANTIZE=0``, no Triton).
 QUANTIZE_PATHS = ("fused", "triton", "unfused")
@@ -161,7 +162,7 @@ _ROTATE = 54.0
 
 
 def quantize_path(quantize: str | None = None, *, compiled: bool = False) -> str:
-    """The quantization path (:data:`QUANTIZE_PATHS`) the roofline prices for a run.
+    """The quantization path (:data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`) the roofline prices for a run.
 
     An explicit ``quantize`` is returned as it is (after checking it). None picks the path a CUDA run
     takes: ``"fused"`` when ``compiled`` (under ``torch.compile`` inductor fuses the quantizers, whatever
@@ -170,7 +171,8 @@ def quantize_path(quantize: str | None = None, *, compiled: bool = False) -> str
     torch's CUDA builds, so a GPU run has its kernels).
 
     Raises:
-        ValueError: for a ``quantize`` that is not None or one of :data:`QUANTIZE_PATHS`, naming it.
+        ValueError: for a ``quantize`` that is not None or one of
+            :data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`, naming it.
     """
     if quantize is not None:
         if not isinstance(quantize, str) or quantize not in QUANTIZE_PATHS:
@@ -202,7 +204,7 @@ class _Cast:
 
 def _casts(recipe: Recipe, m: int, n: int, k: int) -> list[_Cast]:
     """The quantizer calls of one training step of an ``(m, k) x (k, n)`` layer, as
-    :class:`~mixprec.lowbit.gemm.LowbitLinearFunction` makes them (both gradients asked for)."""
+    ``mixprec.lowbit.gemm.LowbitLinearFunction`` makes them (both gradients asked for)."""
     if recipe.scaling is not None:  # each tensor: its amax, one cast that writes the transpose too
         return [
             _Cast(m * k, recipe.fprop_x, "scaled"),
@@ -298,17 +300,18 @@ def _cast_bytes(cast: _Cast, path: str) -> float:
 def quantize_bytes(fmt: str, m: int, n: int, k: int, quantize: str = "triton") -> float:
     """Bytes read and written by the quantization of one training step of an ``(m, k) x (k, n)`` layer.
 
-    Every quantizer call :class:`~mixprec.lowbit.gemm.LowbitLinearFunction` makes for ``fmt``'s recipe
+    Every quantizer call ``mixprec.lowbit.gemm.LowbitLinearFunction`` makes for ``fmt``'s recipe
     (``x`` (m, k), ``w`` (n, k) and the output gradient (m, n), bf16, both gradients asked for), priced on
     ``quantize``'s path by the byte counts of the module doc. 0 for ``"bf16"`` and ``"fp32"``.
 
     Args:
         fmt: a recipe name or recipe string (:func:`~mixprec.lowbit.get_recipe`), ``"bf16"`` or ``"fp32"``.
         m, n, k: the layer's rows (tokens), outputs and inputs.
-        quantize: one of :data:`QUANTIZE_PATHS`.
+        quantize: one of :data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`.
 
     Raises:
-        ValueError: for an unknown recipe or a ``quantize`` not in :data:`QUANTIZE_PATHS`.
+        ValueError: for an unknown recipe or a ``quantize`` not in
+            :data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`.
     """
     path = quantize_path(quantize)
     if fmt in ("bf16", "fp32"):
@@ -318,12 +321,13 @@ def quantize_bytes(fmt: str, m: int, n: int, k: int, quantize: str = "triton") -
 
 def gemm_cost(target: Target, fmt: str, m: int, n: int, k: int, quantize: str = "triton") -> float:
     """Seconds for the three training GEMMs of an ``(m, k) x (k, n)`` layer in ``fmt`` on ``target``,
-    with the operands' quantization priced on ``quantize``'s path (:data:`QUANTIZE_PATHS`; the default
-    is CUDA eager with Triton, what :func:`quantize_path` picks for an uncompiled run).
+    with the operands' quantization priced on ``quantize``'s path
+    (:data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`; the default is CUDA eager with Triton, what
+    :func:`~mixprec.lowbit.cost.quantize_path` picks for an uncompiled run).
 
     Raises:
-        ValueError: for a ``quantize`` not in :data:`QUANTIZE_PATHS`, or a low-bit ``fmt`` that is not
-            a recipe.
+        ValueError: for a ``quantize`` not in :data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`, or a
+            low-bit ``fmt`` that is not a recipe.
     """
     path = quantize_path(quantize)
     cls = format_class(fmt)
@@ -405,16 +409,17 @@ def auto_filter(
             shapes with ``target="h100", tokens_per_step=16384, min_gain=0.28``, and no smaller gain
             does (tensorwise 4096 x 1024 prices at 0.734x bf16; tests/lowbit/test_auto_filter.py).
         filter_fqns: substrings of qualified names never converted (torchao's ``filter_fqns``).
-        quantize: the quantization path a roofline target prices (:data:`QUANTIZE_PATHS`); None: the
-            one :func:`quantize_path` picks (``"fused"`` if ``compiled``, else ``"unfused"`` under
-            ``MIXPREC_FUSED_QUANTIZE=0``, else ``"triton"``).
+        quantize: the quantization path a roofline target prices
+            (:data:`~mixprec.lowbit.cost.QUANTIZE_PATHS`); None: the one
+            :func:`~mixprec.lowbit.cost.quantize_path` picks (``"fused"`` if ``compiled``, else
+            ``"unfused"`` under ``MIXPREC_FUSED_QUANTIZE=0``, else ``"triton"``).
         compiled: the model runs under ``torch.compile`` (only read when ``quantize`` is None).
 
     Raises:
         ValueError: for an unknown recipe or target, a ``tokens_per_step`` that is not a positive int,
-            a ``min_gain`` outside [0, 1), a ``quantize`` outside :data:`QUANTIZE_PATHS` or a
-            non-bool ``compiled``; TypeError: for a ``filter_fqns`` that is a string or holds a
-            non-string.
+            a ``min_gain`` outside [0, 1), a ``quantize`` outside
+            :data:`~mixprec.lowbit.cost.QUANTIZE_PATHS` or a non-bool ``compiled``; TypeError: for a
+            ``filter_fqns`` that is a string or holds a non-string.
     """
     get_recipe(recipe)  # an unknown recipe raises here, naming the known ones
     name = recipe if recipe in RECIPES else str(get_recipe(recipe))
