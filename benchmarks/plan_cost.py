@@ -7,7 +7,10 @@ one forward pass with hooks, plus any ``--shape M,N,K``. Per shape, ``mixprec.pl
 ``nn.Linear(K, N)`` swapped to each format (forward on an ``(M, K)`` input, input and weight gradients
 of an ``(M, N)`` output gradient): ``--warmup`` untimed calls, then ``--repeats`` rounds interleaving the
 formats; reported are the median seconds, their IQR, and the median over bf16's median, next to the
-roofline cost over bf16 of ``b200`` and ``h100`` (``mixprec.plan.cost.gemm_cost``).
+roofline cost over bf16 of ``b200`` and ``h100`` (``mixprec.plan.cost.gemm_cost``), its quantization
+priced on the path the measured layer ran (``row["b200"]``: ``"unfused"`` on a CPU, ``quantize_path()`` on
+CUDA) and on each path of ``QUANTIZE_PATHS`` (``row["b200:fused"]`` ...); the table prints the measured
+path's and the fused (compiled) one's.
 
 On a CPU every low-bit format is emulated in PyTorch (quantize, dequantize, a float GEMM), so it is
 slower than bf16 there: the figures show what measured cost does on a machine without the hardware (the
@@ -45,6 +48,7 @@ from mixprec.bench import data as datasets
 from mixprec.bench.workloads import WORKLOADS
 from mixprec.inspect.demo import OutlierMLP
 from mixprec.lowbit import RECIPES
+from mixprec.lowbit.cost import QUANTIZE_PATHS, quantize_path
 from mixprec.plan.cost import TARGETS, MeasuredCost, gemm_cost, measured_name
 
 ROOFLINES = ("b200", "h100")
@@ -118,6 +122,8 @@ def _dtype(args) -> torch.dtype:
 def measure(shapes, formats, args) -> tuple[list[dict], str]:
     """One row per (shape, format); a format that raises at a shape gets a row with its ``error``."""
     cost = MeasuredCost(args.device, _dtype(args), formats, warmup=args.warmup, repeats=args.repeats)
+    # the path the timed (eager) layers quantize on: pure torch on a CPU, Triton on CUDA unless switched off
+    path = quantize_path() if cost.device.type == "cuda" else "unfused"
     rows = []
     for source, (m, n, k) in shapes:
         errors = _timed(cost, formats, (m, n, k), args)
@@ -126,7 +132,10 @@ def measure(shapes, formats, args) -> tuple[list[dict], str]:
             row = {"source": source, "shape": [m, n, k], "format": fmt}
             for name in ROOFLINES:
                 target = TARGETS[name]
-                row[name] = gemm_cost(target, fmt, m, n, k) / gemm_cost(target, "bf16", m, n, k)
+                bf16_roof = gemm_cost(target, "bf16", m, n, k)
+                for p in QUANTIZE_PATHS:
+                    row[f"{name}:{p}"] = gemm_cost(target, fmt, m, n, k, p) / bf16_roof
+                row[name] = row[f"{name}:{path}"]
             if fmt in errors:
                 rows.append({**row, "error": errors[fmt]})
                 continue
@@ -163,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(src, s) for src, found in workload_shapes().items() for s in found]
     shapes += [("extra", tuple(int(v) for v in s.split(","))) for s in args.shape]
     print(f"{measured_name(torch.device(args.device))}: median seconds of the three GEMMs / bf16's "
-          "(roofline b200, h100 / bf16)")  # fmt: skip
-    print(f"{'source':8} {'M,N,K':>16} {'format':18} {'median s':>10} {'IQR s':>21} {'x bf16':>7} b200  h100")
+          "(roofline b200, h100 / bf16: quantization on the measured path, then fused)")  # fmt: skip
+    print(f"{'source':8} {'M,N,K':>16} {'format':18} {'median s':>10} {'IQR s':>21} {'x bf16':>7} "
+          "b200 fused  h100 fused")  # fmt: skip
     rows: list[dict] = []
     for done, shape in enumerate(shapes, 1):  # the JSON after each shape: a run cut short keeps what it has
         new, name = measure([shape], formats, args)
@@ -189,7 +199,7 @@ def _print_rows(rows: list[dict]) -> None:
         ratio = "-" if r["relative_to_bf16"] is None else f"{r['relative_to_bf16']:.2f}"
         print(
             f"{r['source']:8} {shape:>16} {r['format']:18} {r['median_s']:10.2e} {iqr:>21} "
-            f"{ratio:>7} {r['b200']:.2f}  {r['h100']:.2f}",
+            f"{ratio:>7} {r['b200']:.2f} {r['b200:fused']:.2f}  {r['h100']:.2f} {r['h100:fused']:.2f}",
             flush=True,
         )
 

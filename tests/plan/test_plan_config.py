@@ -8,6 +8,7 @@ known exactly.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.plan import PlanConfig, PrecisionPlan, plan_precision
-from mixprec.plan.cost import MeasuredCost, resolve_cost
+from mixprec.plan.cost import TARGETS, MeasuredCost, gemm_cost, resolve_cost
 
 
 def _mlp() -> nn.Sequential:
@@ -185,12 +186,38 @@ def test_plan_with_cost_measured_and_compiled_times_compiled_layers_on_cpu():
     assert all(c > 0 for info in plan.layers.values() for c in info["cost"].values())
 
 
-def test_compiled_with_a_cost_that_has_one_figure_warns_and_prices_that_figure():
+def test_compiled_prices_a_roofline_targets_quantization_fused(monkeypatch):
+    monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE", raising=False)
     args = {"formats": ("mxfp8", "bf16"), "budget": 0.5, "cost": "h100", "tokens_per_step": 4096}
     eager = plan_precision(_mlp(), _batches(), loss_fn, **args)
-    with pytest.warns(UserWarning, match=r"compiled=True, but the cost 'h100' has one figure per format"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a target name has a compiled figure: no warning
         compiled = plan_precision(_mlp(), _batches(), loss_fn, compiled=True, **args)
-    assert compiled.target == "h100"
-    assert {f: i["cost"] for f, i in compiled.layers.items()} == {
-        f: i["cost"] for f, i in eager.layers.items()
+    assert compiled.target == eager.target == "h100"
+    for fqn, info in compiled.layers.items():
+        shape = (info["priced_rows"], *info["shape"][1:])
+        h100 = TARGETS["h100"]
+        assert info["cost"]["mxfp8"] == gemm_cost(h100, "mxfp8", *shape, quantize="fused")
+        assert eager.layers[fqn]["cost"]["mxfp8"] == gemm_cost(h100, "mxfp8", *shape, quantize="triton")
+        assert info["cost"]["mxfp8"] < eager.layers[fqn]["cost"]["mxfp8"]  # MX has no Triton kernel
+    unfused = plan_precision(_mlp(), _batches(), loss_fn, quantize="unfused", **args)
+    monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+    switched = plan_precision(_mlp(), _batches(), loss_fn, **args)
+    assert {f: i["cost"] for f, i in switched.layers.items()} == {
+        f: i["cost"] for f, i in unfused.layers.items()
     }
+
+
+def test_compiled_with_a_callable_cost_warns_and_prices_its_figure():
+    cost = lambda fmt, m, n, k: 1.0 if fmt == "bf16" else 0.5  # noqa: E731
+    args = {"formats": ("mxfp8", "bf16"), "budget": 0.5, "cost": cost, "tokens_per_step": 4096}
+    with pytest.warns(UserWarning, match=r"compiled=True, but the cost '<lambda>' has one figure per format"):
+        compiled = plan_precision(_mlp(), _batches(), loss_fn, compiled=True, **args)
+    assert all(i["cost"]["mxfp8"] == 0.5 for i in compiled.layers.values())
+
+
+def test_a_bad_quantize_path_is_refused_by_name():
+    with pytest.raises(
+        ValueError, match=r"quantize must be one of 'fused', 'triton', 'unfused'.*got 'inductor'"
+    ):
+        PlanConfig(quantize="inductor")

@@ -276,10 +276,16 @@ def test_knapsack_is_the_brute_force_optimum():
 def test_cost_model_fp4_gain_shrinks_on_small_matrices_and_hopper_has_no_fp4():
     b200, h100 = TARGETS["b200"], TARGETS["h100"]
 
-    def ratio(target, fmt, size):
-        return gemm_cost(target, fmt, size, size, size) / gemm_cost(target, "bf16", size, size, size)
+    def ratio(target, fmt, size, quantize="fused"):  # the quantizers fused, as a compiled run takes them
+        return gemm_cost(target, fmt, size, size, size, quantize) / gemm_cost(
+            target, "bf16", size, size, size
+        )
 
-    assert 0.25 < ratio(b200, "nvfp4", 16384) < 0.32  # 9 vs 2.25 PFLOPS, plus the casts
+    # 9 vs 2.25 PFLOPS, plus the casts: NVFP4's wgrad operands are rotated to float32 (a batched matmul
+    # inductor does not fuse into the cast) and quantized apart, ~16 bytes per operand element
+    assert 0.36 < ratio(b200, "nvfp4", 16384) < 0.40
+    # eager CUDA quantizes NVFP4 with the pure-torch ops (no Triton kernel): ~640 bytes per element
+    assert ratio(b200, "nvfp4", 16384, "triton") > 5
     assert ratio(b200, "nvfp4", 16384) < ratio(b200, "nvfp4", 1024) < ratio(b200, "nvfp4", 64)
     assert ratio(b200, "fp8_rowwise", 16384) < ratio(b200, "fp8_rowwise", 256)
     assert ratio(h100, "nvfp4", 16384) > 1 and ratio(h100, "mxfp8", 16384) > 1

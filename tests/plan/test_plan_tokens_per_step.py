@@ -45,8 +45,9 @@ def test_the_128_row_plan_without_tokens_per_step_warns_and_says_so() -> None:
     assert "priced at the calibration batch's M=128 rows (no tokens_per_step" in table
     nv, mx = _ratio("nvfp4", 128), _ratio("mxfp8", 128)
     for fqn in plan.formats:
+        # the other formats, cheapest first (eager CUDA: mxfp8 and nvfp4 in the pure-torch quantizers)
         assert plan.reasons[fqn].startswith(
-            f"cheapest at M=128 (no gain: nvfp4 {nv:.2f}x bf16, mxfp8 {mx:.2f}x"
+            f"cheapest at M=128 (no gain: mxfp8 {mx:.2f}x bf16, nvfp4 {nv:.2f}x"
         )
         assert plan.layers[fqn]["priced_rows"] == 128
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mixprec.lowbit import RECIPES, get_recipe
-from mixprec.lowbit.cost import TARGETS, CostFn, check_tokens_per_step
+from mixprec.lowbit.cost import TARGETS, CostFn, check_tokens_per_step, quantize_path
 from mixprec.plan.measure import HIGH_PRECISION
 from mixprec.plan.memory import OPTIMIZERS, check_formats, parse_bytes
 
@@ -33,9 +33,14 @@ class PlanConfig:
             device) or ``cost(format, m, n, k) -> float``; None: ``"measured"`` on a CUDA model, else
             ``"b200"``.
         compiled: price each format on the path a ``torch.compile``-d model runs (``"measured"`` times
-            the layer under ``torch.compile``, its quantization fused by inductor) instead of eager.
-            A roofline target or a callable has one figure per format, the same for both paths
-            (``plan_precision`` warns that it prices a compiled run at it).
+            the layer under ``torch.compile``; a roofline target prices the quantization fused, the
+            ``"fused"`` path) instead of eager. A callable has one figure per format, the same for both
+            paths (``plan_precision`` warns that it prices a compiled run at it).
+        quantize: the quantization path a roofline target prices (``"fused"``, ``"triton"`` or
+            ``"unfused"``, :data:`mixprec.lowbit.cost.QUANTIZE_PATHS`); None: the path the run takes,
+            :func:`mixprec.lowbit.cost.quantize_path`'s rule (``"fused"`` if ``compiled``, else
+            ``"unfused"`` when ``MIXPREC_FUSED_QUANTIZE=0``, else ``"triton"``). An explicit value wins
+            over ``compiled``; ``"measured"`` and a callable ignore it.
         tokens_per_step: the rows M every linear's GEMMs are priced at (None: the calibration rows).
         grad_budget: an optional bound (> 0) on the whole plan's relative weight-gradient change.
         max_flushed: the largest share in (0, 1] of a layer's forward input or weight a format may flush.
@@ -52,7 +57,8 @@ class PlanConfig:
 
     Raises:
         ValueError: naming the bad value and what is accepted, for any field out of its range, an unknown
-            format, cost target, measure, state or activation format or weight update, or ``budget`` and
+            format, cost target, quantize path, measure, state or activation format or weight update, or
+            ``budget`` and
             ``max_cost`` both given (or neither).
         TypeError: for a ``cost`` that is neither a name, a callable nor None.
     """
@@ -61,6 +67,7 @@ class PlanConfig:
     budget: float | None = 0.01
     cost: str | CostFn | None = None
     compiled: bool = False
+    quantize: str | None = None
     tokens_per_step: int | None = None
     grad_budget: float | None = None
     max_flushed: float = 0.15
@@ -96,6 +103,8 @@ class PlanConfig:
             check_tokens_per_step(self.tokens_per_step)
         if not isinstance(self.compiled, bool):
             raise ValueError(f"compiled must be True or False, got {self.compiled!r}")
+        if self.quantize is not None:
+            quantize_path(self.quantize)  # an unknown path raises, naming the accepted ones
         _check_cost(self.cost)
         for name, value in (
             ("formats", tuple(formats)),

@@ -2,6 +2,8 @@
 
 The roofline (targets, :func:`gemm_cost`) lives in :mod:`mixprec.lowbit.cost`, where
 :func:`mixprec.lowbit.auto_filter` prices layers with it too: one cost model for the planner and the filter.
+It prices each operand's quantization on the path the run takes (``quantize``: ``"fused"`` compiled,
+``"triton"`` CUDA eager, ``"unfused"`` pure torch; :func:`mixprec.lowbit.cost.quantize_path`).
 
 ``"measured"`` times the three GEMMs instead, on the model's own device, as the planner would run them
 (:class:`MeasuredCost`): the cost on this machine, low-bit formats that have no hardware path here
@@ -19,7 +21,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from mixprec.lowbit.cost import TARGETS, CostFn, Target, format_class, gemm_cost, resolve_target
+from mixprec.lowbit.cost import (
+    TARGETS,
+    CostFn,
+    Target,
+    format_class,
+    gemm_cost,
+    quantize_path,
+    resolve_target,
+)
 from mixprec.plan.measure import swapped_in
 
 __all__ = ["TARGETS", "CostFn", "MeasuredCost", "Target", "format_class", "gemm_cost", "resolve_cost"]
@@ -178,18 +188,23 @@ def resolve_cost(
     formats: Sequence[str] = (),
     *,
     compiled: bool = False,
+    quantize: str | None = None,
 ) -> tuple[str, CostFn]:
     """``(name, cost function)`` for a target name, ``"measured"``, a user function or None.
 
     None is ``"measured"`` when ``model``'s linear weights are on a CUDA device, else ``"b200"``.
     ``"measured"`` is a :class:`MeasuredCost` on the model's device and dtype timing ``formats`` (plus
     bf16 and fp32) together; its name is ``"measured:cpu"`` or ``"measured:cuda:<device name>"``, with
-    ``":compiled"`` appended when ``compiled`` (the layers timed under ``torch.compile``). A target name or
-    a callable has one figure per format: ``compiled`` does not change it (nor its name).
+    ``":compiled"`` appended when ``compiled`` (the layers timed under ``torch.compile``). A target name is
+    its roofline with the quantization priced on ``quantize_path(quantize, compiled=compiled)``'s path
+    (:func:`mixprec.lowbit.cost.quantize_path`; its name stays the target's). A callable has one figure
+    per format: neither argument changes it.
 
     Raises:
-        ValueError: for an unknown target name; TypeError: for anything else that is not callable.
+        ValueError: for an unknown target name or a ``quantize`` outside ``QUANTIZE_PATHS``; TypeError:
+            for anything else that is not callable.
     """
+    path = quantize_path(quantize, compiled=compiled)
     device, dtype = _model_place(model)
     if cost is None:
         cost = "measured" if device.type == "cuda" else "b200"
@@ -200,7 +215,7 @@ def resolve_cost(
         if cost not in TARGETS:
             known = ", ".join([*TARGETS, "measured"])
             raise ValueError(f"unknown cost target {cost!r}; known: {known} (or a callable)")
-        return resolve_target(cost)
+        return resolve_target(cost, path)
     if not callable(cost):
         raise TypeError(f"cost must be a target name, a callable cost(format, m, n, k) or None, got {cost!r}")
     return getattr(cost, "__name__", "custom"), cost

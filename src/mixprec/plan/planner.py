@@ -151,8 +151,13 @@ def plan_precision(
             ``"masters"`` (:class:`mixprec.MixedPrecisionOptimizer`, fp32 masters of low-precision weights).
         compiled: price each format on the path a ``torch.compile``-d run takes: with ``cost="measured"``
             (the default on CUDA) the layer is timed under ``torch.compile``, and the plan's ``target``
-            ends in ``":compiled"``; a roofline target or a callable has one figure for both paths, so
-            it prices the compiled run at that figure, with a warning saying so. False: the eager path.
+            ends in ``":compiled"``; a roofline target prices the quantization fused (``quantize``'s
+            ``"fused"`` path); a callable has one figure for both paths, so it prices the compiled run
+            at that figure, with a warning saying so. False: the eager path.
+        quantize: the path a roofline target prices each operand's quantization on: ``"fused"``,
+            ``"triton"`` (CUDA eager) or ``"unfused"`` (pure torch); None: the path the run takes
+            (``"fused"`` if ``compiled``, else ``"unfused"`` under ``MIXPREC_FUSED_QUANTIZE=0``, else
+            ``"triton"``; :func:`mixprec.lowbit.cost.quantize_path`).
 
     Returns:
         A :class:`~mixprec.plan.PrecisionPlan`.
@@ -172,8 +177,8 @@ def plan_precision(
     Warns:
         UserWarning: naming the ``nn.Linear`` layers ``loss_fn`` never called (left out of the plan,
             listed in its ``not_run``, they stay as they are); and, without ``tokens_per_step``, naming
-            the calibration rows every GEMM was priced at; with ``compiled=True`` and a cost that has
-            no compiled figure, that it prices the eager one.
+            the calibration rows every GEMM was priced at; with ``compiled=True`` and a callable cost
+            (one figure per format), that it prices the compiled run at it.
     """
     start = time.process_time()
     if config is None:
@@ -199,12 +204,14 @@ def plan_precision(
     if bound is not None:  # the parameters' part alone is a lower bound: refuse before any pass
         params_only = MemoryModel.of(model, {}, weight_update)
         fit_memory(params_only, bound, states, acts, "weights, gradients and optimizer state alone")
-    target, cost_fn = resolve_cost(config.cost, model, formats, compiled=config.compiled)
-    if config.compiled and not target.endswith(":compiled"):
+    target, cost_fn = resolve_cost(
+        config.cost, model, formats, compiled=config.compiled, quantize=config.quantize
+    )
+    if config.compiled and callable(config.cost) and not target.endswith(":compiled"):
         warnings.warn(
-            f"plan_precision: compiled=True, but the cost {target!r} has one figure per format, the eager "
-            f"path's (or the fused roofline's): the compiled run is priced at it; cost='measured' times "
-            f"the compiled layers on the model's device",
+            f"plan_precision: compiled=True, but the cost {target!r} has one figure per format: the "
+            f"compiled run is priced at it; cost='measured' times the compiled layers on the model's "
+            f"device, a target name prices the fused quantization",
             UserWarning,
             stacklevel=2,
         )
