@@ -168,7 +168,7 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
         unit.moments.keep(unit.states)
         new_states(unit.states, unit.params, unit.moments.new)  # torch's layout: step, then the moments
         if fast:
-            _triton_adam.step_unit(unit)
+            _triton_adam.step_unit(unit, workspace.tables)
             continue
         flat_grads = [] if folded else [g.reshape(-1) for g in grads_of(unit.params)]
         for chunk in _plan(unit, workspace, used, offset if folded else None):
