@@ -2,11 +2,12 @@
 
 :func:`mixprec.optim.fused_adam.adam_step` hands a unit here when :func:`takes` says so; the kernel
 (``_triton_adam_kernels.adam``) reads the weight, its Kahan buffer, the gradient, both moments (torch's
-layout: each in bf16 or fp32, ``state_formats.TorchMoments``) and the step counter on the device, and
-writes weight, buffer and moments in one pass, where the chunked engine copies every chunk into fp32
-workspace buffers and back around ``torch._fused_adamw_``. The fp32 math is torch's CUDA fused Adam/AdamW
-kernel's (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``, ``adam_math``, as torch 2.14's sm_90 code
-runs it: hyperparameters rounded to fp32, ``powf`` bias corrections, correctly rounded ``/`` and ``sqrt``)::
+layout: each in bf16 or fp32, ``state_formats.TorchMoments``; a ``"bf16"`` state format is that layout in
+bf16) and the step counter on the device, and writes weight, buffer and moments in one pass, where the
+chunked engine copies every chunk into fp32 workspace buffers and back around ``torch._fused_adamw_``.
+The fp32 math is torch's CUDA fused Adam/AdamW kernel's (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``,
+``adam_math``, as torch 2.14's sm_90 code runs it: hyperparameters rounded to fp32, ``powf`` bias
+corrections, correctly rounded ``/`` and ``sqrt``)::
 
     t = fp32(w) + fp32(c)        # kahan; else fp32(w)
     g = -g if maximize;  Adam: g = fma(t, wd, g);  AdamW: t = fma(t, -(lr * wd), t)    (wd != 0)
@@ -20,12 +21,31 @@ rounds them. Stochastic rounding's bits come from Philox keyed by one int64 draw
 the optimizer's generator on the device (no host read), counted by element and tensor: unbiased as the
 engine's, a different stream.
 
-What :func:`takes`: a unit in torch's moment layout whose params are plain (not fake, not a subclass)
-contiguous bf16 CUDA tensors under ``2**31`` elements with contiguous bf16 gradients (and Kahan buffers),
-no amsgrad, eager mode (not compiling), Triton importable, and the environment variable
+Block-coded moments (``state_format="int8"`` / ``"fp8"``, ``state_formats.CodedMoments``) go to
+``_triton_adam_kernels.adam_coded``, one launch per tensor (per run of its block grid where a resharded
+state restarts it at ``block_origins``): a program owns ``ROWS`` whole blocks of ``state_formats.BLOCK``
+values and does what the chunked engine's decode, kernel and encode do, in their order::
+
+    m = table[code] * scale            # int8: the dynamic map; fp8: e4m3's values; fp8's v: (.)**2
+    (the step above)
+    fp8's v: sqrt_rn(v);  s = max(absmax(block), 1e-12)    # int8: s;  fp8: s / 448
+    code = bucketize(x / s, midpoints, right=True)         # int8: 8 probes; fp8: torch's e4m3 cast
+
+with the scale of fp8 as each device's torch computes ``amax / 448.0``: a CUDA tensor divided by a
+Python number is multiplied by the fp32 reciprocal (ATen's ``div_true_kernel_cuda``), a CPU one divided.
+The e4m3 cast is integer arithmetic (c10's rounding, saturating as torch 2.14's cast), so the
+interpreter, whose own fp8 cast is wrong at binade edges, runs the same code. The codes and scales are
+then bit for bit the engine's on the same device, the weights and Kahan buffers too, where the engine's
+fp32 ``sqrt`` is correctly rounded (CUDA's; torch's CPU one is not: the tests give the engine a correctly
+rounded one); ``benchmarks/optimizer_speed.py`` counts the differences on a GPU.
+
+What :func:`takes`: a unit in torch's moment layout or a state format whose params are plain (not fake,
+not a subclass) contiguous bf16 CUDA tensors under ``2**31`` elements with contiguous bf16 gradients (and
+Kahan buffers), the moments (codes and scales) laid out as the format makes them, contiguous on that
+device, no amsgrad, eager mode (not compiling), Triton importable, and the environment variable
 ``MIXPREC_FUSED_OPTIM`` not ``0`` (read at each step; ``0`` forces the chunked engine). A CPU tensor takes it
 only under Triton's interpreter (``TRITON_INTERPRET=1``), where the tests run it; there ``powf`` is torch's
-on the host. Triton is imported when a kernel is first launched.
+on the host. Triton is imported when a kernel is first launched (``mixprec._triton.kernels``).
 """
 
 from __future__ import annotations

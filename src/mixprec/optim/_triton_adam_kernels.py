@@ -1,11 +1,15 @@
-"""The Triton kernel of :mod:`mixprec.optim._triton_adam` (see its doc), imported only by it and only when
+"""The Triton kernels of :mod:`mixprec.optim._triton_adam` (see its doc), imported only by it and only when
 Triton is installed; loaded once per ``TRITON_INTERPRET`` setting, which ``triton.jit`` reads here.
+
+``adam`` steps a tensor with moments in torch's layout, ``adam_coded`` one run of a block-coded tensor
+(int8 / fp8 moments); both share the Adam math and the weight's rounding. ``cast_e4m3`` is the coded
+kernel's e4m3 cast on its own, for the tests.
 
 bf16 tensors come in as their int16 bits: widening is a shift, and rounding back is integer arithmetic,
 the same code compiled and interpreted (the interpreter's float32-to-bf16 cast truncates). The random bits
 are this module's own Philox4x32-10 (Salmon et al. 2011, "Parallel Random Numbers: As Easy as 1, 2, 3"):
-``tl.randint`` and ``tl.zeros_like`` are ``triton.jit`` helpers made under whichever interpreter setting
-first imported Triton, which the other setting cannot call.
+``tl.randint``, ``tl.zeros_like``, ``tl.zeros`` and ``tl.max`` are ``triton.jit`` helpers made under
+whichever interpreter setting first imported Triton, which the other setting cannot call.
 """
 
 from __future__ import annotations
