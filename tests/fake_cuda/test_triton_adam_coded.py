@@ -6,11 +6,14 @@ exact fp32 helpers this file uses). The chunked engine steps with torch's CPU fu
 in double; here its ``fused_adam_`` is replaced by torch's CUDA fused kernel's operation order in fp32
 (``_adam32``, the same the kernel follows), so everything else the engine does (decode, the Kahan
 widening, encode with ``torch.bucketize`` / torch's e4m3 cast, rounding) is compared bit for bit: weights,
-Kahan buffers, codes and scales. The engine's ``sqrt_`` (fp8's second moment, stored as its square root)
-is given a correctly rounded fp32 square root too: torch's CPU one misrounds about one value in six,
-its CUDA one (and the kernel's ``sqrt_rn``) is correctly rounded. The kernel's e4m3 cast is integer arithmetic (the interpreter's own cast
-is wrong at binade edges), compared with torch's over every class of fp32 value on its own. Stochastic
-rounding draws another stream than the engine's, so there only the moments are bitwise.
+Kahan buffers, codes and scales. The engine's ``sqrt_`` (fp8's second moment, stored as its square
+root) is given a correctly rounded fp32 square root too: torch's CPU one misrounds about one value in
+six, its CUDA one (and the kernel's ``sqrt_rn``) is correctly rounded. The kernel's e4m3 cast is integer
+arithmetic (the interpreter's own cast is wrong at binade edges), compared with torch's over every class
+of fp32 value on its own. fp8's scale ``amax / 448`` is divided here, as torch's CPU divides; on CUDA
+the kernel multiplies by the fp32 reciprocal, as torch's CUDA does, which only a GPU run checks
+(``benchmarks/optimizer_speed.py``'s ``coded_vs_chunked_engine``). Stochastic rounding draws another
+stream than the engine's, so there only the moments are bitwise.
 """
 
 from __future__ import annotations
