@@ -193,6 +193,10 @@ def _optim_md(data: dict[str, Any]) -> list[str]:
         for r in data["rows"]
     ]  # fmt: skip
     notes = [f"{kind} {k}: {v}" for kind in ("skipped", "errors") for k, v in data.get(kind, {}).items()]
+    for check in ("bitwise_vs_torch_fused", "coded_vs_chunked_engine"):  # mismatched values per case
+        if isinstance(meta.get(check), dict):
+            cases = meta[check].items()
+            notes.append(f"{check}: " + "; ".join(f"{k} {v.get('mismatched', v)}" for k, v in cases))
     head = f"{meta['params'] / 1e6:.0f}M {meta['dtype']} parameters on {meta.get('gpu') or meta['device']}"
     table = _table(["config", "median ms/step", "range", "x torch fused", "rounds"], rows)
     return [head, *notes, "", *table]

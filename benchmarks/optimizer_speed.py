@@ -23,7 +23,9 @@ min/max and quartiles, and the ratio to ``torch-fused`` paired round by round (m
 is rewritten after the warm-up and every round (and on SIGTERM), so a run cut short keeps its rounds
 (``partial`` says why); ``--budget-s`` stops starting rounds that would not fit. First (unless
 ``--no-bitwise``), :func:`bitwise_check` compares ``mixprec-kahan``'s steps on the first block's shapes with
-torch's fused kernel on fp32 copies, bit for bit (``bitwise_vs_torch_fused`` in the JSON).
+torch's fused kernel on fp32 copies, bit for bit (``bitwise_vs_torch_fused`` in the JSON), and
+:func:`coded_check` the int8 / fp8 one-pass kernel against the chunked engine (mismatch counts per kind,
+``coded_vs_chunked_engine``, on width 256's block and a tensor whose last block is short).
 
     python benchmarks/optimizer_speed.py --device cuda --json optim.json           # 403M on a GPU
     python benchmarks/optimizer_speed.py --device cpu --width 64 --layers 2 --configs torch-fused,optimi-kahan
@@ -142,6 +144,80 @@ def bitwise_check(device: torch.device, dims: list[tuple[int, ...]], steps: int 
     return out
 
 
+def coded_check(device: torch.device, dims: list[tuple[int, ...]], steps: int = 3) -> dict[str, Any]:
+    """``CompensatedOptimizer``'s one-pass step with ``state_format`` int8 / fp8 (the Triton kernel on CUDA,
+    ``mixprec.optim._triton_adam``) against the chunked engine (``MIXPREC_FUSED_OPTIM=0``: decode, torch's
+    fused kernel on fp32 copies, encode) on copies of the same params and gradients, step by step. Per case:
+    values compared and how many differ, per kind (weights, Kahan buffers, codes, scales) over all steps,
+    and whether the kernel ran (False off CUDA or without Triton: then both sides are the engine)."""
+    import os
+
+    from mixprec import CompensatedOptimizer
+    from mixprec.optim import _triton_adam
+
+    out: dict[str, Any] = {}
+    kinds = ("weights", "kahan", "codes", "scales")
+    ran: list[int] = []
+    real = _triton_adam.step_unit
+
+    def counted(unit: Any, *args: Any) -> None:
+        ran.append(1)
+        real(unit, *args)
+
+    for fmt, method in (("int8", "kahan"), ("int8", "nearest"), ("fp8", "kahan")):
+        gen = torch.Generator(device=device).manual_seed(2)
+        start = [torch.randn(s, generator=gen, device=device).to(torch.bfloat16) * 0.02 for s in dims]
+        sides: list[tuple[list[torch.nn.Parameter], Any]] = []
+        ran.clear()
+        _triton_adam.step_unit = counted  # type: ignore[assignment]
+        before = os.environ.get(_triton_adam.ENV_SWITCH)
+        try:
+            for switch in ("1", "0"):
+                os.environ[_triton_adam.ENV_SWITCH] = switch
+                params = [torch.nn.Parameter(p.clone()) for p in start]
+                inner = torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD)
+                sides.append((params, CompensatedOptimizer(inner, method, state_format=fmt)))
+            counts = dict.fromkeys(kinds, 0)
+            compared = dict.fromkeys(kinds, 0)
+            for _ in range(steps):
+                grads = [torch.randn(p.shape, generator=gen, device=device).to(torch.bfloat16) * 1e-3
+                         for p in start]  # fmt: skip
+                for switch, (params, opt) in zip(("1", "0"), sides, strict=True):
+                    os.environ[_triton_adam.ENV_SWITCH] = switch
+                    for p, g in zip(params, grads, strict=True):
+                        p.grad = g
+                    opt.step()
+                (fast, fast_opt), (slow, slow_opt) = sides
+                pairs = [("weights", a, b) for a, b in zip(fast, slow, strict=True)]
+                pairs += [
+                    ("kahan", a, b) for a, b in zip(fast_opt.compensation, slow_opt.compensation, strict=True)
+                ]
+                for a, b in zip(fast, slow, strict=True):
+                    sa, sb = fast_opt.optimizer.state[a], slow_opt.optimizer.state[b]
+                    pairs += [
+                        ("scales" if k.endswith("_scale") else "codes", sa[k], sb[k])
+                        for k in sa
+                        if k != "step"
+                    ]
+                for kind, a, b in pairs:
+                    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+                    counts[kind] += int((a.detach().view(bits) != b.detach().view(bits)).sum())
+                    compared[kind] += a.numel()
+        finally:
+            _triton_adam.step_unit = real  # type: ignore[assignment]
+            if before is None:
+                os.environ.pop(_triton_adam.ENV_SWITCH, None)
+            else:
+                os.environ[_triton_adam.ENV_SWITCH] = before
+        out[f"{fmt}-{method}"] = {
+            "steps": steps,
+            "kernel_ran": bool(ran),
+            "values": compared,
+            "mismatched": counts,
+        }
+    return out
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -216,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--no-bitwise", dest="bitwise_shapes", action="store_false",
-        help="skip the bitwise check of mixprec-kahan against torch's fused kernel on fp32 copies",
+        help="skip the bitwise checks (mixprec-kahan against torch's fused kernel on fp32 copies, the "
+        "int8/fp8 kernel against the chunked engine)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -253,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
             meta["bitwise_vs_torch_fused"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(
             f"optimizer_speed: bitwise vs torch's fused kernel: {meta['bitwise_vs_torch_fused']}",
+            file=sys.stderr,
+        )
+        try:
+            meta["coded_vs_chunked_engine"] = coded_check(device, [*shapes(256, 1), (1000, 3)])
+        except Exception as exc:  # the timing still runs
+            meta["coded_vs_chunked_engine"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(
+            f"optimizer_speed: int8/fp8 kernel vs the chunked engine: {meta['coded_vs_chunked_engine']}",
             file=sys.stderr,
         )
     runs: dict[str, Run] = {}

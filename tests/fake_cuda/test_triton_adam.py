@@ -68,8 +68,10 @@ def interpret(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_the_gpu_kernel_compiles_with_torchs_rounding(monkeypatch):
-    """For sm90: correctly rounded division and square root, the kernel's own fmas, no contraction. First
-    in this file: once an interpreted kernel has run in the process, Triton's compiler fails here."""
+    """For sm90: correctly rounded division and square root, the kernel's own fmas, no contraction, in the
+    torch-layout kernel and the coded one (int8 and fp8). First in this file (and before
+    test_triton_adam_coded.py): once an interpreted kernel has run in the process, Triton's compiler
+    fails here."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -91,6 +93,23 @@ def test_the_gpu_kernel_compiles_with_torchs_rounding(monkeypatch):
     assert "div.full.f32" not in ptx and "sqrt.approx" not in ptx
     stochastic = ASTSource(fn=k.adam, signature=signature, constexprs={**consts, "ROUND": 2})
     assert "mul.hi.u32" in compile(stochastic, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    coded_args = ["w_ptr", "c_ptr", "g_ptr", "m_ptr", "ms_ptr", "v_ptr", "vs_ptr", "m_table", "m_mids",
+                  "v_table", "v_mids", "step_ptr", "seed_ptr", "bc_ptr", "n", "start", "index"]  # fmt: skip
+    types = dict.fromkeys(["w_ptr", "c_ptr", "g_ptr"], "*i16") | dict.fromkeys(["m_ptr", "v_ptr"], "*u8")
+    types |= {"seed_ptr": "*i64", "n": "i32", "start": "i32", "index": "i32"}
+    signature = {a: types.get(a, "*fp32") for a in coded_args}
+    signature |= dict.fromkeys(["lr", "beta1", "beta2", "eps", "wd", "tiny", "q"], "fp32")
+    consts = {"ADAMW": True, "DECAY": True, "MAXIMIZE": False, "ROUND": 1, "PRECISE": True, "ROWS": 4}
+    consts |= {"BLOCK": 256, "RECIPROCAL": True}
+    signature.update(dict.fromkeys([*consts, "FP8"], "constexpr"))
+    for fp8 in (False, True):
+        source = ASTSource(fn=k.adam_coded, signature=signature, constexprs={**consts, "FP8": fp8})
+        ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm[
+            "ptx"
+        ]
+        for needed in ("div.rn.f32", "sqrt.rn.f32", "fma.rn.f32"):
+            assert needed in ptx, (fp8, needed)
+        assert "div.full.f32" not in ptx and "sqrt.approx" not in ptx, fp8
 
 
 def test_the_fma_is_rounded_once():
@@ -132,12 +151,11 @@ def _nearest_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(BF16)
 
 
-def _reference(w, c, g, m, v, step, group, rounding, moment_dtypes):
-    """One step in torch's CUDA fused Adam order on fp32 copies; returns (w, c, m, v) as stored."""
+def _adam32(t, g, m, v, step, group):
+    """torch's CUDA fused Adam/AdamW on fp32 ``t`` (the weight), ``g``, ``m``, ``v`` at fp32 ``step``,
+    operation for operation; returns the new (t, m, v)."""
     lr, eps, wd = _f32(group["lr"]), _f32(group["eps"]), _f32(group["weight_decay"])
     b1, b2 = _f32(group["betas"][0]), _f32(group["betas"][1])
-    t = w.float() + c.float() if rounding == "kahan" else w.float()
-    g = g.float()
     if group.get("maximize", False):
         g = -g
     if wd.item() != 0:
@@ -145,12 +163,18 @@ def _reference(w, c, g, m, v, step, group, rounding, moment_dtypes):
             t = _fma32(t, -(lr * wd), t)
         else:
             g = _fma32(t, wd, g)
-    m = _fma32(m.float(), b1, _fma32(g, -b1, g))
+    m = _fma32(m, b1, _fma32(g, -b1, g))
     g2 = g * g
-    v = _fma32(v.float(), b2, _fma32(g2, -b2, g2))
+    v = _fma32(v, b2, _fma32(g2, -b2, g2))
     bc = 1 - torch.pow(torch.stack([b1, b2]), step)
     denom = _sqrt32(v) / _sqrt32(bc[1]) + eps
-    t = t - (lr / bc[0]) * m / denom
+    return t - (lr / bc[0]) * m / denom, m, v
+
+
+def _reference(w, c, g, m, v, step, group, rounding, moment_dtypes):
+    """One step in torch's CUDA fused Adam order on fp32 copies; returns (w, c, m, v) as stored."""
+    t = w.float() + c.float() if rounding == "kahan" else w.float()
+    t, m, v = _adam32(t, g.float(), m.float(), v.float(), step, group)
     w_new = t.to(BF16)
     c_new = (t - w_new.float()).to(BF16) if rounding == "kahan" else c
     return w_new, c_new, m.to(moment_dtypes[0]), v.to(moment_dtypes[1]), t
@@ -243,7 +267,7 @@ def test_the_first_step_is_the_chunked_engines(interpret, monkeypatch):
     that share (plus an ulp) and a weight by at most one bf16 rounding."""
     calls = []
     monkeypatch.setattr(
-        interpret, "step_unit", lambda unit, f=interpret.step_unit: calls.append(1) or f(unit)
+        interpret, "step_unit", lambda *args, f=interpret.step_unit: calls.append(1) or f(*args)
     )
     fast, fast_opt = _model_step(monkeypatch, "1", "kahan")
     assert calls
@@ -312,13 +336,13 @@ def test_stochastic_bits_differ_by_step_and_repeat_by_seed(interpret):
 
 
 def test_which_path_runs(monkeypatch):
-    """A CPU tensor takes the kernel only under the interpreter; the switch, another state format and
-    fp32 params keep the chunked engine."""
+    """A CPU tensor takes the kernel only under the interpreter; the switch and fp32 params keep the
+    chunked engine; an int8 state takes the coded kernel."""
     from mixprec.optim import _triton_adam
 
     calls = []
     real = _triton_adam.step_unit
-    monkeypatch.setattr(_triton_adam, "step_unit", lambda unit: calls.append(unit) or real(unit))
+    monkeypatch.setattr(_triton_adam, "step_unit", lambda unit, *a: calls.append(unit) or real(unit, *a))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("MIXPREC_FUSED_OPTIM", raising=False)
     _model_step(monkeypatch, "1", "kahan")
@@ -333,7 +357,10 @@ def test_which_path_runs(monkeypatch):
     params = [torch.nn.Parameter(torch.randn(8, 8).to(BF16))]
     params[0].grad = torch.randn(8, 8).to(BF16)
     CompensatedOptimizer(torch.optim.AdamW(params), "kahan", state_format="int8").step()
-    assert len(calls) == 2
+    assert len(calls) == 2  # the switch still 0
+    monkeypatch.setenv("MIXPREC_FUSED_OPTIM", "1")
+    CompensatedOptimizer(torch.optim.AdamW(params), "kahan", state_format="int8").step()
+    assert len(calls) == 3
     t = torch.nn.Parameter(torch.randn(8, 8).to(BF16)[:, ::2])  # not contiguous
     t.grad = torch.randn(8, 4).to(BF16)
     from mixprec.optim.fused_adam import AdamUnit

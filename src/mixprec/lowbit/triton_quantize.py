@@ -47,16 +47,13 @@ post-scale rounds on the bits (see :func:`post_scale_`).
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mixprec._triton import device_of, interpreting, kernels, triton_available
 from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.quantized import Quantized
 
@@ -81,12 +78,6 @@ _TILE = 128  # the side of a cast tile; a 1x128 / 128x128 block format's block s
 _EPS = 1e-12  # scaling.EPS, the smallest amax a scale is computed from
 
 
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton can be imported (it ships with torch's CUDA builds)."""
-    return importlib.util.find_spec("triton") is not None
-
-
 def format_supported(fmt: LowbitFormat | str) -> bool:
     """Whether ``fmt`` has a fused kernel (see the module doc's table)."""
     fmt = get_format(fmt)
@@ -107,16 +98,12 @@ def _launchable(x: torch.Tensor) -> bool:
     interpreter), eager mode, Triton importable, ``MIXPREC_FUSED_QUANTIZE`` not ``0``."""
     return (
         type(x) in (torch.Tensor, torch.nn.Parameter)
-        and (x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting()))
+        and (x.device.type == "cuda" or (x.device.type == "cpu" and interpreting()))
         and x.numel() > 0
         and os.environ.get(ENV_SWITCH, "1") != "0"
         and not torch.compiler.is_compiling()
         and triton_available()
     )
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def quantize(
@@ -145,13 +132,8 @@ def quantize(
         raise ValueError(f"no fused kernel for {fmt.name}; fused: fp8 e4m3/e5m2, fp32/pow2 scales, {_BLOCKS}")
     if not x.is_floating_point() or not 0 < x.dim() <= 2:
         raise ValueError(f"x must be a floating 1-D or 2-D tensor, got {x.dtype} of shape {tuple(x.shape)}")
-    with _device_of(x):
+    with device_of(x):
         return _quantize(x, fmt, transpose, cast)
-
-
-def _device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The tensor's CUDA device made current: Triton launches on the current device."""
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _quantize(
@@ -160,7 +142,7 @@ def _quantize(
     x2 = x.reshape(1, -1) if x.dim() == 1 else x
     m, k = x2.shape
     rows = fmt.block[0]
-    kern = _kernels(_interpreting())
+    kern = _kernels(interpreting())
     elem_max, pow2 = float(fmt.elem.max), fmt.scale == "pow2"
     out_dtype = fmt.elem.dtype if cast else torch.float32
     f8 = kern.DTYPES[fmt.element]
@@ -184,7 +166,7 @@ def _quantize(
             x2, m, k, x2.stride(0), x2.stride(1), row_amax, col_amax, row_amax,
             data, data_t, scale, scale_t,
             BM=bm, BK=bk, MODE=2 if rowwise else 0, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
-            CAST=cast, F8=f8, PRECISE=not _interpreting(),
+            CAST=cast, F8=f8, PRECISE=not interpreting(),
         )  # fmt: skip
     else:
         two_d = rows == _TILE
@@ -204,7 +186,7 @@ def _quantize(
             x2, m, k, x2.stride(0), x2.stride(1), data, data_t, scale, scale_t,
             out_rows, out_t_rows, kp, mp,
             BM=bm, BK=_TILE, TWO_D=two_d, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
-            CAST=cast, F8=f8, PRECISE=not _interpreting(), num_warps=8 if bm == _TILE else 4,
+            CAST=cast, F8=f8, PRECISE=not interpreting(), num_warps=8 if bm == _TILE else 4,
         )  # fmt: skip
     q = Quantized(data, scale, None, fmt, x.shape, x.dtype, x.dim() - 1)
     if not transpose:
@@ -235,13 +217,13 @@ def scaled_cast(
         raise ValueError(
             f"scaled_cast takes a 2-D tensor and a fused format, got {tuple(x.shape)}, {fmt.name}"
         )
-    with _device_of(x):
+    with device_of(x):
         return _scaled_cast(x, scale, fmt, transpose, cast)
 
 
 def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, k = x.shape
-    kern = _kernels(_interpreting())
+    kern = _kernels(interpreting())
     out_dtype = fmt.elem.dtype if cast else torch.float32
     data = torch.empty(m, k, dtype=out_dtype, device=x.device)
     data_t = torch.empty(k, m, dtype=out_dtype, device=x.device) if transpose else data
@@ -251,7 +233,7 @@ def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Te
     kern.cast[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
         x, m, k, x.stride(0), x.stride(1), unused, unused, scale32, data, data_t, scale32, scale32,
         BM=bm, BK=bk, MODE=1, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max), POW2=False,
-        CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not _interpreting(),
+        CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(),
     )  # fmt: skip
     return data, (data_t if transpose else None)
 
@@ -265,10 +247,10 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """
     x2 = x.reshape(1, -1) if x.dim() == 1 else x
     m, k = x2.shape
-    with _device_of(x):
+    with device_of(x):
         out = torch.zeros(1, dtype=torch.int32, device=x.device)
         bm, bk = 64, 64
-        _kernels(_interpreting()).amax[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
+        _kernels(interpreting()).amax[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
             x2, m, k, x2.stride(0), x2.stride(1), out, out, BM=bm, BK=bk, ROWWISE=False, COLS=False
         )
     return out.view(torch.float32).reshape(())
@@ -320,9 +302,9 @@ def post_scale_(out: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Ten
     rows, cols = row_scale.reshape(-1).contiguous(), col_scale.reshape(-1).contiguous()
     bits = out.view(torch.int16)  # the kernel reads and writes bfloat16 as its bits (see the doc)
     bm, bn = 32, 128
-    with _device_of(out):
-        _kernels(_interpreting()).post_scale[(triton_cdiv(m, bm), triton_cdiv(n, bn))](
-            bits, rows, cols, m, n, bits.stride(0), bits.stride(1), BM=bm, BN=bn, PRECISE=not _interpreting()
+    with device_of(out):
+        _kernels(interpreting()).post_scale[(triton_cdiv(m, bm), triton_cdiv(n, bn))](
+            bits, rows, cols, m, n, bits.stride(0), bits.stride(1), BM=bm, BN=bn, PRECISE=not interpreting()
         )
     return out
 
@@ -331,23 +313,7 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.cache
 def _kernels(interpret: bool) -> Any:
-    """The kernels module, loaded on first use, once per interpreter setting (``triton.jit`` reads
-    ``TRITON_INTERPRET`` when it decorates, so each setting gets its own module)."""
+    """The kernels module (``_triton_kernels.py``), loaded once per interpreter setting."""
     path = Path(__file__).with_name("_triton_kernels.py")
-    name = "mixprec.lowbit._triton_kernels" + ("_interpreted" if interpret else "")
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
+    return kernels(path, "mixprec.lowbit._triton_kernels", interpret)

@@ -2,11 +2,12 @@
 
 :func:`mixprec.optim.fused_adam.adam_step` hands a unit here when :func:`takes` says so; the kernel
 (``_triton_adam_kernels.adam``) reads the weight, its Kahan buffer, the gradient, both moments (torch's
-layout: each in bf16 or fp32, ``state_formats.TorchMoments``) and the step counter on the device, and
-writes weight, buffer and moments in one pass, where the chunked engine copies every chunk into fp32
-workspace buffers and back around ``torch._fused_adamw_``. The fp32 math is torch's CUDA fused Adam/AdamW
-kernel's (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``, ``adam_math``, as torch 2.14's sm_90 code
-runs it: hyperparameters rounded to fp32, ``powf`` bias corrections, correctly rounded ``/`` and ``sqrt``)::
+layout: each in bf16 or fp32, ``state_formats.TorchMoments``; a ``"bf16"`` state format is that layout in
+bf16) and the step counter on the device, and writes weight, buffer and moments in one pass, where the
+chunked engine copies every chunk into fp32 workspace buffers and back around ``torch._fused_adamw_``.
+The fp32 math is torch's CUDA fused Adam/AdamW kernel's (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``,
+``adam_math``, as torch 2.14's sm_90 code runs it: hyperparameters rounded to fp32, ``powf`` bias
+corrections, correctly rounded ``/`` and ``sqrt``)::
 
     t = fp32(w) + fp32(c)        # kahan; else fp32(w)
     g = -g if maximize;  Adam: g = fma(t, wd, g);  AdamW: t = fma(t, -(lr * wd), t)    (wd != 0)
@@ -20,56 +21,66 @@ rounds them. Stochastic rounding's bits come from Philox keyed by one int64 draw
 the optimizer's generator on the device (no host read), counted by element and tensor: unbiased as the
 engine's, a different stream.
 
-What :func:`takes`: a unit in torch's moment layout whose params are plain (not fake, not a subclass)
-contiguous bf16 CUDA tensors under ``2**31`` elements with contiguous bf16 gradients (and Kahan buffers),
-no amsgrad, eager mode (not compiling), Triton importable, and the environment variable
+Block-coded moments (``state_format="int8"`` / ``"fp8"``, ``state_formats.CodedMoments``) go to
+``_triton_adam_kernels.adam_coded``, one launch per tensor (per run of its block grid where a resharded
+state restarts it at ``block_origins``): a program owns ``ROWS`` whole blocks of ``state_formats.BLOCK``
+values and does what the chunked engine's decode, kernel and encode do, in their order::
+
+    m = table[code] * scale            # int8: the dynamic map; fp8: e4m3's values; fp8's v: (.)**2
+    (the step above)
+    fp8's v: sqrt_rn(v);  s = max(absmax(block), 1e-12)    # int8: s;  fp8: s / 448
+    code = bucketize(x / s, midpoints, right=True)         # int8: 8 probes; fp8: torch's e4m3 cast
+
+with the scale of fp8 as each device's torch computes ``amax / 448.0``: a CUDA tensor divided by a
+Python number is multiplied by the fp32 reciprocal (ATen's ``div_true_kernel_cuda``), a CPU one divided.
+The e4m3 cast is integer arithmetic (c10's rounding, saturating as torch 2.14's cast), so the
+interpreter, whose own fp8 cast is wrong at binade edges, runs the same code. The codes and scales are
+then bit for bit the engine's on the same device, the weights and Kahan buffers too, where the engine's
+fp32 ``sqrt`` is correctly rounded (CUDA's; torch's CPU one is not: the tests give the engine a correctly
+rounded one); ``benchmarks/optimizer_speed.py`` counts the differences on a GPU.
+
+What :func:`takes`: a unit in torch's moment layout or a state format whose params are plain (not fake,
+not a subclass) contiguous bf16 CUDA tensors under ``2**31`` elements with contiguous bf16 gradients (and
+Kahan buffers), the moments (codes and scales) laid out as the format makes them, contiguous on that
+device, no amsgrad, eager mode (not compiling), Triton importable, and the environment variable
 ``MIXPREC_FUSED_OPTIM`` not ``0`` (read at each step; ``0`` forces the chunked engine). A CPU tensor takes it
 only under Triton's interpreter (``TRITON_INTERPRET=1``), where the tests run it; there ``powf`` is torch's
-on the host. Triton is imported when a kernel is first launched.
+on the host. Triton is imported when a kernel is first launched (``mixprec._triton.kernels``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec._triton import device_of, interpreting, kernels, triton_available
+from mixprec.optim import state_formats
 from mixprec.optim.guard import grads_of
-from mixprec.optim.state_formats import MOMENTS, TorchMoments
+from mixprec.optim.state_formats import MOMENTS, ORIGINS, CodedMoments, TorchMoments, code_tables, scale_key
 
 if TYPE_CHECKING:
     from mixprec.optim.fused_adam import AdamUnit
 
-__all__ = ["BLOCK", "ENV_SWITCH", "step_unit", "takes", "triton_available"]
+__all__ = ["BLOCK", "ENV_SWITCH", "ROWS", "step_unit", "takes", "triton_available"]
 
 #: The environment variable that forces the chunked engine when set to ``0``.
 ENV_SWITCH = "MIXPREC_FUSED_OPTIM"
 BLOCK = 1024  # elements per program (optimi's block for large tensors)
+ROWS = 4  # coded moments: scale blocks per program (1024 values, as BLOCK)
 _BF16, _F32 = torch.bfloat16, torch.float32
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_TINY = 1e-12  # state_formats' smallest block absmax
+_E4M3_MAX = 448.0
 
 
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton can be imported (it ships with torch's CUDA builds)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _fits(t: torch.Tensor | None, device: torch.device) -> bool:
+def _fits(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype = _BF16) -> bool:
     return (
         t is not None
         and type(t) in _PLAIN
-        and t.dtype == _BF16
+        and t.dtype == dtype
         and t.device == device
         and t.is_contiguous()
         and t.numel() < 2**31
@@ -77,30 +88,49 @@ def _fits(t: torch.Tensor | None, device: torch.device) -> bool:
 
 
 def takes(unit: AdamUnit) -> bool:
-    """Whether ``unit`` steps through the kernel (see the module doc)."""
-    if not isinstance(unit.moments, TorchMoments) or os.environ.get(ENV_SWITCH, "1") == "0":
+    """Whether ``unit`` steps through a kernel (see the module doc)."""
+    moments = unit.moments
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not unit.params:
         return False
-    if unit.group.get("amsgrad", False) or torch.compiler.is_compiling() or not unit.params:
+    if unit.group.get("amsgrad", False) or torch.compiler.is_compiling():
         return False
     device = unit.params[0].device
-    if not (device.type == "cuda" or (device.type == "cpu" and _interpreting())):
-        return False
-    if any(dtype not in (_BF16, _F32) for dtype in unit.moments.dtypes):
+    if not (device.type == "cuda" or (device.type == "cpu" and interpreting())):
         return False
     grads = [p.grad for p in unit.params]
     kahan = list(unit.kahan) if unit.kahan is not None else []
     if not all(_fits(t, device) for t in [*unit.params, *grads, *kahan]):
         return False
-    moments = [s[k] for s in unit.states for k in MOMENTS if k in s]  # a loaded state: laid out as made
-    return all(m.is_contiguous() and m.device == device for m in moments) and triton_available()
+    if isinstance(moments, TorchMoments):
+        if any(dtype not in (_BF16, _F32) for dtype in moments.dtypes):
+            return False
+        stored = [s[k] for s in unit.states for k in MOMENTS if k in s]  # a loaded state: laid out as made
+        return all(m.is_contiguous() and m.device == device for m in stored) and triton_available()
+    return _coded_fit(unit, moments, device) and triton_available()
 
 
-def step_unit(unit: AdamUnit) -> None:
-    """One step of every param of ``unit`` (:func:`takes` it; its states made and counted by the caller)."""
+def _coded_fit(unit: AdamUnit, moments: CodedMoments, device: torch.device) -> bool:
+    """Codes and scales laid out as the format makes them on the state's grid
+    (``state_formats.expected_layout``), contiguous on ``device``, where the state has them (a fresh
+    state is made to fit)."""
+    for param, state in zip(unit.params, unit.states, strict=True):
+        origins = state.get(ORIGINS)
+        layout = state_formats.expected_layout(
+            moments.fmt, param, None if origins is None else origins.tolist()
+        )
+        for key, (shape, dtype) in layout.items():
+            if key in state and not (_fits(state[key], device, dtype) and tuple(state[key].shape) == shape):
+                return False
+    return True
+
+
+def step_unit(unit: AdamUnit, tables: dict[Any, Any] | None = None) -> None:
+    """One step of every param of ``unit`` (:func:`takes` it; its states made and counted by the caller).
+    ``tables``: where the coded formats' code tables are cached per device (a workspace's; None: made for
+    this call)."""
     group, params, moments = unit.group, unit.params, unit.moments
-    assert isinstance(moments, TorchMoments)
     device = params[0].device
-    kern = _kernels(_interpreting())
+    kern = _kernels(interpreting())
     rounding = 1 if unit.kahan is not None else 2 if unit.generator is not None else 0
     seed = params[0]  # an unused pointer unless stochastic
     if rounding == 2:
@@ -113,26 +143,50 @@ def step_unit(unit: AdamUnit) -> None:
         "DECAY": decay,
         "MAXIMIZE": bool(group.get("maximize", False)),
         "ROUND": rounding,
-        "M_BF16": moments.dtypes[0] == _BF16,
-        "V_BF16": moments.dtypes[1] == _BF16,
-        "PRECISE": not _interpreting(),
-        "BLOCK": BLOCK,
+        "PRECISE": not interpreting(),
     }
-    options = {} if _interpreting() else {"enable_fp_fusion": False}  # only the kernel's explicit fmas
+    options = {} if interpreting() else {"enable_fp_fusion": False}  # only the kernel's explicit fmas
+    hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(wd))
     kahan = [c if c is not None else p for c, p in zip(unit.kahan or params, params, strict=True)]
-    with _device_of(params[0]):
+    coded = isinstance(moments, CodedMoments) and moments.fmt != "bf16"
+    if coded:
+        assert isinstance(moments, CodedMoments)
+        fp8 = moments.fmt == "fp8"
+        tables = {} if tables is None else tables
+        maps = [code_tables(moments.fmt, second, device, tables) for second in (False, True)]
+        reciprocal = fp8 and device.type == "cuda"  # as torch's CUDA ``tensor / 448.0`` (see the doc)
+        q = (torch.tensor(1.0, dtype=_F32) / _E4M3_MAX).item() if reciprocal else _E4M3_MAX
+        consts |= {"FP8": fp8, "RECIPROCAL": reciprocal, "ROWS": ROWS, "BLOCK": state_formats.BLOCK}
+    else:  # torch's layout; bf16 codes are that layout in bf16
+        dtypes = moments.dtypes if isinstance(moments, TorchMoments) else (_BF16, _BF16)
+        consts |= {"M_BF16": dtypes[0] == _BF16, "V_BF16": dtypes[1] == _BF16, "BLOCK": BLOCK}
+    with device_of(params[0]):
         for index, (param, grad, buffer, state) in enumerate(
             zip(params, grads_of(params), kahan, unit.states, strict=True)
         ):
             step = state["step"]
             bias = step if consts["PRECISE"] else _bias_corrections(beta1, beta2, step)
-            m, v = (_bits(state[key]) for key in MOMENTS)
             n = param.numel()
-            kern.adam[(-(-n // BLOCK),)](
-                _bits(param), _bits(buffer), _bits(grad), m, v, step, seed, bias, n, index,
-                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(wd),
-                **consts, **options,
-            )  # fmt: skip
+            if n == 0:
+                continue
+            if not coded:
+                m, v = (_bits(state[key]) for key in MOMENTS)
+                kern.adam[(-(-n // BLOCK),)](
+                    _bits(param), _bits(buffer), _bits(grad), m, v, step, seed, bias, n, index, *hyper,
+                    **consts, **options,
+                )  # fmt: skip
+                continue
+            codes = [state[key].view(-1).view(torch.uint8) for key in MOMENTS]
+            scales = [state[scale_key(key)] for key in MOMENTS]
+            flat = [_bits(t).view(-1) for t in (param, buffer, grad)]
+            for start, stop, block in moments.runs(n, state):  # a resharded grid restarts at its origins
+                blocks = -(-(stop - start) // state_formats.BLOCK)
+                w, c, g = (t[start:stop] for t in flat)
+                (m, v), (ms, vs) = (x[start:stop] for x in codes), (x[block : block + blocks] for x in scales)
+                kern.adam_coded[(-(-blocks // ROWS),)](
+                    w, c, g, m, ms, v, vs, *maps[0], *maps[1], step, seed, bias, stop - start, start, index,
+                    *hyper, _TINY, q, **consts, **options,
+                )  # fmt: skip
 
 
 def _bias_corrections(beta1: float, beta2: float, step: torch.Tensor) -> torch.Tensor:
@@ -147,28 +201,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == _BF16 else t
 
 
-def _device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The tensor's CUDA device made current: Triton launches on the current device."""
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-
-
-@functools.cache
 def _kernels(interpret: bool) -> Any:
-    """The kernels module, loaded on first use, once per interpreter setting (``triton.jit`` reads
-    ``TRITON_INTERPRET`` when it decorates, so each setting gets its own module)."""
+    """The kernels module (``_triton_adam_kernels.py``), loaded once per interpreter setting."""
     path = Path(__file__).with_name("_triton_adam_kernels.py")
-    name = "mixprec.optim._triton_adam_kernels" + ("_interpreted" if interpret else "")
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
+    return kernels(path, "mixprec.optim._triton_adam_kernels", interpret)

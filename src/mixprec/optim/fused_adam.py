@@ -28,9 +28,10 @@ With a low-bit format the update uses the moments at full precision within the s
 AdamW does) and only what is carried to the next step is quantized; no fp32 copy of a whole moment, weight
 or gradient exists.
 
-On CUDA (eager, Triton importable, torch's layout, bf16 params, ``MIXPREC_FUSED_OPTIM`` not ``0``) a unit
-skips the chunks: :mod:`mixprec.optim._triton_adam` steps each tensor in one Triton pass, bit for bit
-torch's CUDA fused kernel on an fp32 copy, rounded as above; the gradients are then checked unfolded.
+On CUDA (eager, Triton importable, bf16 params, ``MIXPREC_FUSED_OPTIM`` not ``0``) a unit in torch's layout
+or a state format skips the chunks: :mod:`mixprec.optim._triton_adam` steps each tensor in one Triton
+pass (decoding and encoding block-coded moments in it), bit for bit this engine with torch's CUDA fused
+kernel, rounded as above; the gradients are then checked unfolded.
 
 The guard (``guard=True``) skips the whole step, before anything is created or written, when a gradient
 is inf/nan or so large (L2 norm over ``sqrt(max / 2)`` of v's dtype, about 1.3e19) that a square could
@@ -168,7 +169,7 @@ def adam_step(units: list[AdamUnit], workspace: Workspace, guard: bool) -> bool:
         unit.moments.keep(unit.states)
         new_states(unit.states, unit.params, unit.moments.new)  # torch's layout: step, then the moments
         if fast:
-            _triton_adam.step_unit(unit)
+            _triton_adam.step_unit(unit, workspace.tables)
             continue
         flat_grads = [] if folded else [g.reshape(-1) for g in grads_of(unit.params)]
         for chunk in _plan(unit, workspace, used, offset if folded else None):

@@ -49,6 +49,7 @@ __all__ = [
     "TorchMoments",
     "block_count",
     "check_origins",
+    "code_tables",
     "dequantize_",
     "dynamic_map",
     "keep_moment_dtypes",
@@ -96,6 +97,21 @@ def _map(signed: bool, device: torch.device, tables: dict[Any, Any]) -> tuple[to
         qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32).to(device)
         tables[key] = qmap, qmap[:-1] + (qmap[1:] - qmap[:-1]) * 0.5
     return tables[key]
+
+
+def code_tables(
+    fmt: str, second: bool, device: torch.device, tables: dict[Any, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a kernel needs to decode and encode a moment in ``fmt`` (``"int8"`` or ``"fp8"``; ``second``:
+    ``exp_avg_sq``): the fp32 value of each of the 256 codes, and the 255 midpoints between neighbouring
+    int8 map values that :func:`quantize_` rounds at (fp8: the value table again, unused), on ``device``,
+    made once per ``tables`` (the tensors :func:`quantize_` and :func:`dequantize_` use)."""
+    if fmt == "int8":
+        return _map(not second, device, tables)
+    key = ("e4m3", str(device))
+    if key not in tables:
+        tables[key] = torch.arange(256, dtype=torch.uint8).view(_E4M3).float().to(device)
+    return tables[key], tables[key]
 
 
 def pieces(numel: int, origins: list[int] | None) -> list[tuple[int, int, int]]:
