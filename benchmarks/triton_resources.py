@@ -1,13 +1,15 @@
 """Registers, spills and occupancy of every Triton kernel launch mixprec makes, compiled for a GPU on a CPU.
 
 The launches are recorded, not listed: the fused quantizers (every fused format, with and without the
-transposed copy), ``scaled_cast``, ``tensor_amax``, the rowwise post-scale and the one-pass Adam step
-(nearest, Kahan, stochastic) run under Triton's CPU interpreter on small CPU tensors, and each distinct
-launch (kernel, argument types, compile-time constants, ``num_warps``) is compiled for the target
-(``--arch``, default sm_90: Hopper) with Triton's compiler and its bundled ``ptxas -v``, whose report gives
-the registers per thread and the bytes spilled to local memory. From the registers: resident blocks per
-SM (65,536 registers and at most 64 warps per SM on sm_80..sm_120) and the share of the SM's warp slots
-they fill (occupancy). Computed, not timed: a kernel that spills or fills few warp slots is a candidate
+transposed copy), ``scaled_cast``, ``tensor_amax``, the rowwise post-scale and the one-pass Adam steps
+(nearest, Kahan, stochastic; moments in torch's layout, int8 and fp8) run under Triton's CPU interpreter
+on small CPU tensors, and each distinct launch (kernel, argument types, compile-time constants,
+``num_warps``) is compiled for the target (``--arch``, default sm_90: Hopper) with Triton's compiler and
+its bundled ``ptxas -v``, whose report gives the registers per thread and the bytes spilled to local
+memory. From the registers: resident blocks per SM (65,536 registers and at most 64 warps per SM on
+sm_80..sm_120) and the share of the SM's warp slots they fill (occupancy). A launch whose constants
+depend on the device (the fp8 state's ``RECIPROCAL``, CUDA's division) is recorded with the CPU's.
+Computed, not timed: a kernel that spills or fills few warp slots is a candidate
 for a device measurement, not a measured loss.
 
 Needs a CUDA build of torch (Triton and its ptxas ship with it; no GPU)::
@@ -18,6 +20,7 @@ Needs a CUDA build of torch (Triton and its ptxas ship with it; no GPU)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -46,6 +49,8 @@ _TYPES = {
     torch.float8_e5m2: "fp8e5",
 }
 _OPTIONS = ("num_warps", "num_stages")
+#: Kernels mixprec never launches: they exist for the tests to run a device function alone.
+TEST_ONLY = {("optim._triton_adam", "cast_e4m3")}
 
 
 class _Recorder:
@@ -108,14 +113,15 @@ def _recording(loaders: dict[str, Callable[[bool], Any]]) -> Iterator[dict[tuple
 
 
 def kernel_names(loaders: dict[str, Callable[[bool], Any]] | None = None) -> set[tuple[str, str]]:
-    """``(module, kernel)`` of every public ``@triton.jit`` kernel in mixprec's kernel modules."""
+    """``(module, kernel)`` of every public ``@triton.jit`` kernel in mixprec's kernel modules that mixprec
+    launches (all but :data:`TEST_ONLY`)."""
     loaders = _loaders() if loaders is None else loaders
     return {
         (module_name, name)
         for module_name, load in loaders.items()
         for name, fn in vars(load(False)).items()
         if type(fn).__name__ == "JITFunction" and not name.startswith("_")
-    }
+    } - TEST_ONLY
 
 
 def _loaders() -> dict[str, Callable[[bool], Any]]:
@@ -140,9 +146,10 @@ def _run_every_kernel() -> None:
     triton_quantize.scaled_cast(x, torch.tensor(2.0), "fp8_tensorwise", transpose=True)
     triton_quantize.tensor_amax(x)
     triton_quantize.post_scale_(x.clone(), torch.rand(256) + 0.5, torch.rand(384) + 0.5)
-    for method in ("nearest", "kahan", "stochastic"):
+    for method, state_format in itertools.product(("nearest", "kahan", "stochastic"), (None, "int8", "fp8")):
         p = torch.nn.Parameter(torch.randn(300, generator=g).to(torch.bfloat16))
-        opt = CompensatedOptimizer(torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1), method)
+        inner = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1)
+        opt = CompensatedOptimizer(inner, method, state_format=state_format)
         for _ in range(2):  # the first step is the chunked engine's (see optim._triton_adam)
             p.grad = torch.randn(300, generator=g).to(torch.bfloat16)
             opt.step()
