@@ -15,13 +15,24 @@ not timings: they hold on any machine. Configs:
 each mixprec config with ``skip_nonfinite=False`` (as torch: no check) and, in a ``+guard`` row, the default
 ``True`` (one read of the gradient norms per step).
 
+FakeTensors never take mixprec's Triton paths (a kernel needs storage), so the counts above are the
+chunked engine's. ``--interpreted`` counts the path a GPU takes instead: real bf16 CPU tensors of the same
+shapes (at ``--width 64`` by default: one launch per tensor does not depend on its size) under Triton's
+CPU interpreter, where CPU tensors take the Triton kernels; per step, the Triton launches plus the torch
+ops that would run a kernel (the fake tier's rule: not a view, not a bare allocation; not the
+interpreter's own copies of a launch's arguments). Two ops per tensor are the interpreter's alone: the
+bias corrections ``1 - beta**step`` (``pow``, ``rsub``), which a GPU kernel computes itself with
+libdevice's ``powf``; a GPU step is the count less two per tensor.
+
     PYTHONPATH=src .ci/.venv-cuda/bin/python benchmarks/fake_cuda_launches.py [--width 2048 --layers 8]
+    PYTHONPATH=src .ci/.venv-cuda/bin/python benchmarks/fake_cuda_launches.py --interpreted
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -32,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from fake_cuda import loops
-from fake_cuda.harness import fake_cuda
+from fake_cuda.harness import _NO_KERNEL, fake_cuda
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 
@@ -60,6 +72,44 @@ def configs() -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     return out
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the torch ops that would run a kernel (the fake tier's rule: not a view, not an allocation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from triton_resources import _Recorder
+
+        name = func.overloadpacket.__name__
+        kernel = not (func.namespace in ("prim", "profiler") or func.is_view or name in _NO_KERNEL)
+        if kernel and not _Recorder.inside:  # the interpreter's copies of a launch's arguments aside
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def interpreted_launches(
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], shapes: list[tuple[int, ...]], steps: int
+) -> list[int]:
+    """Torch ops plus Triton launches of each of ``steps`` steps on bf16 CPU params of ``shapes``, under
+    Triton's interpreter (set by the caller), gradients set before the count."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from triton_resources import _loaders, _recording
+
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(shape, generator=g).to(torch.bfloat16)) for shape in shapes]
+    opt = make(ps)
+    counts = []
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        with _recording(_loaders()) as launches, _OpCount() as ops:
+            opt.step()
+        counts.append(ops.count + sum(launch["count"] for launch in launches.values()))
+    return counts
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=2048, help="model width (default 2048)")
@@ -71,7 +121,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "--configs", default=",".join(configs()), help="comma-separated configs (default all)"
     )
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--interpreted", action="store_true",
+        help="count the Triton path on CPU tensors under Triton's interpreter (default --width 64)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.interpreted and "--width" not in (argv if argv is not None else sys.argv):
+        args.width = 64
     if torch.version.cuda is None:
         parser.error(f"needs a CUDA build of torch (this is {torch.__version__}): .ci/run's .ci/.venv-cuda")
     if args.steps < 2:
@@ -84,6 +140,29 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     shapes = loops.gpt_shapes(args.width, args.layers)
     numel = sum(torch.Size(s).numel() for s in shapes)
     rows = []
+    if args.interpreted:
+        before = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for name in names:
+                    counts = interpreted_launches(makers[name], shapes, args.steps)
+                    rows.append({"config": name, "launches": counts})
+        finally:
+            if before is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = before
+        print(f"per optimizer step under Triton's interpreter, {numel:,} bf16 parameters ({len(shapes)} "
+              "tensors); first step (creates the state) / later steps")  # fmt: skip
+        print("| config | torch ops + Triton launches / step |\n|---|---|")
+        for row in rows:
+            print(f"| {row['config']} | {row['launches'][0]} / {row['launches'][-1]} |")
+        result = {"torch": torch.__version__, "numel": numel, "interpreted": True, "rows": rows}
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return result
     with warnings.catch_warnings(), fake_cuda() as rec:
         warnings.simplefilter("ignore")
         for name in names:

@@ -56,6 +56,9 @@ TEST_ONLY = {("optim._triton_adam", "cast_e4m3")}
 class _Recorder:
     """Stands in for a kernel of an interpreted kernel module: records each launch, then runs it."""
 
+    #: Launches running now: the interpreter's own torch ops on the arguments are not the host's.
+    inside = 0
+
     def __init__(self, module: str, name: str, fn: Any, launches: dict[tuple, dict[str, Any]]) -> None:
         self.module, self.name, self.fn, self.launches = module, name, fn, launches
 
@@ -69,9 +72,13 @@ class _Recorder:
             self.launches.setdefault(
                 key,
                 {"module": self.module, "kernel": self.name, "signature": signature,
-                 "constexprs": constexprs, "options": options},
-            )  # fmt: skip
-            return self.fn[grid](*args, **kwargs)
+                 "constexprs": constexprs, "options": options, "count": 0},
+            )["count"] += 1  # fmt: skip
+            _Recorder.inside += 1
+            try:
+                return self.fn[grid](*args, **kwargs)
+            finally:
+                _Recorder.inside -= 1
 
         return launch
 
@@ -194,7 +201,8 @@ def measure(arch: int) -> list[dict[str, Any]]:
         options = {"num_warps": 4, **launch["options"]}
         source = ASTSource(fn=fn, signature=signature, constexprs=launch["constexprs"])
         ptx = compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
-        row = {**launch, "num_warps": options["num_warps"], **_ptxas(ptx, arch)}
+        row = {k: v for k, v in launch.items() if k != "count"}
+        row.update(num_warps=options["num_warps"], **_ptxas(ptx, arch))
         threads = 32 * row["num_warps"]
         blocks = min(REGISTERS_PER_SM // (row["registers"] * threads), WARPS_PER_SM // row["num_warps"])
         row.update(blocks_per_sm=blocks, occupancy=blocks * row["num_warps"] / WARPS_PER_SM)

@@ -7,6 +7,7 @@ chunk), and a workspace of those bounds. ``FakeTensorMode`` allocates nothing, s
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 from pathlib import Path
 
@@ -80,3 +81,22 @@ def test_the_launch_table_runs_and_counts_torch_beside_mixprec() -> None:
     assert by["torch-fused"]["launches"][-1] == 2  # the step counters' add and the fused kernel
     assert all(row["syncs"] == ([1, 1] if row["config"].endswith("+guard") else [0, 0]) for row in rows)
     assert all(by[name]["launches"][-1] > 2 for name in by if name.startswith("mixprec"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_on_the_triton_path_a_step_is_one_launch_per_tensor(monkeypatch) -> None:
+    """Under the interpreter (real CPU tensors take the Triton kernels) every config steps each of a GPT
+    block's six tensors in one launch; beside them the step counters' add and, for stochastic rounding, one
+    seed per step; two ops per tensor are the interpreter's bias corrections (a GPU kernel's ``powf``)."""
+    monkeypatch.delenv("MIXPREC_FUSED_OPTIM", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the script sets it for the count, then restores this
+    args = ["--interpreted", "--width", "16", "--layers", "1", "--steps", "2"]
+    rows = _script("fake_cuda_launches").main(args)["rows"]
+    later = {row["config"]: row["launches"][-1] for row in rows}
+    tensors = len(loops.gpt_shapes(16, 1))
+    host = 1 + 2 * tensors  # the counters' add; pow and rsub per tensor
+    assert later["torch-fused"] == 2
+    assert later["mixprec-kahan"] == later["mixprec-int8"] == tensors + host
+    assert later["mixprec-stochastic"] == tensors + host + 1
+    assert later["mixprec-kahan+guard"] > later["mixprec-kahan"]  # the guard's norms
+    assert os.environ["TRITON_INTERPRET"] == "0"
