@@ -96,8 +96,12 @@ def _check_inputs(plan: Plan, workloads: Sequence[str], data: str | None, images
             datasets.check_text_file(value)
         elif datasets.missing_idx_files(value):
             datasets.idx_images(value)  # raises, naming the missing files
-        if reader not in workloads:
-            plan.notes.append(f"{option} is read by the {reader} workload only, which is not in this run")
+        # every workload that loads its data as ``reader`` does reads the option (lm-gemm reads --data)
+        readers = [name for name, spec in WORKLOADS.items() if spec.load is WORKLOADS[reader].load]
+        if not set(readers) & set(workloads):
+            plan.notes.append(
+                f"{option} is read by the {', '.join(readers)} workload(s) only, none of which is in this run"
+            )
 
 
 def _refuse_gpu_presets(workloads: Sequence[str], size: str, steps: int | None) -> None:

@@ -46,11 +46,6 @@ RECORD_KEYS = (
     "runs_planned",
 )
 LOG_KEYS = ("step", "round", "workload", "mode", "loss", "scale", "skipped", "step_time_ms")
-LOSS_MEANING = {
-    "lm": "validation cross-entropy per character",
-    "cnn": "test cross-entropy",
-    "tabular-regression": "validation MSE (standardised target)",
-}
 WIDTH = 100  # the table, its footnotes and notes fit a terminal this wide
 _COLUMNS = (
     ("mode", "<"),
@@ -237,7 +232,9 @@ def footer(results: Sequence[Any]) -> list[str]:
     ]
     for name in dict.fromkeys(r.workload for r in results):
         source = next(r.data_source for r in results if r.workload == name)
-        lines.append(f"{name}: {source}; loss = {LOSS_MEANING[name]}; metric on held-out data")
+        meaning = WORKLOADS[name].loss_meaning
+        loss = f"; loss = {meaning}" if meaning else ""
+        lines.append(f"{name}: {source}{loss}; metric on held-out data")
     return lines
 
 
