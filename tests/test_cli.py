@@ -176,6 +176,13 @@ def test_help_names_the_results_folder_for_report_and_the_preset_aliases_for_ben
         cli.main(["bench", "--help"])
     bench = " ".join(capsys.readouterr().out.split())
     assert "bf16-mixed = mixprec-bf16" in bench and "O1 = mixprec-bf16 (cpu)/mixprec-fp16 (cuda)" in bench
+    # --quick promises no duration (the user's took 3 min 45 s against "1-2 min"): the preset's steps
+    quick = {name: WORKLOADS[name].presets["quick"].steps for name in ("lm", "cnn", "tabular-regression")}
+    assert (
+        f"steps per mode lm {quick['lm']}, cnn {quick['cnn']}, tabular-regression "
+        f"{quick['tabular-regression']}; the bench prints its time estimate" in bench
+    )
+    assert "1-2 min" not in bench
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))

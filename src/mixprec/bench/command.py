@@ -93,13 +93,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--modes", action="append", metavar="MODE[,MODE]", help="precision modes (default: by device)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_const", const="full", dest="size", help="the longer study")
+    quick = ", ".join(
+        f"{name} {spec.presets['quick'].steps}" for name, spec in WORKLOADS.items() if spec.default
+    )
     size.add_argument(
-        "--quick", action="store_const", const="quick", dest="size", help="a short smoke run (1-2 min)"
+        "--quick",
+        action="store_const",
+        const="quick",
+        dest="size",
+        help=f"a short smoke run: steps per mode {quick}; the bench prints its time estimate for this "
+        "machine as it starts",
     )
     size.add_argument(
         "--size",
         choices=SIZES,
-        help="size preset: tiny (tests), quick, default (~3 min, 2 CPU cores), full (= --full), large (GPU)",
+        help="size preset: tiny (tests), quick (= --quick), default (cut to fit --time), full (= --full), "
+        "large (GPU)",
     )
     add("--steps", type=int, help="training steps per run (overrides the preset and --time)")
     add(

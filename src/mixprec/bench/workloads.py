@@ -2,8 +2,8 @@
 
 A workload is built in two phases so the runner can measure memory between them: ``load`` reads the data
 set (CPU tensors, shared by every mode), then ``build`` seeds torch and makes the model, optimizer, batch
-iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a smoke run of 1-2 minutes on
-a 2-core CPU), ``default`` (about 3 minutes there), ``full`` (the longer study behind ``--full``,
+iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a smoke run: fewer steps),
+``default`` (cut to fit ``--time``), ``full`` (the longer study behind ``--full``,
 about 10 minutes) and ``large`` (sized for a GPU; hours on a CPU). Everything a preset changes, including
 the rounds the modes take turns in, is in the registry table at the end of this file.
 
