@@ -12,6 +12,7 @@ import torch
 
 from mixprec import cli
 from mixprec.bench.report import RECORD_KEYS
+from mixprec.bench.workloads import WORKLOADS
 
 TINY = ["bench", "--size", "tiny", "--steps", "3", "--device", "cpu"]
 
@@ -175,3 +176,33 @@ def test_help_names_the_results_folder_for_report_and_the_preset_aliases_for_ben
         cli.main(["bench", "--help"])
     bench = " ".join(capsys.readouterr().out.split())
     assert "bf16-mixed = mixprec-bf16" in bench and "O1 = mixprec-bf16 (cpu)/mixprec-fp16 (cuda)" in bench
+    # --quick promises no duration (the user's took 3 min 45 s against "1-2 min"): the preset's steps
+    quick = {name: WORKLOADS[name].presets["quick"].steps for name in ("lm", "cnn", "tabular-regression")}
+    assert (
+        f"steps per mode lm {quick['lm']}, cnn {quick['cnn']}, tabular-regression "
+        f"{quick['tabular-regression']}; the bench prints its time estimate" in bench
+    )
+    assert "1-2 min" not in bench
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_every_workload_goes_through_every_report_path(
+    workload: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each registered workload at --size tiny (the user's lm-gemm modes, plus fp32 for the speedup and
+    advice paths): the printed table and its footer, the results folder's summary, and `mixprec report`."""
+    from mixprec.bench.report_command import report_main
+
+    out = tmp_path / "results"
+    modes = "fp32,torch-amp-bf16,fp8-dynamic"
+    argv = [*TINY[:3], "--steps", "2", "--device", "cpu", "--workload", workload, "--modes", modes]
+    assert cli.main([*argv, "--in-process", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    spec = WORKLOADS[workload]
+    assert f"\n{workload} (metric: {spec.metric}" in table
+    assert f"\n{workload}: " in table and f"loss = {spec.loss_meaning}"[:60] in " ".join(table.split())
+    assert spec.loss_meaning  # every built-in workload says what its loss is
+    assert f"```text\n{table.rstrip()}" in (out / "summary.md").read_text()
+    assert report_main([str(out), "--out", str(tmp_path / "report")]) == 0
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert f"| {workload} | fp8-dynamic |" in summary

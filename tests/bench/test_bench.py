@@ -190,7 +190,10 @@ def test_plan_checks_data_and_images_up_front(tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("x" * 20_000)
     made = jobs.make_plan(workloads=["cnn"], data=str(text), device="cpu", size="tiny")
-    assert any("--data is read by the lm workload only" in note for note in made.notes)
+    assert any("--data is read by the lm, lm-gemm workload(s) only" in note for note in made.notes)
+    # lm-gemm reads --data as lm does: no note that it goes unread
+    made = jobs.make_plan(workloads=["lm-gemm"], data=str(text), device="cpu", size="tiny")
+    assert not any("--data" in note for note in made.notes)
 
 
 @pytest.mark.parametrize(

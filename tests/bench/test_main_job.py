@@ -202,16 +202,36 @@ def test_table_fits_100_columns_and_the_noisy_footnote_wraps() -> None:
         for w in ("lm", "cnn", "tabular-regression")
         for i, m in enumerate(modes)
     ]
-    noisy = [(w, m) for w in ("lm", "cnn", "tabular-regression") for m in modes]
     table = report.format_table(results, ["a note " * 40], header="mixprec bench: cpu")
     lines = table.splitlines()
     assert max(map(len, lines)) <= report.WIDTH, max(lines, key=len)
     assert any(line.startswith("lm (metric: perplexity") for line in lines)
     assert sum(line.startswith("note: a note") for line in lines) == 1 and len(lines) > 30
-    from mixprec.bench.stats import NOISY_ADVICE
 
-    long = report._wrap(f"NOISY ({', '.join(f'{w}/{m}' for w, m in noisy)}): {NOISY_ADVICE}")
-    assert len(long) > 3 and max(map(len, long)) <= report.WIDTH
+
+def test_the_noisy_footnote_counts_the_runs_and_names_them_one_line_per_workload() -> None:
+    """The user's bench: 21 runs (3 workloads x 7), every one NOISY on a loaded machine. The footnote was
+    one paragraph listing all 21 as workload/mode; now a count, then each workload's rows on a line."""
+    modes = ["fp32", "torch-amp-bf16", "mixprec-bf16", "O2-bf16", "bf16-true", "bf16-true-kahan"]
+    results = [
+        _result(w, m, 5.0 * (1 + i)) for w in ("lm", "cnn", "tabular-regression") for i, m in enumerate(modes)
+    ]
+    results += [_result(w, stats.AA_LABEL, 5.0) for w in ("lm", "cnn", "tabular-regression")]
+    records = report.make_records(results)
+    for record in records:
+        record["noisy"] = True
+    lines = report.noisy_lines(records)
+    assert lines[0].startswith("NOISY: 21 of 21 runs: the step times of these runs spread widely")
+    assert lines[1:] == [
+        f"  {w}: {', '.join([*modes, stats.AA_LABEL])}" for w in ("lm", "cnn", "tabular-regression")
+    ]
+    records[0]["noisy"] = records[8]["noisy"] = True
+    for record in records[1:8] + records[9:]:
+        record["noisy"] = False
+    assert report.noisy_lines(records)[1:] == ["  lm: fp32", "  cnn: mixprec-bf16"]
+    for record in records:
+        record["noisy"] = False
+    assert report.noisy_lines(records) == []
 
 
 @pytest.mark.parametrize(

@@ -135,5 +135,12 @@ def test_threads_follow_the_idle_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert machine.choose_threads("auto", "cpu") == (4, "torch's default")
     monkeypatch.setattr(machine, "busy_cores", lambda: 1.3)
     threads, why = machine.choose_threads("auto", "cpu")
-    assert threads == 3 and "keep 1.3 of 4 cores busy, so 3 thread(s) instead of 4" in why
+    assert threads == 3 and "keep 1.3 of 4 cores busy, so 3 threads instead of 4" in why
     assert machine.choose_threads("auto", "cuda") == (4, "torch's default")
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(machine, "busy_cores", lambda: 2.0)
+    threads, why = machine.choose_threads("auto", "cpu")
+    assert threads == 1 and "keep 2.0 of 2 cores busy, so 1 thread instead of 4" in why
+    # the user's case: torch already runs one thread, so nothing changed and nothing is said
+    monkeypatch.setattr(machine.torch, "get_num_threads", lambda: 1)
+    assert machine.choose_threads("auto", "cpu") == (1, "torch's default")

@@ -67,7 +67,6 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory:make", "--formats", "fp7"], "unknown format 'fp7'"),
         (["--from", "plan_factory:make", "--budget", "0"], "budget must be > 0"),
         (["--from", "plan_factory:make", "--grad-budget", "-1"], "grad_budget must be > 0"),
-        (["--workload", "nope"], "unknown workload 'nope'"),
         (["--from", "plan_factory:make", "--min-low-share", "0.5"], "applies with max_cost only"),
         (["--from", "plan_factory:make", "--max-cost", "-1"], "max_cost must be > 0"),
         (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
@@ -144,3 +143,34 @@ def test_plan_without_tokens_per_step_names_the_flag_and_where_it_wrote(factory,
     assert "tokens_per_step=N" not in captured.err and "UserWarning" not in captured.err
     assert f"wrote {factory / 'plan.json'} and {factory / 'plan.png'}" in captured.out
     assert (factory / "plan.json").exists() and (factory / "plan.png").exists()
+
+
+def test_plan_refuses_a_gpu_sized_workload_at_once_with_what_to_do(capsys):
+    """The user's command that ran 400 s silently: refused before anything is built, as bench refuses it."""
+    argv = ["plan", "--workload", "lm-gemm", "--size", "default", "--cost", "h100", "--tokens-per-step"]
+    argv += ["8192", "--formats", "fp8_rowwise,fp8_tensorwise,bf16"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "workload 'lm-gemm' at size 'default' is sized for a GPU: one step is about 2 min" in err
+    assert "plan it at --size tiny" in err and "building" not in err
+
+
+def test_plan_says_what_it_is_doing_on_stderr(factory, capsys):
+    assert main(["plan", "--from", "plan_factory:make", "--formats", "mxfp8,bf16"]) == 0
+    err = capsys.readouterr().err
+    assert "mixprec plan: planning 2 linear layer(s) in mxfp8, bf16 on 2 batch(es)" in err
+    assert "mixprec plan: planned in " in err
+
+
+def test_plan_help_shows_the_choices_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--workload {lm,lm-gemm,cnn,tabular-regression}" in text and "(default lm)" in text
+    assert "--size {tiny,quick,default,full,large}" in text and "(default tiny)" in text
+    assert "(default nvfp4,mxfp8,bf16), from: fp8_tensorwise," in text and "fp32, bf16" in text
+    assert "(default 0.01)" in text
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--workload", "nope"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'nope' (choose from" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from mixprec._files import write_atomic
 from mixprec.bench import checks
 from mixprec.bench.budget import DEFAULT_TIME, Budget, parse_time
 from mixprec.bench.jobs import Plan, make_plan, split_names
-from mixprec.bench.machine import choose_threads
+from mixprec.bench.machine import choose_threads, count_threads
 from mixprec.bench.modes import ALIASES, DEFAULT_MODES, MODES
 from mixprec.bench.progress import Progress, estimate_s, format_duration, machine_factor
 from mixprec.bench.report import RECORD_KEYS, format_table, make_records, write_json, write_log
@@ -93,13 +93,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--modes", action="append", metavar="MODE[,MODE]", help="precision modes (default: by device)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_const", const="full", dest="size", help="the longer study")
+    quick = ", ".join(
+        f"{name} {spec.presets['quick'].steps}" for name, spec in WORKLOADS.items() if spec.default
+    )
     size.add_argument(
-        "--quick", action="store_const", const="quick", dest="size", help="a short smoke run (1-2 min)"
+        "--quick",
+        action="store_const",
+        const="quick",
+        dest="size",
+        help=f"a short smoke run: steps per mode {quick}; the bench prints its time estimate for this "
+        "machine as it starts",
     )
     size.add_argument(
         "--size",
         choices=SIZES,
-        help="size preset: tiny (tests), quick, default (~3 min, 2 CPU cores), full (= --full), large (GPU)",
+        help="size preset: tiny (tests), quick (= --quick), default (cut to fit --time), full (= --full), "
+        "large (GPU)",
     )
     add("--steps", type=int, help="training steps per run (overrides the preset and --time)")
     add(
@@ -159,7 +168,7 @@ def _header(plan: Plan, threads: int) -> str:
         name = torch.cuda.get_device_name(torch.device(device))
         where = f"{name}; fp32 TF32 matmul/cuDNN: {tf32[0]}/{tf32[1]}"
     else:
-        where = f"{platform.processor() or platform.machine()}, {threads} thread(s) per run"
+        where = f"{platform.processor() or platform.machine()}, {count_threads(threads)} per run"
     compiled = ", torch.compile" if any(job.compiled for job in plan.jobs) else ""
     return f"mixprec bench: {device} ({where}), torch {torch.__version__}, size {plan.size}{compiled}"
 
@@ -305,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     )
     args.folder = _results_folder(args, plan.notes)
     if why != "torch's default":
-        plan.notes.append(f"{threads} thread(s) per run: {why}")
+        plan.notes.append(f"{count_threads(threads)} per run: {why}")
     if not plan.device.startswith("cuda"):
         torch.set_num_threads(threads)  # the machine probe measures what the runs will use
     factor = machine_factor(plan.device)

@@ -96,22 +96,37 @@ def _check_inputs(plan: Plan, workloads: Sequence[str], data: str | None, images
             datasets.check_text_file(value)
         elif datasets.missing_idx_files(value):
             datasets.idx_images(value)  # raises, naming the missing files
-        if reader not in workloads:
-            plan.notes.append(f"{option} is read by the {reader} workload only, which is not in this run")
+        # every workload that loads its data as ``reader`` does reads the option (lm-gemm reads --data)
+        readers = [name for name, spec in WORKLOADS.items() if spec.load is WORKLOADS[reader].load]
+        if not set(readers) & set(workloads):
+            plan.notes.append(
+                f"{option} is read by the {', '.join(readers)} workload(s) only, none of which is in this run"
+            )
 
 
-def _refuse_gpu_presets(workloads: Sequence[str], size: str, steps: int | None) -> None:
-    """A ValueError for a workload preset sized for a GPU (``Preset.cpu`` False), with its cost here."""
+def refuse_gpu_presets(
+    workloads: Sequence[str],
+    size: str,
+    steps: int | None = None,
+    *,
+    work: str | None = None,
+    hint: str = "run it with --device cuda, or with --size tiny to check it on a CPU",
+) -> None:
+    """A ValueError for a workload preset sized for a GPU (``Preset.cpu`` False), with its cost on a CPU.
+
+    ``steps``: the bench's steps per run (None: the preset's); ``work``: what the caller would do instead
+    of training them (``mixprec plan``'s passes), said after a step's time; ``hint``: what to run instead.
+    """
     for name in workloads:
         preset = WORKLOADS[name].presets[size]
         if preset.cpu:
             continue
         minutes = preset.cost_ms / 6e4
         hours = (steps or preset.steps) * preset.cost_ms / 3.6e6
+        work = work or f"{hours:.0f} h per mode for its {steps or preset.steps} steps"
         raise ValueError(
             f"workload {name!r} at size {size!r} is sized for a GPU: one step is about {minutes:.0f} min on "
-            f"a 2-core CPU, {hours:.0f} h per mode for its {steps or preset.steps} steps; run it with "
-            f"--device cuda, or with --size tiny to check it on a CPU"
+            f"a 2-core CPU, {work}; {hint}"
         )
 
 
@@ -144,7 +159,7 @@ def make_plan(
     device_type = device.split(":", 1)[0]
     workload_names = resolve_workloads(workloads)
     if device_type == "cpu":
-        _refuse_gpu_presets(workload_names, size, steps)
+        refuse_gpu_presets(workload_names, size, steps)
     mode_names = resolve_modes(modes, device_type)
     plan = Plan(jobs=[], device=device, size=size)
     _check_inputs(plan, workload_names, data, images)

@@ -49,6 +49,9 @@ def busy_cores(interval_s: float = 0.5) -> float:
 def choose_threads(requested: str, device: str) -> tuple[int, str]:
     """The torch thread count for each run and why: ``requested`` is ``"auto"`` or a positive integer.
 
+    The reason is ``"torch's default"`` whenever the count is torch's own (also on a busy machine where
+    fewer threads are not possible), so that callers only mention a count that changed.
+
     Raises:
         ValueError: ``requested`` is neither.
     """
@@ -67,8 +70,15 @@ def choose_threads(requested: str, device: str) -> tuple[int, str]:
     if busy < BUSY_THRESHOLD:
         return default, "torch's default"
     idle = max(1, min(default, round((os.cpu_count() or 1) - busy)))
+    if idle == default:  # nothing to change (torch already uses one thread, or no more than idle cores)
+        return default, "torch's default"
     reason = (
-        f"other programs keep {busy:.1f} of {os.cpu_count()} cores busy, so {idle} thread(s) instead of "
-        f"{default}: threads that share a busy core stall every op (--threads N to choose)"
+        f"other programs keep {busy:.1f} of {os.cpu_count()} cores busy, so {count_threads(idle)} instead "
+        f"of {default}: threads that share a busy core stall every op (--threads N to choose)"
     )
     return idle, reason
+
+
+def count_threads(threads: int) -> str:
+    """``"1 thread"``, ``"3 threads"``."""
+    return f"{threads} thread" if threads == 1 else f"{threads} threads"

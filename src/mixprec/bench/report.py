@@ -46,11 +46,6 @@ RECORD_KEYS = (
     "runs_planned",
 )
 LOG_KEYS = ("step", "round", "workload", "mode", "loss", "scale", "skipped", "step_time_ms")
-LOSS_MEANING = {
-    "lm": "validation cross-entropy per character",
-    "cnn": "test cross-entropy",
-    "tabular-regression": "validation MSE (standardised target)",
-}
 WIDTH = 100  # the table, its footnotes and notes fit a terminal this wide
 _COLUMNS = (
     ("mode", "<"),
@@ -203,15 +198,28 @@ def format_table(results: Sequence[Any], notes: Iterable[str] = (), header: str 
         advice = recommend(records, workload)
         if advice is not None:
             lines += ["", *_wrap(advice)]
-    noisy = [f"{r['workload']}/{r['mode']}" for r in records if r["noisy"]]
     lines.append("")
     for line in footer(results):
         lines += _wrap(line)
-    if noisy:
-        lines += _wrap(f"NOISY ({', '.join(noisy)}): {NOISY_ADVICE}")
+    for line in noisy_lines(records):
+        lines += textwrap.wrap(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False)
     for note in notes:
         lines += _wrap(f"note: {note}")
     return "\n".join(lines)
+
+
+def noisy_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The NOISY footnote (unwrapped lines): how many runs, the advice, then one line per workload
+    naming its NOISY rows; [] when none is NOISY."""
+    by_workload: dict[str, list[str]] = {}
+    for r in records:
+        if r.get("noisy"):
+            by_workload.setdefault(r["workload"], []).append(r["mode"])
+    if not by_workload:
+        return []
+    count = sum(map(len, by_workload.values()))
+    head = f"NOISY: {count} of {len(records)} runs: {NOISY_ADVICE}"
+    return [head, *(f"  {workload}: {', '.join(modes)}" for workload, modes in by_workload.items())]
 
 
 def footer(results: Sequence[Any]) -> list[str]:
@@ -237,7 +245,9 @@ def footer(results: Sequence[Any]) -> list[str]:
     ]
     for name in dict.fromkeys(r.workload for r in results):
         source = next(r.data_source for r in results if r.workload == name)
-        lines.append(f"{name}: {source}; loss = {LOSS_MEANING[name]}; metric on held-out data")
+        meaning = WORKLOADS[name].loss_meaning
+        loss = f"; loss = {meaning}" if meaning else ""
+        lines.append(f"{name}: {source}{loss}; metric on held-out data")
     return lines
 
 

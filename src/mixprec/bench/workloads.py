@@ -2,8 +2,8 @@
 
 A workload is built in two phases so the runner can measure memory between them: ``load`` reads the data
 set (CPU tensors, shared by every mode), then ``build`` seeds torch and makes the model, optimizer, batch
-iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a smoke run of 1-2 minutes on
-a 2-core CPU), ``default`` (about 3 minutes there), ``full`` (the longer study behind ``--full``,
+iterator, loss and evaluation. Sizes are presets: ``tiny`` (tests), ``quick`` (a smoke run: fewer steps),
+``default`` (cut to fit ``--time``), ``full`` (the longer study behind ``--full``,
 about 10 minutes) and ``large`` (sized for a GPU; hours on a CPU). Everything a preset changes, including
 the rounds the modes take turns in, is in the registry table at the end of this file.
 
@@ -76,6 +76,8 @@ class WorkloadSpec:
     build: Callable[[Any, Preset, int, int, torch.device], Workload]
     metric_higher_is_better: bool = True
     default: bool = True  # run when no --workload is given (False: only when named)
+    #: what the held-out loss is, for the table's footer ("": the footer names no loss)
+    loss_meaning: str = ""
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -236,6 +238,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         summary="GPT-style char-level transformer (d=256, 4 layers, context 128) on Python's stdlib sources",
         metric="perplexity",
         metric_higher_is_better=False,
+        loss_meaning="validation cross-entropy per character",
         presets={
             "tiny": Preset(
                 3, 1, 1, {**_LM_TINY, "batch": 4, "corpus_bytes": 200_000, "eval_windows": 4}, 5.0, True
@@ -266,6 +269,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         "named to run",
         metric="perplexity",
         metric_higher_is_better=False,
+        loss_meaning="validation cross-entropy per character",
         presets={
             "tiny": Preset(
                 3,
@@ -289,6 +293,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         name="cnn",
         summary="3-conv CNN on scikit-learn's 8x8 digits, or on IDX images (--images DIR: Fashion-MNIST)",
         metric="accuracy",
+        loss_meaning="test cross-entropy",
         presets={
             "tiny": Preset(3, 1, 1, {"batch": 8, "lr": 1e-3, "eval_images": 64}, 2.0, True),
             "quick": Preset(60, 10, 10, {"batch": 64, "lr": 1e-3, "eval_images": 2000}, 12.0),
@@ -303,6 +308,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         name="tabular-regression",
         summary="MLP regression on scikit-learn's diabetes table: Adam + OneCycleLR + a shuffled DataLoader",
         metric="R^2",
+        loss_meaning="validation MSE (standardised target)",
         presets={
             "tiny": Preset(3, 1, 1, {**_TAB, "hidden": 32}, 1.0, True),
             "quick": Preset(8 * _TAB_EPOCH, _TAB_EPOCH, _TAB_EPOCH, _TAB, 1.2, True),

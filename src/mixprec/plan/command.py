@@ -12,6 +12,7 @@ import argparse
 import importlib
 import itertools
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -23,8 +24,18 @@ HELP = "plan a format per linear layer (low-bit, bf16, fp32) by measured diverge
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mixprec.bench.workloads import SIZES, WORKLOADS
+    from mixprec.plan.config import RECIPES
+    from mixprec.plan.measure import HIGH_PRECISION
+
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--workload", default="lm", help="a bench workload (default lm)")
+    source.add_argument(
+        "--workload",
+        default="lm",
+        choices=list(WORKLOADS),
+        help="a bench workload (default lm); lm-gemm is sized for a GPU above --size tiny and is refused "
+        "there (the plan runs on the CPU)",
+    )
     source.add_argument(
         "--from",
         dest="factory",
@@ -32,11 +43,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a function returning "
         "(model, batches, loss_fn); its module is imported from the current directory too",
     )
-    parser.add_argument("--size", default="tiny", help="bench workload size (default tiny)")
-    parser.add_argument("--batches", type=int, default=2, help="planning batches of a workload (default 2)")
-    parser.add_argument("--formats", default="nvfp4,mxfp8,bf16", help="comma-separated candidate formats")
     parser.add_argument(
-        "--budget", type=float, default=0.01, help="bound on the plan's measured relative loss change"
+        "--size", default="tiny", choices=SIZES, help="bench workload size preset (default tiny)"
+    )
+    parser.add_argument("--batches", type=int, default=2, help="planning batches of a workload (default 2)")
+    parser.add_argument(
+        "--formats",
+        default="nvfp4,mxfp8,bf16",
+        metavar="FORMAT[,FORMAT]",
+        help=f"comma-separated candidate formats (default nvfp4,mxfp8,bf16), from: "
+        f"{', '.join([*RECIPES, *HIGH_PRECISION])}",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.01,
+        help="bound on the plan's measured relative loss change, > 0 (default 0.01)",
     )
     parser.add_argument(
         "--grad-budget", type=float, default=None, help="optional bound on its weight-gradient change"
@@ -95,7 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _say(text: str) -> None:
+    """What the command is doing, on stderr (stdout keeps the table)."""
+    print(f"mixprec plan: {text}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mixprec.bench.jobs import refuse_gpu_presets
+    from mixprec.bench.progress import format_duration
     from mixprec.plan.planner import plan_precision
 
     if args.batches < 1:
@@ -103,12 +134,29 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.json, args.plot):
         if not path.parent.is_dir():
             raise FileNotFoundError(f"output folder {path.parent} does not exist")
-    model, batches, loss_fn = _from_factory(args.factory) if args.factory else _from_workload(args)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    if not args.factory:
+        refuse_gpu_presets(
+            [args.workload],
+            args.size,
+            work=f"and a plan makes a forward and backward pass per layer and format on each of its "
+            f"{args.batches} batches: hours",
+            hint="mixprec plan builds bench workloads on the CPU: plan it at --size tiny, or pass "
+            "--from MODULE:FUNCTION with the model on a GPU",
+        )
+        _say(f"building workload {args.workload} at size {args.size} on the CPU")
+    started = time.perf_counter()
+    model, batches, loss_fn = _from_factory(args.factory) if args.factory else _from_workload(args)
+    linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    _say(
+        f"planning {linears} linear layer(s) in {', '.join(formats)} on {len(batches)} batch(es) "
+        f"(--measure {args.measure}: forward and backward passes per layer and format; the table follows)"
+    )
     with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
         plan = _plan(plan_precision, model, batches, loss_fn, formats, args)
     for warning in caught:
         _say_warning(warning)
+    _say(f"planned in {format_duration(time.perf_counter() - started)}")
     print(plan.table())
     write_atomic(args.json, plan.to_json())  # complete or absent, see mixprec._files
     plan.plot(args.plot)
