@@ -200,3 +200,17 @@ def test_a_folder_report_repeats_the_bench_notes(tmp_path):
     written = mixprec.bench.write_report(folder, folder / "report")
     summary = written[-1].read_text()
     assert f"## Notes\n\n- {notes[0]}\n- {notes[1]}\n" in summary
+
+
+def test_records_of_a_workload_this_mixprec_lacks_are_refused_by_name(tmp_path, capsys):
+    record = {**_bench_record("fp32", 250.0, 1.0), "workload": "lm-huge"}  # a later version's workload
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps([record]))
+    assert cli.report_main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "records of workload(s) lm-huge, which this mixprec does not have (known: lm, " in err
+    assert not (tmp_path / "other_report").exists()  # nothing written
+    log = _bench_log(tmp_path / "bench.jsonl")
+    log.write_text(log.read_text().replace('"workload": "cnn"', '"workload": "cnn-xl"'))
+    assert cli.report_main([str(log), "--out", str(tmp_path / "out")]) == 2
+    assert "cnn-xl" in capsys.readouterr().err and not (tmp_path / "out").exists()

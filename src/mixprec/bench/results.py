@@ -22,6 +22,7 @@ from typing import Any
 from mixprec._files import TruncatedFile, read_jsonl
 from mixprec.bench.plots import plot_bench_log, plot_bench_records
 from mixprec.bench.report import bench_summary
+from mixprec.bench.workloads import WORKLOADS
 from mixprec.inspect import report as log_report
 from mixprec.inspect.report import ACCEPTED, histogram_images, load_log, log_images, summarize, write_summary
 
@@ -61,7 +62,19 @@ def load_bench_json(path: str | Path) -> list[dict[str, Any]] | None:
             )
     if not records:
         raise ValueError(f"{path}: the JSON list is empty; {ACCEPTED}")
+    check_workloads(path, records)
     return records
+
+
+def check_workloads(path: str | Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """A ValueError naming the workloads of bench records that this mixprec does not know (a file written
+    by a version with other workloads), before any report reads their metrics."""
+    unknown = sorted({str(r["workload"]) for r in records if r.get("workload") is not None} - set(WORKLOADS))
+    if unknown:
+        raise ValueError(
+            f"{path}: records of workload(s) {', '.join(unknown)}, which this mixprec does not have (known: "
+            f"{', '.join(WORKLOADS)}); written by a mixprec with other workloads: report it there"
+        )
 
 
 def is_bench_log(records: Sequence[Mapping[str, Any]]) -> bool:
@@ -122,6 +135,7 @@ def write_report(path: str | Path, out_dir: str | Path) -> list[Path]:
     records = load_log(path) if bench is None else []
     if bench is None and not is_bench_log(records):
         return log_report.write_report(path, out_dir)
+    check_workloads(path, records)
     note = incomplete(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     if bench is not None:
