@@ -221,6 +221,11 @@ class AmaxHistoryError(ValueError, RuntimeError):
     ``nn.Module.load_state_dict`` raises for a tensor that does not fit."""
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as messages spell it: "float32", not "torch.float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_amax_history(module: Float8Layer, value: object, key: str) -> None:
     """Refuse a loaded ``amax_history`` that does not fit ``module`` or would poison its scales.
 
@@ -232,9 +237,11 @@ def check_amax_history(module: Float8Layer, value: object, key: str) -> None:
     assert module.amax_history is not None, "only a delayed-scaling module has an amax history to check"
     expected = tuple(module.amax_history.shape)
     if not torch.is_tensor(value) or tuple(value.shape) != expected or not value.is_floating_point():
-        got = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+        tensor = torch.is_tensor(value)
+        got = f"{_dtype_name(value.dtype)} {tuple(value.shape)}" if tensor else type(value).__name__
+        ours = f"{_dtype_name(module.amax_history.dtype)} {expected}"
         raise AmaxHistoryError(
-            f"{key} is {got}, this module's is float32 {expected} "
+            f"{key} is {got}, this module's is {ours} "
             f"(amax_history_len={module.config.amax_history_len}); load it into a module of that length"
         )
     bad = ~torch.isfinite(value) | (value < 0)
