@@ -138,9 +138,7 @@ def resolve_level(
         close = [spelled] if spelled is not None else close
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         if spelled in OPT_LEVELS:  # apex takes only the exact "O2": so does mixprec, with the hint
-            hint = (
-                f" (did you mean {spelled!r}? a level is the capital letter O and a digit, as apex spells it)"
-            )
+            hint = f" (did you mean {spelled!r}? a level is a capital letter O and a digit, as in apex)"
         raise ValueError(
             f"unknown opt_level {opt_level!r}{hint}; accepted: O0, O1, O2, O3 or a preset {list(PRESETS)}"
         )

@@ -16,8 +16,7 @@ import torch
 
 from mixprec.autocast.engine import _state, current_rules
 from mixprec.autocast.region import autocast
-from mixprec.formats import as_dtype
-from mixprec.policy.names import _family
+from mixprec.policy.names import _family, as_dtype
 
 __all__ = ["custom_bwd", "custom_fwd"]
 

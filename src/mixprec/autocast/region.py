@@ -13,8 +13,7 @@ import torch
 
 from mixprec.autocast import pins
 from mixprec.autocast.engine import _DeviationMode, _Frame, _state
-from mixprec.formats import as_dtype
-from mixprec.policy.names import has_catalogue
+from mixprec.policy.names import as_dtype, has_catalogue
 from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family, check_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
