@@ -119,7 +119,7 @@ def check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         tensor = isinstance(loss, torch.Tensor)
         got = f"{tuple(loss.shape)}: reduce it, e.g. .mean()" if tensor else describe(loss)
-        raise ValueError(f"loss_fn(model, batch) must return a scalar (one-element) tensor, got {got}")
+        raise ValueError(f"loss_fn(model, batch) must return a one-element tensor, got {got}")
     if not loss.requires_grad:
         raise ValueError("loss_fn returned a tensor that does not require grad; nothing to backpropagate")
     return loss
