@@ -149,11 +149,12 @@ def resolve_level(
         raise TypeError(f"unknown override(s) {unknown}{hint}; accepted: {list(OVERRIDES)}")
     level = dataclasses.replace(OPT_LEVELS[opt_level], **overrides)
     _check(level, opt_level, overrides)
+    half: torch.dtype | None
     if dtype is None:
         half = DEFAULT_HALF_DTYPE.get(device_type, torch.bfloat16)
     else:  # the dtype names every mixprec dtype argument takes; a Format record too
         half = dtype.dtype if isinstance(dtype, formats.Format) else formats.as_dtype(dtype, "dtype")
-    if half not in _HALF_DTYPES:
+    if half is None or half not in _HALF_DTYPES:
         raise ValueError(
             f"dtype must be a half-precision type, got {dtype!r}; accepted: {list(_HALF_DTYPES)}"
         )

@@ -126,7 +126,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         policy: Policy | str | None = None,
     ) -> None:
         family, enabled, policy, rules = _settings(device_type, dtype, enabled, policy, cache_enabled)
-        dtype = rules.compute_dtype if rules is not None else dtype
+        compute = rules.compute_dtype if rules is not None else None  # a disabled region keeps torch's
         native = _native_dtype(rules)
         super().__init__(family, dtype=native, enabled=native is not None, cache_enabled=cache_enabled)
         # torch disables a "cuda" region without CUDA (with its warning): so does mixprec.
@@ -134,7 +134,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         self.device_type = family
         self.policy: Policy = policy
         self._rules = rules if self.enabled else None
-        self.fast_dtype = dtype if self.enabled and dtype is not None else self.fast_dtype
+        self.fast_dtype = compute if self.enabled and compute is not None else self.fast_dtype
         self.cache_enabled = self._cache_enabled
         # torch's saved state and the entering thread, per entry: re-entrant
         self._entries: list[tuple[Any, Any, Any, int]] = []

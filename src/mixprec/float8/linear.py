@@ -237,8 +237,9 @@ def check_amax_history(module: Float8Layer, value: object, key: str) -> None:
     assert module.amax_history is not None, "only a delayed-scaling module has an amax history to check"
     expected = tuple(module.amax_history.shape)
     if not torch.is_tensor(value) or tuple(value.shape) != expected or not value.is_floating_point():
-        tensor = torch.is_tensor(value)
-        got = f"{_dtype_name(value.dtype)} {tuple(value.shape)}" if tensor else type(value).__name__
+        got = type(value).__name__
+        if isinstance(value, torch.Tensor):
+            got = f"{_dtype_name(value.dtype)} {tuple(value.shape)}"
         ours = f"{_dtype_name(module.amax_history.dtype)} {expected}"
         raise AmaxHistoryError(
             f"{key} is {got}, this module's is {ours} "
