@@ -99,3 +99,13 @@ def test_initialize_takes_every_half_name() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'bf61'"):
         mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", dtype="bf61")
     assert model[0].weight.dtype == torch.float32  # a refused call changes nothing
+
+
+def test_the_fp8_and_lowbit_layers_take_a_dtype_name_as_their_factory_dtype() -> None:
+    from mixprec.float8 import Float8Linear
+    from mixprec.lowbit import LowbitLinear
+
+    assert Float8Linear(8, 16, dtype="bf16").weight.dtype == torch.bfloat16
+    assert LowbitLinear(8, 16, dtype="half").weight.dtype == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'bf6' for dtype"):
+        LowbitLinear(8, 16, dtype="bf6")

@@ -10,6 +10,7 @@ from torch import nn
 
 from mixprec.float8.config import Float8Config, LinearMMConfig
 from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
+from mixprec.formats import as_dtype
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.history import ROLES
 from mixprec.lowbit.linear import Conv1DShape
@@ -107,7 +108,7 @@ class Float8Linear(Float8Layer, nn.Linear):
             input, weight and grad_output, for diagnostics.
 
     Args:
-        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        in_features, out_features, bias, device, dtype: as ``nn.Linear`` (``dtype`` may be a name, "bf16").
         config: the :class:`Float8Config` (default: dynamic scaling).
 
     Raises:
@@ -120,11 +121,12 @@ class Float8Linear(Float8Layer, nn.Linear):
         out_features: int,
         bias: bool = True,
         device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         *,
         config: Float8Config | None = None,
     ) -> None:
         config = _check_config(config)
+        dtype = None if dtype is None else as_dtype(dtype, "dtype")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config
         self._add_buffers(self.weight.device)
