@@ -32,6 +32,7 @@ __all__ = [
     "FP16",
     "FP32",
     "Format",
+    "as_dtype",
     "get",
     "max_safe_scale",
 ]
@@ -211,6 +212,54 @@ _ALIASES: dict[str, str] = {
     "float8_e5m2fnuz": "fp8_e5m2fnuz",
     "e5m2fnuz": "fp8_e5m2fnuz",
 }
+
+
+#: The dtype names every dtype argument accepts (``Policy.parse``'s vocabulary), read by :func:`as_dtype`.
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _close(name: str, candidates: object) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.6)  # type: ignore[call-overload]
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def as_dtype(value: torch.dtype | str, what: str = "dtype") -> torch.dtype:
+    """``value`` as a torch dtype: a dtype comes back as it is, a name ("bf16", "fp16", "half",
+    "float32", "torch.bfloat16"; case and blanks ignored) becomes the dtype :meth:`mixprec.Policy.parse`
+    gives it. Every public argument that takes a dtype reads it through here, so they accept one vocabulary.
+
+    Args:
+        value: a ``torch.dtype`` or one of the names above.
+        what: the argument's name, for the error message.
+
+    Raises:
+        ValueError: for an unknown name, with the close names and the accepted ones.
+        TypeError: for a value that is neither a dtype nor a str.
+    """
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+        raise ValueError(
+            f"unknown dtype {value!r} for {what}{_close(key, _DTYPE_NAMES)}; accepted: a torch.dtype or "
+            f"one of {sorted(_DTYPE_NAMES)}"
+        )
+    raise TypeError(
+        f"{what} must be a torch.dtype or a dtype name such as 'bf16', got {type(value).__name__}: {value!r}"
+    )
 
 
 def get(spec: Format | torch.dtype | str) -> Format:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -206,3 +207,43 @@ def test_a_cast_that_would_replace_the_optimizers_params_is_refused():
             prepare("O2")
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("spelling", ["o2", "02", " o2 "])
+def test_a_level_in_another_case_or_with_a_zero_gets_the_exact_hint(spelling):
+    # apex refuses anything but the exact "O2" (a dict lookup); mixprec refuses it too, naming the spelling
+    model = nn.Sequential(nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"did you mean 'O2'\? a level is a capital letter O and a digit"):
+        initialize(model, optimizer, opt_level=spelling)
+    assert model[0].weight.dtype == torch.float32 and not isinstance(optimizer, MixedPrecisionOptimizer)
+    with pytest.raises(ValueError, match=r"'BF16-Mixed' \(did you mean 'bf16-mixed'\?\)"):
+        resolve_level("BF16-Mixed", None, "cpu")
+
+
+def test_a_plain_torch_state_dict_is_refused_saying_how_to_migrate_it():
+    torch.manual_seed(0)
+    plain_model = nn.Sequential(nn.Linear(4, 4))
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain_model(torch.randn(2, 4)).sum().backward()
+    plain.step()
+    saved, weights = plain.state_dict(), plain_model.state_dict()
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.load_state_dict(weights)
+    model, optimizer = initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", dtype="bf16")
+    before = copy.deepcopy(optimizer.state_dict())
+    migrate = r"torch optimizer's own state_dict; to migrate it, load it into the torch optimizer before"
+    with pytest.raises(ValueError, match=rf"lacks \['optimizer', 'master_params', 'scaler'\].*{migrate}"):
+        optimizer.load_state_dict(saved)
+    assert str(optimizer.state_dict()) == str(before)  # refused before anything changed
+
+    # the migration the message gives: load into the torch optimizer, then initialize
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.load_state_dict(weights)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inner.load_state_dict(saved)
+    model, optimizer = initialize(model, inner, "O2", dtype="bf16")
+    moved = optimizer.optimizer.state[optimizer.master_params[0]]
+    assert torch.equal(moved["exp_avg"], saved["state"][0]["exp_avg"])
+    assert torch.equal(moved["exp_avg_sq"], saved["state"][0]["exp_avg_sq"])

@@ -119,3 +119,17 @@ def test_checkpoints_move_between_plain_dynamic_and_delayed() -> None:
 
 def _model_plain() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+def test_a_history_of_another_length_is_named_with_each_dtype_spelled_once() -> None:
+    model = _model()
+    state = copy.deepcopy(model.state_dict())
+    state["0.amax_history"] = torch.zeros(3, 7, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as caught:
+        model.load_state_dict(state)
+    message = str(caught.value)
+    ours = tuple(model[0].amax_history.shape)
+    assert (
+        f"0.amax_history is float64 (3, 7), this module's is float32 {ours} (amax_history_len=4)" in message
+    )
+    assert "torch.float32" not in message

@@ -10,6 +10,7 @@ from torch import nn
 import mixprec.inspect
 from mixprec.autocast import autocast
 from mixprec.inspect import demo, find_nonfinite, trace_dtypes, underflow_report
+from mixprec.inspect._modules import LossInputError
 
 
 class Busy(nn.Module):
@@ -71,10 +72,11 @@ def test_restored_after_an_exception_in_loss_fn():
     def broken(model, x):
         raise KeyError("boom")
 
-    with pytest.raises(KeyError):
-        find_nonfinite(model, demo.demo_inputs(), loss_fn=broken)
-    with pytest.raises(KeyError):
-        underflow_report(model, demo.demo_inputs(), loss_fn=broken)
+    # the first call of the user's loss is re-raised naming the signature, the KeyError chained
+    for run in (find_nonfinite, underflow_report):
+        with pytest.raises(LossInputError, match=r"loss_fn raised KeyError: 'boom'") as caught:
+            run(model, demo.demo_inputs(), loss_fn=broken)
+        assert isinstance(caught.value.__cause__, KeyError)
     assert_restored(model, before)
 
 

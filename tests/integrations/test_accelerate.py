@@ -154,3 +154,12 @@ def test_diagnose_step_takes_the_reports_loss_fn_and_refuses_a_loss_of_the_outpu
     assert sentence is not None and sentence.startswith("mixprec: step 0 gave a non-finite loss")
     assert "module '0'" in sentence
     assert accelerator.mixprec_diagnoses == [sentence]
+
+
+def test_dtype_takes_a_dtype_name_as_autocast_does() -> None:
+    accelerator = MixprecAccelerator(cpu=True, dtype="fp16")
+    assert accelerator.mixprec_dtype is torch.float16 and accelerator.mixprec_scaler is not None
+    with accelerator.autocast():
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+    with pytest.raises(ValueError, match=r"unknown dtype 'fp17' for dtype.*accepted"):
+        MixprecAccelerator(cpu=True, dtype="fp17")

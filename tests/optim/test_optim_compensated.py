@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -241,3 +242,20 @@ def test_the_workspace_holds_no_more_than_the_tensors_stepped_and_is_not_pickled
     numel = sum(p.numel() for p in model.parameters())
     assert all(0 < b.numel() <= numel for b in opt.workspace.buffers.values())
     assert copy.deepcopy(opt).workspace.buffers == {}
+
+
+def test_fp32_params_warn_that_there_is_nothing_to_compensate():
+    model = mlp(dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"none of the optimizer's \d+ parameters is bfloat16 or float16"):
+        opt = CompensatedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "kahan")
+    assert opt.compensation == []  # indeed nothing is kept for them
+    reference = copy.deepcopy(model)
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for net, optimizer in ((model, opt), (reference, torch_opt)):
+        net(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bf16 weights (what it is for), or a low-bit state: no warning
+        CompensatedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), "kahan")
+        CompensatedOptimizer(torch.optim.AdamW(mlp(dtype=torch.float32).parameters()), state_format="int8")

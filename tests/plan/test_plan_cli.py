@@ -25,6 +25,16 @@ def make():
 
 def not_a_triple():
     return 3
+
+
+def torch_style():  # the loss as torch writes it, loss(out, y): not loss_fn(model, batch)
+    model, batches, _ = make()
+    return model, batches, F.cross_entropy
+
+
+def one_batch():  # a bare tensor for batches
+    model, batches, loss_fn = make()
+    return model, batches[0][0], lambda m, x: m(x).sum()
 """
 
 
@@ -64,6 +74,11 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory"], "MODULE:FUNCTION"),
         (["--from", "plan_factory:missing"], "cannot load"),
         (["--from", "plan_factory:not_a_triple"], "must return (model, batches, loss_fn)"),
+        (
+            ["--from", "plan_factory:torch_style"],
+            "mixprec calls it as loss_fn(model, batch) -> scalar tensor",
+        ),
+        (["--from", "plan_factory:one_batch"], "batches must be an iterable of batches"),
         (["--from", "plan_factory:make", "--formats", "fp7"], "unknown format 'fp7'"),
         (["--from", "plan_factory:make", "--budget", "0"], "budget must be > 0"),
         (["--from", "plan_factory:make", "--grad-budget", "-1"], "grad_budget must be > 0"),

@@ -102,6 +102,18 @@ OVERRIDES = ("keep_batchnorm_fp32", "master_weights", "loss_scale", "min_loss_sc
              "weight_update", "cast_inputs", "outputs_fp32")  # fmt: skip
 
 
+def _level_spelled(opt_level: object) -> str | None:
+    """The level or preset ``opt_level`` spells in another case or with a zero for the O ("o2", "02",
+    "BF16-Mixed"), or None."""
+    if not isinstance(opt_level, str):
+        return None
+    text = opt_level.strip()
+    if text.lower() in PRESETS:
+        return text.lower()
+    level = "O" + text[1:] if text[:1] in ("o", "0", "O") else text
+    return level if level in OPT_LEVELS else None
+
+
 def resolve_level(
     opt_level: str, dtype: torch.dtype | str | None, device_type: str, **overrides: Any
 ) -> tuple[OptLevel, torch.dtype]:
@@ -122,7 +134,11 @@ def resolve_level(
         choices = [*OPT_LEVELS, *PRESETS]
         lightning = str(opt_level).replace("fp16", "16")  # Lightning's names drop fp16's "fp"
         close = [lightning] if lightning in PRESETS else difflib.get_close_matches(lightning, choices, n=2)
+        spelled = _level_spelled(opt_level)
+        close = [spelled] if spelled is not None else close
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        if spelled in OPT_LEVELS:  # apex takes only the exact "O2": so does mixprec, with the hint
+            hint = f" (did you mean {spelled!r}? a level is a capital letter O and a digit, as in apex)"
         raise ValueError(
             f"unknown opt_level {opt_level!r}{hint}; accepted: O0, O1, O2, O3 or a preset {list(PRESETS)}"
         )
@@ -133,10 +149,12 @@ def resolve_level(
         raise TypeError(f"unknown override(s) {unknown}{hint}; accepted: {list(OVERRIDES)}")
     level = dataclasses.replace(OPT_LEVELS[opt_level], **overrides)
     _check(level, opt_level, overrides)
-    half = (
-        formats.get(dtype).dtype if dtype is not None else DEFAULT_HALF_DTYPE.get(device_type, torch.bfloat16)
-    )
-    if half not in _HALF_DTYPES:
+    half: torch.dtype | None
+    if dtype is None:
+        half = DEFAULT_HALF_DTYPE.get(device_type, torch.bfloat16)
+    else:  # the dtype names every mixprec dtype argument takes; a Format record too
+        half = dtype.dtype if isinstance(dtype, formats.Format) else formats.as_dtype(dtype, "dtype")
+    if half is None or half not in _HALF_DTYPES:
         raise ValueError(
             f"dtype must be a half-precision type, got {dtype!r}; accepted: {list(_HALF_DTYPES)}"
         )

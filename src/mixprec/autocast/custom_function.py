@@ -16,7 +16,7 @@ import torch
 
 from mixprec.autocast.engine import _state, current_rules
 from mixprec.autocast.region import autocast
-from mixprec.policy.names import _family
+from mixprec.policy.names import _family, as_dtype
 
 __all__ = ["custom_bwd", "custom_fwd"]
 
@@ -38,7 +38,10 @@ def _default_family() -> str:
 
 
 def custom_fwd(
-    fwd: Callable | None = None, *, device_type: str | None = None, cast_inputs: torch.dtype | None = None
+    fwd: Callable | None = None,
+    *,
+    device_type: str | None = None,
+    cast_inputs: torch.dtype | str | None = None,
 ) -> Callable:
     """Decorate ``forward`` of a ``torch.autograd.Function`` (as ``torch.amp.custom_fwd``).
 
@@ -49,15 +52,17 @@ def custom_fwd(
     Args:
         device_type: "cpu", "cuda" or any type torch.autocast takes; default: the device of the
             innermost mixprec region, else "cpu".
-        cast_inputs: dtype to cast incoming floating tensors to, or None.
+        cast_inputs: dtype (or dtype name such as "fp16", see :meth:`mixprec.Policy.parse`) to cast
+            incoming floating tensors to, or None.
 
     Raises:
-        ValueError, TypeError: for an unsupported ``device_type`` or a ``cast_inputs`` that is no dtype.
+        ValueError, TypeError: for an unsupported ``device_type`` or a ``cast_inputs`` that is neither a
+            dtype nor a known dtype name.
     """
     if device_type is not None:
         device_type = _family(device_type)
-    if cast_inputs is not None and not isinstance(cast_inputs, torch.dtype):
-        raise TypeError(f"cast_inputs must be a torch.dtype or None, got {cast_inputs!r}")
+    if cast_inputs is not None:
+        cast_inputs = as_dtype(cast_inputs, "cast_inputs")
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
     inner = fwd

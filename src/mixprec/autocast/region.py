@@ -13,7 +13,7 @@ import torch
 
 from mixprec.autocast import pins
 from mixprec.autocast.engine import _DeviationMode, _Frame, _state
-from mixprec.policy.names import has_catalogue
+from mixprec.policy.names import as_dtype, has_catalogue
 from mixprec.policy.policy import DEFAULT_DTYPES, Policy, ResolvedPolicy, _family, check_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
@@ -25,8 +25,8 @@ def _settings(
     """Validate a region's arguments: (device family, enabled, policy, rules or None when disabled)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
+    if dtype is not None:
+        dtype = as_dtype(dtype, "dtype")  # type: ignore[arg-type]  # as_dtype checks the type
     if cache_enabled is not None and not isinstance(cache_enabled, bool):
         raise TypeError(
             f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}: {cache_enabled!r}"
@@ -75,16 +75,19 @@ class autocast(torch.amp.autocast_mode.autocast):
         device_type: "cpu" or "cuda" (a ``torch.device`` or "cuda:0" is accepted too), or any other
             type torch.autocast takes ("mps", "xpu", "hpu", "xla", ...): there the region is torch's
             autocast state alone, with torch's dtype rules and warnings, and only an unedited policy.
-        dtype: the low-precision dtype; default: the policy's compute dtype, else bfloat16 on CPU
-            and float16 on CUDA. Any dtype is accepted when ``enabled=False`` (as torch).
+        dtype: the low-precision dtype, a ``torch.dtype`` or a name such as "bf16", "fp16", "half"
+            (the names :meth:`mixprec.Policy.parse` takes); default: the policy's compute dtype, else
+            bfloat16 on CPU and float16 on CUDA. Any dtype is accepted when ``enabled=False`` (as torch).
         enabled: False makes the region a no-op (and disables autocast inside an enabled region).
         cache_enabled: cache casts of fp32 leaf parameters in the region (default True, as torch).
         policy: a :class:`~mixprec.Policy`, a preset name ("bf16-mixed", "conservative", ...) or a
             ``"params=...,compute=..."`` string. Default: ``Policy.for_device(device_type, dtype)``.
 
     Raises:
-        TypeError: for a non-bool ``enabled``, a non-dtype ``dtype`` or a policy of another type.
-        ValueError: for a device type torch.autocast does not take, an unsupported dtype in an enabled
+        TypeError: for a non-bool ``enabled``, a ``dtype`` that is neither a dtype nor a str, or a policy of
+            another type.
+        ValueError: for a device type torch.autocast does not take, an unknown dtype name (the message
+            lists the accepted ones), an unsupported dtype in an enabled
             region on "cpu"/"cuda" (e.g. float64, int8: unlike torch, mixprec does not silently disable
             itself there), or a policy with op edits or module pins on a device without a catalogue.
     """
@@ -92,7 +95,7 @@ class autocast(torch.amp.autocast_mode.autocast):
     def __new__(
         cls,
         device_type: str | torch.device,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         enabled: bool = True,
         cache_enabled: bool | None = None,
         *,
@@ -116,14 +119,14 @@ class autocast(torch.amp.autocast_mode.autocast):
     def __init__(
         self,
         device_type: str | torch.device,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         enabled: bool = True,
         cache_enabled: bool | None = None,
         *,
         policy: Policy | str | None = None,
     ) -> None:
         family, enabled, policy, rules = _settings(device_type, dtype, enabled, policy, cache_enabled)
-        dtype = rules.compute_dtype if rules is not None else dtype
+        compute = rules.compute_dtype if rules is not None else None  # a disabled region keeps torch's
         native = _native_dtype(rules)
         super().__init__(family, dtype=native, enabled=native is not None, cache_enabled=cache_enabled)
         # torch disables a "cuda" region without CUDA (with its warning): so does mixprec.
@@ -131,7 +134,7 @@ class autocast(torch.amp.autocast_mode.autocast):
         self.device_type = family
         self.policy: Policy = policy
         self._rules = rules if self.enabled else None
-        self.fast_dtype = dtype if self.enabled and dtype is not None else self.fast_dtype
+        self.fast_dtype = compute if self.enabled and compute is not None else self.fast_dtype
         self.cache_enabled = self._cache_enabled
         # torch's saved state and the entering thread, per entry: re-entrant
         self._entries: list[tuple[Any, Any, Any, int]] = []

@@ -10,6 +10,7 @@ from torch import nn
 
 from mixprec.float8.config import Float8Config, LinearMMConfig
 from mixprec.float8.fsdp import Float8AllGatherWeight, Float8GatheredWeight
+from mixprec.formats import as_dtype
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.history import ROLES
 from mixprec.lowbit.linear import Conv1DShape
@@ -107,7 +108,7 @@ class Float8Linear(Float8Layer, nn.Linear):
             input, weight and grad_output, for diagnostics.
 
     Args:
-        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        in_features, out_features, bias, device, dtype: as ``nn.Linear`` (``dtype`` may be a name, "bf16").
         config: the :class:`Float8Config` (default: dynamic scaling).
 
     Raises:
@@ -120,11 +121,12 @@ class Float8Linear(Float8Layer, nn.Linear):
         out_features: int,
         bias: bool = True,
         device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         *,
         config: Float8Config | None = None,
     ) -> None:
         config = _check_config(config)
+        dtype = None if dtype is None else as_dtype(dtype, "dtype")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config
         self._add_buffers(self.weight.device)
@@ -221,6 +223,11 @@ class AmaxHistoryError(ValueError, RuntimeError):
     ``nn.Module.load_state_dict`` raises for a tensor that does not fit."""
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as messages spell it: "float32", not "torch.float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_amax_history(module: Float8Layer, value: object, key: str) -> None:
     """Refuse a loaded ``amax_history`` that does not fit ``module`` or would poison its scales.
 
@@ -232,9 +239,12 @@ def check_amax_history(module: Float8Layer, value: object, key: str) -> None:
     assert module.amax_history is not None, "only a delayed-scaling module has an amax history to check"
     expected = tuple(module.amax_history.shape)
     if not torch.is_tensor(value) or tuple(value.shape) != expected or not value.is_floating_point():
-        got = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+        got = type(value).__name__
+        if isinstance(value, torch.Tensor):
+            got = f"{_dtype_name(value.dtype)} {tuple(value.shape)}"
+        ours = f"{_dtype_name(module.amax_history.dtype)} {expected}"
         raise AmaxHistoryError(
-            f"{key} is {got}, this module's is float32 {expected} "
+            f"{key} is {got}, this module's is {ours} "
             f"(amax_history_len={module.config.amax_history_len}); load it into a module of that length"
         )
     bad = ~torch.isfinite(value) | (value < 0)

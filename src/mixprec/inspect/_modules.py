@@ -87,14 +87,65 @@ def device_type_of(model: nn.Module, inputs: Any) -> str:
     return "cpu"
 
 
+#: How a loss of the output and a target is written in the one dialect (the usual torch-style mistake).
+_WRAPPER = "for a loss of the output: lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])"
+
+
+class LossInputError(TypeError, ValueError):
+    """A ``loss_fn`` or ``batches`` that does not fit ``loss_fn(model, batch) -> scalar tensor``: a TypeError
+    (the wrong callable or container) and a ValueError (bad input, which ``mixprec plan`` reports as a usage
+    error with exit code 2)."""
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for messages: a tensor's shape and dtype, a container's length."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor of shape {tuple(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
+    if isinstance(value, (list, tuple, dict)):
+        items = ", ".join(describe(v) for v in list(value.values() if isinstance(value, dict) else value)[:3])
+        more = ", ..." if len(value) > 3 else ""
+        return f"{type(value).__name__} of {len(value)} [{items}{more}]"
+    if isinstance(value, nn.Module):
+        return f"{type(value).__name__} (an nn.Module)"
+    return f"{type(value).__name__} {value!r:.40}"
+
+
 def check_loss(loss: Any) -> torch.Tensor:
-    """``loss`` itself, after checking it is a one-element tensor that requires grad."""
+    """``loss`` itself, after checking it is a one-element tensor that requires grad.
+
+    Raises:
+        ValueError: naming what ``loss_fn(model, batch)`` returned instead.
+    """
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a one-element tensor, got {shape}")
+        tensor = isinstance(loss, torch.Tensor)
+        got = f"{tuple(loss.shape)}: reduce it, e.g. .mean()" if tensor else describe(loss)
+        raise ValueError(f"loss_fn(model, batch) must return a one-element tensor, got {got}")
     if not loss.requires_grad:
         raise ValueError("loss_fn returned a tensor that does not require grad; nothing to backpropagate")
     return loss
+
+
+def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any, api: str) -> torch.Tensor:
+    """``loss_fn(model, batch)``, checked by :func:`check_loss`: the first call mixprec makes to the
+    user's loss (the reference pass), where a loss written for another signature fails.
+
+    Raises:
+        LossInputError: (a TypeError and a ValueError) when ``loss_fn`` raises (chained ``from`` the
+            original error), stating the signature mixprec calls, ``loss_fn(model, batch) -> scalar
+            tensor``, and what it passed; ``api`` names the caller. Out-of-memory passes through as is.
+        ValueError: as :func:`check_loss`.
+    """
+    try:
+        loss = loss_fn(model, batch)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        raise LossInputError(
+            f"{api}: loss_fn raised {type(error).__name__}: {error}; mixprec calls it as "
+            f"loss_fn(model, batch) -> scalar tensor, here with model={describe(model)} and "
+            f"batch={describe(batch)} ({_WRAPPER})"
+        ) from error
+    return check_loss(loss)
 
 
 def model_loss(loss_fn: object, api: str) -> LossFn:

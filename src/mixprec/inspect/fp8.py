@@ -183,7 +183,8 @@ def fp8_report(
         An :class:`Fp8Report`; ``print(report.table())``, ``report.module_filter_fn()``.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, or ``loss_fn`` is not ``loss_fn(model, batch)``.
+        TypeError: if ``model`` is not an ``nn.Module``, or ``loss_fn`` is not ``loss_fn(model, batch)``
+            (refused before the model runs, or when it raises: the message names what was passed).
         ValueError: for a threshold outside [0, 1] (name in the message), a model without ``nn.Linear``,
             or a loss that is not a one-element tensor requiring grad.
     """
@@ -191,7 +192,7 @@ def fp8_report(
     loss_fn = model_loss(loss_fn, "fp8_report")
     check_fractions(max_flushed=max_flushed, max_saturated=max_saturated, max_error=max_error)
     layers = {}
-    for name, seen in capture_linears(model, inputs, loss_fn).items():
+    for name, seen in capture_linears(model, inputs, loss_fn, "fp8_report").items():
         module = seen["module"]
         stats = {
             role: Fp8TensorStats.measure(seen[key], _FORMATS[role], _scale(module, role, seen[key]))

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from mixprec import formats
-from mixprec.inspect._modules import LossFn, check_loss, check_model, model_loss
+from mixprec.inspect._modules import LossFn, call_loss, check_model, model_loss
 from mixprec.inspect._restore import preserved
 from mixprec.lowbit import (
     HP,
@@ -203,7 +203,8 @@ def lowbit_report(
             block's scale (> 1).
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, or ``loss_fn`` is not ``loss_fn(model, batch)``.
+        TypeError: if ``model`` is not an ``nn.Module``, or ``loss_fn`` is not ``loss_fn(model, batch)``
+            (refused before the model runs, or when it raises: the message names what was passed).
         ValueError: for a threshold out of range, an unknown recipe, a model without ``nn.Linear``, or a
             loss that is not a one-element tensor requiring grad.
     """
@@ -234,7 +235,9 @@ def saturation_point(elem: formats.Format) -> float:
     return elem.max + 2.0 ** (math.floor(math.log2(elem.max)) - elem.mantissa_bits - 1)
 
 
-def capture_linears(model: nn.Module, inputs: Any, loss_fn: LossFn) -> dict[str, dict[str, Any]]:
+def capture_linears(
+    model: nn.Module, inputs: Any, loss_fn: LossFn, api: str = "lowbit_report"
+) -> dict[str, dict[str, Any]]:
     """One forward and backward of ``loss_fn(model, inputs)``; per ``nn.Linear`` reached, by qualified
     name, in model order: ``{"module", "x" (M, in) float32, "w" (out, in) float32, "go" (M, out) float32
     if a gradient came}``.
@@ -256,7 +259,7 @@ def capture_linears(model: nn.Module, inputs: Any, loss_fn: LossFn) -> dict[str,
             for name, module in linears:
                 handles.add(module.register_forward_hook(_capture(name, seen, handles)))
             with torch.enable_grad():
-                check_loss(loss_fn(model, inputs)).backward()
+                call_loss(loss_fn, model, inputs, api).backward()
     finally:
         load_sr_state_dict(model, sr_state)
     return {name: t for name, t in seen.items() if "x" in t}

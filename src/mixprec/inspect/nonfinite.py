@@ -11,8 +11,8 @@ from mixprec.autocast import autocast
 from mixprec.inspect._modules import (
     LossFn,
     ModuleTracker,
+    call_loss,
     call_model,
-    check_loss,
     check_model,
     device_type_of,
     model_loss,
@@ -30,7 +30,7 @@ def find_nonfinite(
     inputs: Any,
     *,
     loss_fn: LossFn | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     device_type: str | None = None,
     policy: Policy | str | None = None,
 ) -> NonfiniteReport | None:
@@ -46,7 +46,8 @@ def find_nonfinite(
             (``model(**inputs)``).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``, called once inside the region with ``inputs``
             as the batch; with it, a backward runs too (without it, one forward ``model(inputs)``).
-        dtype: the autocast dtype; default: the policy's compute dtype, else float16.
+        dtype: the autocast dtype (a torch dtype or a name such as "fp16", "bf16"); default: the
+            policy's compute dtype, else float16.
         device_type: autocast's device type; default: that of the model's first parameter.
         policy: a :class:`~mixprec.Policy` or policy string for the region.
 
@@ -55,8 +56,9 @@ def find_nonfinite(
         execution order: forward ops, then backward nodes) whose result was non-finite.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, ``loss_fn`` not ``loss_fn(model, batch)``, or
-            ``policy`` of another type.
+        TypeError: if ``model`` is not an ``nn.Module``, ``loss_fn`` not ``loss_fn(model, batch)`` (refused
+            before the model runs, or when it raises: the message names what was passed), or ``policy`` of
+            another type.
         ValueError: if ``loss_fn`` returns something other than a one-element tensor that requires grad.
     """
     check_model(model)
@@ -75,11 +77,11 @@ def find_nonfinite(
         try:
             with torch.set_grad_enabled(loss_fn is not None):
                 with region, watch:
-                    loss = loss_fn(model, inputs) if loss_fn is not None else None
+                    loss = None if loss_fn is None else call_loss(loss_fn, model, inputs, "find_nonfinite")
                     if loss_fn is None:
                         call_model(model, inputs)
                 if loss is not None and watch.forward is None:
-                    check_loss(loss).backward()
+                    loss.backward()
             finding = watch.forward or watch.backward
             if finding is None and loss_fn is not None:
                 finding = _nonfinite_param_grad(model)

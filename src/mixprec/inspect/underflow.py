@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mixprec import formats
-from mixprec.inspect._modules import LossFn, check_loss, check_model, model_loss
+from mixprec.inspect._modules import LossFn, call_loss, check_model, model_loss
 from mixprec.inspect._restore import Handles, preserved, tensors_in
 from mixprec.inspect.summaries import GradStats, Log2Histogram
 from mixprec.inspect.underflow_report import UnderflowReport
@@ -81,7 +81,8 @@ def underflow_report(
         An :class:`UnderflowReport`; ``print(report.table())`` for the per-module figures.
 
     Raises:
-        TypeError: for a ``loss_fn`` that is not ``loss_fn(model, batch)``, or a non-numeric scale, target or
+        TypeError: for a ``loss_fn`` that is not ``loss_fn(model, batch)`` (refused before the model runs,
+            or when it raises: the message names what was passed), or a non-numeric scale, target or
             margin.
         ValueError: for a non-positive or non-finite scale, a target outside [0, 1), a margin below 1, or
             a loss that is not a one-element tensor requiring grad.
@@ -104,7 +105,7 @@ def underflow_report(
             if next(module.children(), None) is None:
                 handles.add(module.register_forward_hook(collector.hook_outputs(name, handles)))
         with torch.enable_grad():
-            check_loss(loss_fn(model, inputs)).backward()
+            call_loss(loss_fn, model, inputs, "underflow_report").backward()
         handles.remove_all()
         seen: set[int] = set()
         for name, module in model.named_modules():

@@ -13,6 +13,7 @@ from torch import nn
 
 from mixprec.autocast.checkpoint import autocast_context_fn
 from mixprec.policy import Policy
+from mixprec.policy.names import as_dtype
 from mixprec.policy.policy import check_policy
 from mixprec.scaling import GradScaler
 
@@ -64,7 +65,7 @@ def framework_dtype(
 def settings(
     policy: Policy | str | None,
     scaler: GradScaler | None,
-    dtype: torch.dtype | None,
+    dtype: torch.dtype | str | None,
     flag: torch.dtype | None,
     flag_name: str,
 ) -> tuple[Policy | None, torch.dtype | None, GradScaler | None]:
@@ -73,10 +74,11 @@ def settings(
 
     Raises:
         TypeError, ValueError: as :func:`check_policy`, :func:`check_scaler`, :func:`framework_dtype`
-            and :func:`region_dtype`.
+            and :func:`region_dtype`; for a ``dtype`` that is no dtype or dtype name.
     """
     policy = check_policy(policy)
     scaler = check_scaler(scaler)
+    dtype = None if dtype is None else as_dtype(dtype, "dtype")  # "bf16" as autocast takes it
     dtype = region_dtype(policy, framework_dtype(dtype, flag, flag_name), "dtype")
     if scaler is None and dtype == torch.float16:
         scaler = GradScaler()

@@ -90,8 +90,9 @@ class MixprecAccelerator(Accelerator):
         policy: a :class:`mixprec.Policy` or policy string; default: the device's default policy.
         scaler: a :class:`mixprec.GradScaler`; default: a new one when the region's dtype is float16, none for
             bfloat16. It replaces any scaler Accelerate built.
-        dtype: the region's dtype; default: the policy's compute dtype, else that of ``mixed_precision``
-            ("bf16"/"fp16"), else the device's default (bfloat16 on CPU, float16 on CUDA). With
+        dtype: the region's dtype (a torch dtype or a name such as "bf16"); default: the policy's compute
+            dtype, else that of ``mixed_precision`` ("bf16"/"fp16"), else the device's default (bfloat16
+            on CPU, float16 on CUDA). With
             ``mixed_precision="no"`` (recommended) mixprec alone decides each op's dtype; with "bf16"/"fp16"
             Accelerate's own torch.autocast also runs, inside the mixprec region.
         max_diagnoses: how many skipped / non-finite steps :meth:`diagnose_step` explains (0: none).
@@ -111,7 +112,7 @@ class MixprecAccelerator(Accelerator):
         *args: Any,
         policy: Policy | str | None = None,
         scaler: GradScaler | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         max_diagnoses: int = 1,
         **kwargs: Any,
     ) -> None:

@@ -103,7 +103,8 @@ class MixprecTrainer(transformers.Trainer):
         policy: a :class:`mixprec.Policy` or policy string; default: the device's default policy.
         scaler: a :class:`mixprec.GradScaler`; default: a new one when the region's dtype is float16, none
             for bfloat16 (pass one to count skipped steps there too). Replaces Accelerate's own scaler.
-        dtype: the region's dtype; default: the policy's compute dtype, else bfloat16 with ``bf16=True``,
+        dtype: the region's dtype (a torch dtype or a name such as "bf16"); default: the policy's compute
+            dtype, else bfloat16 with ``bf16=True``,
             float16 with ``fp16=True``, else the device's default (bfloat16 on CPU, float16 on CUDA).
         max_diagnoses: skipped or non-finite steps to explain with find_nonfinite (0: never).
 
@@ -121,7 +122,7 @@ class MixprecTrainer(transformers.Trainer):
         *args: Any,
         policy: Policy | str | None = None,
         scaler: GradScaler | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         max_diagnoses: int = 1,
         **kwargs: Any,
     ) -> None:

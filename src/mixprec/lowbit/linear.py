@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mixprec._generators import DeviceGenerators, check_seed
+from mixprec.formats import as_dtype
 from mixprec.lowbit.gemm import LowbitLinearFunction
 from mixprec.lowbit.quantize import hold_generator
 from mixprec.lowbit.recipes import Recipe, get_recipe
@@ -26,7 +27,7 @@ class LowbitLinear(nn.Linear):
     in the output dtype. No buffers: every scale is computed from the tensor being quantized.
 
     Args:
-        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        in_features, out_features, bias, device, dtype: as ``nn.Linear`` (``dtype`` may be a name, "bf16").
         recipe: a :class:`Recipe` or a recipe string (default ``"fp8_rowwise"``).
         generator: the ``torch.Generator`` stochastic rounding draws from, on the layer's device
             (``torch.rand`` cannot draw CUDA noise from a CPU generator). None (the default): torch's
@@ -50,7 +51,7 @@ class LowbitLinear(nn.Linear):
         out_features: int,
         bias: bool = True,
         device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         *,
         recipe: Recipe | str = "fp8_rowwise",
         generator: torch.Generator | None = None,
@@ -58,6 +59,7 @@ class LowbitLinear(nn.Linear):
     ) -> None:
         recipe, generator, seed = _check(recipe, generator, seed)
         check_layer_generator(recipe, generator, torch.empty(0, device=device).device, "the layer's weight")
+        dtype = None if dtype is None else as_dtype(dtype, "dtype")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe, self.generator = recipe, generator
         self.sr_generators = None if seed is None else DeviceGenerators(seed)

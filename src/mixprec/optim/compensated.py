@@ -52,6 +52,7 @@ import torch
 from torch.optim import Optimizer
 
 from mixprec._generators import DeviceGenerators
+from mixprec.formats import as_dtype
 from mixprec.optim import updates
 from mixprec.optim.fused_adam import AdamUnit, adam_step, check_lowbit_params, step_groups
 from mixprec.optim.guard import HugeGradientGuard, grads_fit, grads_of
@@ -89,8 +90,8 @@ class CompensatedOptimizer(OptimizerWrapper):
             rounding, 2 bytes of random bits per chunk value, and a ``state_format`` step allocates up to
             8 bytes per value of a tensor's slice of the chunk for the moment it is encoding.
         state_dtype: None (bf16 where the method allows it, see ``mixprec.optim.updates.moment_dtypes``)
-            or ``torch.float32`` (always fp32 state: bit for bit the torch optimizer stepping an fp32
-            scratch copy of each weight, then rounding it).
+            or ``torch.float32`` (or its name, "fp32"; always fp32 state: bit for bit the torch optimizer
+            stepping an fp32 scratch copy of each weight, then rounding it).
         skip_nonfinite: skip (and warn about) a step whose gradients are inf/nan or would overflow the
             optimizer state; False steps whatever comes, as torch does.
         state_format: None (the moments as ``state_dtype`` says) or ``"bf16"``, ``"int8"``, ``"fp8"``: Adam's
@@ -98,6 +99,10 @@ class CompensatedOptimizer(OptimizerWrapper):
             chunk (``mixprec.optim.fused_adam``); needs ``torch.optim.Adam``/``AdamW`` (with any
             foreach/fused/capturable flag: the step is one fused pass whatever they say) and
             ``state_dtype=None``.
+
+    Warns:
+        UserWarning: when no parameter is bfloat16/float16 and ``state_format`` is None: fp32 parameters
+            step exactly as the torch optimizer steps them, with nothing to compensate.
 
     Attributes:
         skipped_steps: steps skipped by ``skip_nonfinite`` so far.
@@ -118,10 +123,12 @@ class CompensatedOptimizer(OptimizerWrapper):
         *,
         seed: int | None = None,
         scratch_numel: int | None = 2**24,
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         skip_nonfinite: bool = True,
         state_format: str | None = None,
     ) -> None:
+        if isinstance(state_dtype, str):
+            state_dtype = as_dtype(state_dtype, "state_dtype")
         _check_args(optimizer, method, seed, scratch_numel, state_dtype)
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
@@ -144,6 +151,19 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.workspace = Workspace(*(min(n, scratch_numel or n) for n in bounds))
         for group in optimizer.param_groups:
             self._adopt(group["params"])
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if params and not self.model_params and state_format is None:
+            # Rounding error only arises when the weights are bf16/fp16: on fp32 weights the wrapper is
+            # the torch optimizer plus the non-finite skip, which a user asking for compensation should know.
+            warnings.warn(
+                f"CompensatedOptimizer({method!r}): none of the optimizer's {len(params)} parameters is "
+                "bfloat16 or float16, so there is nothing to compensate: fp32 parameters step exactly as the "
+                "torch optimizer steps them (plus the non-finite skip). Cast the model first "
+                "(model.to(torch.bfloat16)) and build the optimizer on it, or use "
+                "mixprec.initialize(model, optimizer, 'bf16-true', weight_update='kahan')",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _fast_algorithm(self) -> str | None:
         """``updates.fast_algorithm`` of the inner optimizer; a low-bit state takes capturable Adam too."""

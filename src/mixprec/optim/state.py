@@ -21,12 +21,26 @@ __all__ = ["check_compensated_state", "check_inner_state", "check_scaler_state",
 _SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg")
 
 
-def _require(state_dict: Any, keys: tuple[str, ...], what: str) -> None:
+def _require(state_dict: Any, keys: tuple[str, ...], what: str, plain_hint: str = "") -> None:
+    """Refuse a non-dict or one without ``keys``; ``plain_hint`` is added when it is a torch optimizer's
+    own state_dict (``state`` and ``param_groups`` only), saying how to migrate it."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"{what} state_dict must be a dict, got {type(state_dict).__name__}")
     missing = [k for k in keys if k not in state_dict]
     if missing:
-        raise ValueError(f"{what} state_dict lacks {missing}; it has {sorted(map(str, state_dict))}")
+        plain = plain_hint and set(state_dict) == {"state", "param_groups"}
+        raise ValueError(
+            f"{what} state_dict lacks {missing}; it has {sorted(map(str, state_dict))}"
+            + (f": that is a torch optimizer's own state_dict; {plain_hint}" if plain else "")
+        )
+
+
+#: How a plain torch optimizer's state_dict reaches a MixedPrecisionOptimizer (the wrapper moves the
+#: state of each model parameter onto its fp32 master when it wraps an optimizer that holds state).
+_MIGRATE = (
+    "to migrate it, load it into the torch optimizer before mixprec.initialize wraps it "
+    "(optimizer.load_state_dict(sd), then initialize: its state moves onto the fp32 masters)"
+)
 
 
 def check_inner_state(optimizer: Optimizer, state_dict: Any) -> None:
@@ -158,7 +172,7 @@ def load_mixed_precision_state(optimizer: Any, state_dict: Any) -> None:
 
     Should applying fail after all (a device error, say), the inner optimizer's previous state is put back.
     """
-    _require(state_dict, ("optimizer", "master_params", "scaler"), "MixedPrecisionOptimizer")
+    _require(state_dict, ("optimizer", "master_params", "scaler"), "MixedPrecisionOptimizer", _MIGRATE)
     saved = state_dict["master_params"]
     if not isinstance(saved, (list, tuple)) or not all(torch.is_tensor(t) for t in saved):
         raise ValueError("state_dict['master_params'] must be a list of tensors")

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from mixprec.formats import as_dtype
 from mixprec.lowbit.cost import (
     TARGETS,
     CostFn,
@@ -55,7 +56,8 @@ class MeasuredCost:
     Random values come from a generator of its own; torch's global RNG is not touched.
 
     Args:
-        device: where to time (the model's device); dtype: the layer's parameter dtype.
+        device: where to time (the model's device); dtype: the layer's parameter dtype (a dtype or a
+            name such as "bf16").
         formats: the formats timed together when a new shape is asked for (a format asked for later
             that is not among them is timed alone).
         warmup: untimed calls per format (>= 0; a compiled layer compiles on its first call, so give
@@ -69,7 +71,7 @@ class MeasuredCost:
     def __init__(
         self,
         device: torch.device | str,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         formats: Sequence[str] = ("bf16",),
         *,
         warmup: int = 2,
@@ -89,7 +91,7 @@ class MeasuredCost:
                 f"a compiled MeasuredCost needs warmup >= 1 (the first call compiles), got {warmup}"
             )
         self.compiled, self.backend = compiled, backend
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype = torch.device(device), as_dtype(dtype, "dtype")
         self.formats = list(dict.fromkeys(formats))
         self.warmup, self.repeats = warmup, repeats
         self.timer = _timer or (_cuda_timer if self.device.type == "cuda" else _cpu_timer)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.inspect._modules import call_loss, check_loss
 from mixprec.inspect.lowbit import operand_stats
 from mixprec.lowbit import LowbitLinear, get_recipe
 
@@ -197,13 +198,17 @@ class PassRunner:
     seed: int
     generator: Generators
 
-    def run(self, batches: Sequence[Any], *, capture: bool = False, keep: bool = False) -> PassResult:
+    def run(
+        self, batches: Sequence[Any], *, capture: bool = False, keep: bool = False, first: bool = False
+    ) -> PassResult:
         """Forward and backward of ``loss_fn(model, batch)`` for each batch with the layers as they are now.
 
         With ``capture``, the first batch's layer inputs, weights and output gradients are kept (float32,
         flattened to 2-D) for the quantization statistics. With ``keep``, every batch's layer inputs,
         outputs and output gradients are kept as they are (detached; memory: about ``2 x (in + 2 x out)``
-        values per row per layer, for the one-pass estimates of :mod:`mixprec.plan.local`).
+        values per row per layer, for the one-pass estimates of :mod:`mixprec.plan.local`). With ``first``
+        (the reference pass), a ``loss_fn`` that fails is reported with the signature it must have
+        (:func:`~mixprec.inspect._modules.call_loss`).
         """
         slots = self.slots
         slots.passes += 1
@@ -216,11 +221,13 @@ class PassRunner:
             torch.manual_seed(self.seed + index)
             try:
                 with torch.enable_grad():
-                    loss = self.loss_fn(slots.model, batch)
+                    if first:
+                        loss = call_loss(self.loss_fn, slots.model, batch, "plan_precision")
+                    else:
+                        loss = check_loss(self.loss_fn(slots.model, batch))
             finally:
                 for handle in handles:
                     handle.remove()
-            check_scalar(loss)
             if not torch.isfinite(loss.detach()).all():
                 result.losses.append(math.inf)
                 continue
@@ -283,15 +290,6 @@ def _recorder(fqn: str, seen: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> C
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1, t.shape[-1]).float()
-
-
-def check_scalar(loss: Any) -> None:
-    """Refuse a loss that is not a one-element tensor requiring grad."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a one-element tensor, got {got}")
-    if not loss.requires_grad:
-        raise ValueError("loss_fn returned a tensor that does not require grad; nothing to backpropagate")
 
 
 def divergences(ref: PassResult, run: PassResult, fqn: str | None) -> Divergence:

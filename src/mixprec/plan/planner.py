@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.inspect._modules import check_model
+from mixprec.inspect._modules import LossInputError, check_model, describe
 from mixprec.inspect._restore import preserved
 from mixprec.plan.config import PlanConfig
 from mixprec.plan.cost import resolve_cost
@@ -164,7 +164,10 @@ def plan_precision(
 
     Raises:
         TypeError: for a non-module ``model``, a non-callable ``loss_fn`` or ``cost``, an unknown keyword
-            option, or a ``config`` together with keyword options (or one that is not a PlanConfig).
+            option, or a ``config`` together with keyword options (or one that is not a PlanConfig);
+            ``batches`` that is one batch (a tensor, a dict) or not iterable; a ``loss_fn`` that raises on
+            the reference pass (the message states ``loss_fn(model, batch) -> scalar tensor`` and what
+            was passed; the original error is chained).
         ValueError: for a budget or grad_budget that is not a finite number > 0, a max_flushed
             outside (0, 1], a measure other than "exact" or "local", an empty ``batches``
             (or ``check_batches`` given empty), an unknown format or cost target, a model without linear
@@ -230,11 +233,11 @@ def plan_precision(
         try:
             slots.set(dict.fromkeys(fqns, "fp32"), generator)
             tick = time.process_time()
-            ref = runner.run(batches, capture=True, keep=measure == "local")
+            ref = runner.run(batches, capture=True, keep=measure == "local", first=True)
             step = (time.process_time() - tick) / len(batches)
             sets = [(batches, ref)]
             if checks:
-                sets.append((checks, runner.run(checks)))
+                sets.append((checks, runner.run(checks, first=True)))
             losses = [loss for _, r in sets for loss in r.losses]
             if not all(math.isfinite(loss) for loss in losses):
                 raise ValueError(f"loss_fn returned a non-finite loss at high precision: {losses}")
@@ -327,10 +330,10 @@ def _check_batches(
     """The batches as lists (a generator is read once), checked non-empty; ``loss_fn`` callable."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable loss_fn(model, batch) -> loss, got {loss_fn!r}")
-    batches = list(batches)
+    batches = _batch_list(batches, "batches")
     if not batches:
         raise ValueError("batches is empty: the planner needs at least one batch to measure on")
-    checks = None if check_batches is None else list(check_batches)
+    checks = None if check_batches is None else _batch_list(check_batches, "check_batches")
     if checks is not None and not checks:
         raise ValueError("check_batches is empty: pass None to check the plan on the planning batches only")
     return batches, checks
@@ -432,3 +435,14 @@ def _measure_plan(runner: PassRunner, sets: BatchSets, chosen: dict[str, str]) -
         assert check.loss is not None and check.weight_grad is not None  # a measured pass has both
         out["check_loss"], out["check_weight_grad"] = check.loss, check.weight_grad
     return out
+
+
+def _batch_list(batches: Any, name: str) -> list[Any]:
+    """``batches`` as a list, after checking it is an iterable of batches and not one batch: a tensor or a
+    dict would be split into rows or keys, each then passed to ``loss_fn`` as a batch."""
+    if isinstance(batches, (torch.Tensor, dict, str, bytes)) or not isinstance(batches, Iterable):
+        raise LossInputError(
+            f"{name} must be an iterable of batches (a list or a DataLoader), each passed to "
+            f"loss_fn(model, batch) as is; got one {describe(batches)}: for a single batch pass [batch]"
+        )
+    return list(batches)

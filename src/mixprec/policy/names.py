@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from mixprec.formats import as_dtype
 from mixprec.policy import ops as _ops
 
 PASSTHROUGH = "none"
@@ -33,18 +34,6 @@ _FAMILY_OPS: dict[str, Mapping[str, frozenset[str]]] = {"cpu": _ops.CPU_OPS, "cu
 _EDITABLE = (_ops.LOWER, _ops.FP32, _ops.PROMOTE, PASSTHROUGH)
 _ALL_CATEGORIES = (*_ops.CATEGORIES, PASSTHROUGH)
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "f32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "f16": torch.float16,
-    "half": torch.float16,
-}
 _KEY_NAMES = {
     "params": "param_dtype",
     "param": "param_dtype",
@@ -68,19 +57,11 @@ def _suggest(name: str, candidates: Iterable[str]) -> str:
 
 
 def _dtype(value: torch.dtype | str, what: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        if not value.is_floating_point or value == torch.float64:
-            raise ValueError(f"{what} must be float32, bfloat16 or float16, got {value}")
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
-        raise ValueError(
-            f"unknown dtype {value!r} for {what}{_suggest(key, _DTYPE_NAMES)}; accepted: "
-            f"{sorted(_DTYPE_NAMES)}"
-        )
-    raise TypeError(f"{what} must be a torch.dtype or str, got {type(value).__name__}: {value!r}")
+    """:func:`as_dtype`, limited to the dtypes a policy can hold (float32, bfloat16, float16)."""
+    dtype = as_dtype(value, what)
+    if not dtype.is_floating_point or dtype == torch.float64:
+        raise ValueError(f"{what} must be float32, bfloat16 or float16, got {value}")
+    return dtype
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

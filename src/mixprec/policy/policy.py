@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.formats import _DTYPE_NAMES, as_dtype
 from mixprec.policy.names import (
     _ALL_CATEGORIES,
-    _DTYPE_NAMES,
     _EDITABLE,
     _FAMILY_OPS,
     _KEY_NAMES,
@@ -351,9 +351,10 @@ class Policy:
                 found = value
         return found
 
-    def resolve(self, device_type: str, dtype: torch.dtype | None = None) -> ResolvedPolicy:
-        """The concrete rules on ``device_type``; ``dtype`` (autocast's argument) overrides compute_dtype."""
-        return _resolve(self, _family(device_type), dtype)
+    def resolve(self, device_type: str, dtype: torch.dtype | str | None = None) -> ResolvedPolicy:
+        """The concrete rules on ``device_type``; ``dtype`` (autocast's argument, a dtype or name) overrides
+        compute_dtype."""
+        return _resolve(self, _family(device_type), None if dtype is None else as_dtype(dtype, "dtype"))
 
     def __str__(self) -> str:
         parts = [f"params={_dtype_name(self.param_dtype)}"]
