@@ -49,13 +49,17 @@ def test_autocast_float32_on_cpu_is_a_region_with_autocast_off_without_torch_war
     assert _outcome(enter) == ("ok", []) and seen == [False]
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error"), [({"enabled": 1}, TypeError), ({"dtype": "bfloat16"}, TypeError)]
-)
+@pytest.mark.parametrize(("kwargs", "error"), [({"enabled": 1}, TypeError), ({"dtype": 3}, TypeError)])
 def test_autocast_argument_types_are_checked_where_torch_takes_them(kwargs, error) -> None:
     assert _outcome(lambda: torch.autocast("cpu", **kwargs))[0] == "ok"
     with pytest.raises(error):
         mixprec.autocast("cpu", **kwargs)
+
+
+def test_a_dtype_name_is_the_dtype_where_torch_takes_the_string_unchecked() -> None:
+    assert _outcome(lambda: torch.autocast("cpu", dtype="bfloat16"))[0] == "ok"
+    with mixprec.autocast("cpu", dtype="bfloat16"):
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
 def test_grad_scaler_takes_its_device_from_the_first_tensor_where_torch_defaults_to_cuda() -> None:

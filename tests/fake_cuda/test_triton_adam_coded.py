@@ -11,7 +11,8 @@ root) is given a correctly rounded fp32 square root too: torch's CPU one misroun
 six, its CUDA one (and the kernel's ``sqrt_rn``) is correctly rounded. The kernel's e4m3 cast is integer
 arithmetic (the interpreter's own cast is wrong at binade edges), compared with torch's over every class
 of fp32 value on its own. fp8's scale ``amax / 448`` is divided here, as torch's CPU divides; on CUDA
-the kernel multiplies by the fp32 reciprocal, as torch's CUDA does, which only a GPU run checks
+the kernel multiplies by the fp32 reciprocal, as torch's CUDA does: that branch is forced on the CPU
+against an engine given CUDA's division, and a GPU run checks it as it runs
 (``benchmarks/optimizer_speed.py``'s ``coded_vs_chunked_engine``). Stochastic rounding draws another
 stream than the engine's, so there only the moments are bitwise.
 """
@@ -228,3 +229,60 @@ def test_the_e4m3_cast_is_torchs(interpret):
     kern.cast_e4m3[(-(-x.numel() // 1024),)](x, out, x.numel(), BLOCK=1024)
     want = x.to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(out, want), x[out != want][:10]
+
+
+@pytest.mark.parametrize("method", ["kahan", "nearest"])
+def test_the_cuda_scale_branch_is_the_engines_with_cudas_division(coded, monkeypatch, method):
+    """fp8's scale as a GPU computes it (``amax * fp32(1 / 448)``, torch's CUDA division by a Python number):
+    the kernel's ``RECIPROCAL`` branch, forced on CPU tensors, against the engine whose ``amax / 448`` is
+    made CUDA's; and the branch differs from the CPU's division somewhere, so the test sees it."""
+    from mixprec.optim import _triton_adam, state_formats
+
+    inverse = torch.tensor(1.0, dtype=F32) / 448.0
+    monkeypatch.setattr(state_formats, "_fp8_scale", lambda amax: amax * inverse)
+    monkeypatch.setattr(_triton_adam, "RECIPROCAL_DIVISION", ("cuda", "cpu"))
+    fast = _run(monkeypatch, "1", "fp8", "adamw", method)
+    slow = _run(monkeypatch, "0", "fp8", "adamw", method)
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True), 1):
+        bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if _mismatch(a, b)]
+        assert not bad, (step, bad)
+    monkeypatch.undo()
+    amax = torch.rand(100_000, generator=torch.Generator().manual_seed(1), dtype=F32)
+    assert bool((amax * inverse != amax / 448.0).any())  # the two divisions differ: the branch matters
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_nan_gradient_unguarded_spreads_as_the_engines(coded, monkeypatch, fmt):
+    """``skip_nonfinite=False`` and one nan in a gradient: the nan block's moments, scales and weights end
+    as the engine's (a nan compared equal to a nan), the other blocks bit for bit."""
+    from fake_cuda.bits import same_bits
+
+    out = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MIXPREC_FUSED_OPTIM", switch)
+        gen = torch.Generator().manual_seed(5)
+        p = torch.nn.Parameter((torch.randn(700, generator=gen) * 0.3).to(BF16))
+        opt = CompensatedOptimizer(
+            torch.optim.AdamW([p], lr=1e-3), "kahan", state_format=fmt, skip_nonfinite=False
+        )
+        for step in range(2):
+            g = (torch.randn(700, generator=gen) * 1e-3).to(BF16)
+            if step == 1:
+                g[300] = float("nan")
+            p.grad = g
+            opt.step()
+        state = opt.optimizer.state[p]
+        out.append(
+            [
+                p.detach().clone(),
+                opt.compensation[0].clone(),
+                *(state[k].clone() for k in (*MOMENTS, *map(scale_key, MOMENTS))),
+            ]
+        )
+    fast, slow = out
+    for a, b in zip(fast, slow, strict=True):
+        if a.dtype in (torch.uint8, torch.float8_e4m3fn):
+            assert _mismatch(a, b) == 0
+        else:
+            assert same_bits(a, b)
+    assert bool(torch.isnan(fast[0].float()).any())  # the nan reached the weights: the case is exercised

@@ -69,6 +69,9 @@ __all__ = ["BLOCK", "ENV_SWITCH", "ROWS", "step_unit", "takes", "triton_availabl
 #: The environment variable that forces the chunked engine when set to ``0``.
 ENV_SWITCH = "MIXPREC_FUSED_OPTIM"
 BLOCK = 1024  # elements per program (optimi's block for large tensors)
+#: Device types whose torch divides a tensor by a Python number as a multiply by its fp32 reciprocal
+#: (ATen's ``div_true_kernel_cuda``); elsewhere it divides. The fp8 state's scale follows it.
+RECIPROCAL_DIVISION = ("cuda",)
 ROWS = 4  # coded moments: scale blocks per program (1024 values, as BLOCK)
 _BF16, _F32 = torch.bfloat16, torch.float32
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -154,7 +157,7 @@ def step_unit(unit: AdamUnit, tables: dict[Any, Any] | None = None) -> None:
         fp8 = moments.fmt == "fp8"
         tables = {} if tables is None else tables
         maps = [code_tables(moments.fmt, second, device, tables) for second in (False, True)]
-        reciprocal = fp8 and device.type == "cuda"  # as torch's CUDA ``tensor / 448.0`` (see the doc)
+        reciprocal = fp8 and device.type in RECIPROCAL_DIVISION  # as torch's ``tensor / 448.0`` there
         q = (torch.tensor(1.0, dtype=_F32) / _E4M3_MAX).item() if reciprocal else _E4M3_MAX
         consts |= {"FP8": fp8, "RECIPROCAL": reciprocal, "ROWS": ROWS, "BLOCK": state_formats.BLOCK}
     else:  # torch's layout; bf16 codes are that layout in bf16

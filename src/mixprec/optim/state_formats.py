@@ -221,13 +221,19 @@ def quantize_(
     if fmt == "fp8" and second:
         values.sqrt_()  # square-root space: see the module docstring
     amax = _absmax(values)
-    scale.copy_(amax / _E4M3_MAX if fmt == "fp8" else amax)
+    scale.copy_(_fp8_scale(amax) if fmt == "fp8" else amax)
     _scale_blocks_(values, scale, divide=True)
     if fmt == "fp8":
         codes.copy_(values)
         return
     _, mids = _map(not second, values.device, {} if tables is None else tables)
     codes.copy_(torch.bucketize(values, mids, right=True))  # nearest map entry; a tie rounds up
+
+
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` as torch computes it on ``amax``'s device (a CUDA tensor divided by a Python number is
+    multiplied by the number's fp32 reciprocal, a CPU one divided): what the fp8 Triton kernel copies."""
+    return amax / _E4M3_MAX
 
 
 def dequantize_(
