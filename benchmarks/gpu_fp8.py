@@ -476,6 +476,18 @@ def _bitwise(a: Any, b: Any) -> bool:
     return a.data.shape == b.data.shape and same(a.scale, b.scale) and same(a.data, b.data)
 
 
+def _f64_scale_quantize(x: torch.Tensor, fmt: str) -> tuple[Any, Any]:
+    """``triton_quantize.quantize`` with every kernel's scale divided in float64, not float32."""
+    from mixprec.lowbit import triton_quantize
+
+    saved = dict(triton_quantize.F32_DIV)
+    triton_quantize.F32_DIV.update(dict.fromkeys(saved, False))
+    try:
+        return triton_quantize.quantize(x, fmt, transpose=True)
+    finally:
+        triton_quantize.F32_DIV.update(saved)
+
+
 def run_quantize(results: Results, args: argparse.Namespace) -> None:
     """The quantize level: pure-torch against fused quantization of one operand and its transposed copy,
     every (format, path) timed in turn each round (the order rotated), with a bitwise check."""
@@ -508,6 +520,16 @@ def run_quantize(results: Results, args: argparse.Namespace) -> None:
             runs[fmt, "fused"] = functools.partial(triton_quantize.quantize, x, fmt, transpose=True)
         except Exception as exc:
             fused["error"] = _error(exc)
+            continue
+        # The same kernels with their scales divided in float64 (the float32 division's registers A/B).
+        f64 = {"format": fmt, "path": "fused f64", "shape": [m, k]}
+        rows[fmt, "fused f64"] = f64
+        try:
+            got, got_t = _f64_scale_quantize(x, fmt)
+            f64["bitwise"] = _bitwise(got, ref) and got_t is not None and _bitwise(got_t, ref_t)
+            runs[fmt, "fused f64"] = functools.partial(_f64_scale_quantize, x, fmt)
+        except Exception as exc:
+            f64["error"] = _error(exc)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
     for fn in runs.values():  # warm-up: the pure path's first call, the allocator
         fn()
@@ -525,7 +547,7 @@ def run_quantize(results: Results, args: argparse.Namespace) -> None:
             row_.update(median_ms=statistics.median(ms), range_ms=_range(ms), repeats=len(ms))
             row_["gb_per_s"] = moved / (row_["median_ms"] * 1e-3) / 1e9
             pure = rows[key[0], "pure torch"].get("median_ms")
-            if key[1] == "fused" and pure:
+            if key[1] != "pure torch" and pure:
                 row_["vs_pure"] = row_["median_ms"] / pure
     results.quantize = list(rows.values())
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import struct
 
 import pytest
 import torch
@@ -235,20 +236,33 @@ def _ptx(kernel, name: str, f8: str, **constexprs) -> str:
 
 
 def test_the_gpu_kernels_compile_with_torchs_rounding(monkeypatch):
-    """For sm90: the scale divided in float64 with div.rn and rounded once (cvt.rn.f32.f64), libdevice's
-    log2f (not lg2.approx), no approximate float32 division, and the saturating nearest-even fp8 cast."""
+    """For sm90: the scale as one correctly rounded float32 division (div.rn.f32, F32_DIV) or divided in
+    float64 with div.rn and rounded once (cvt.rn.f32.f64), libdevice's log2f (not lg2.approx), no
+    approximate float32 division, and the saturating nearest-even fp8 cast."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from mixprec.lowbit import triton_quantize
 
     k = triton_quantize._kernels(False)
     common = {"ELEM_MAX": 448.0, "POW2": True, "CAST": True, "F8": k.DTYPES["e4m3"], "PRECISE": True}
-    ptx = _ptx(k.block, "block", "fp8e4nv", BM=128, BK=128, TWO_D=False, TRANSPOSE=True, **common)
-    for needed in ("div.rn.f64", "cvt.rn.f32.f64", "cvt.rn.satfinite.e4m3x2.f32"):
-        assert needed in ptx, needed
-    assert "lg2.approx" not in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
-    e5m2 = {**common, "ELEM_MAX": 57344.0, "POW2": False, "F8": k.DTYPES["e5m2"]}
+    approximate = ("lg2.approx", "div.full.f32", "div.approx.f32")
+    for f32_div, needed, absent in (
+        (True, ["div.rn.f32"], "div.rn.f64"),
+        (False, ["div.rn.f64", "cvt.rn.f32.f64"], "div.rn.f32"),
+    ):
+        block = {"BM": 128, "BK": 128, "TWO_D": False, "TRANSPOSE": True, "F32_DIV": f32_div}
+        ptx = _ptx(k.block, "block", "fp8e4nv", **block, **common)
+        for wanted in (*needed, "cvt.rn.satfinite.e4m3x2.f32"):
+            assert wanted in ptx, (f32_div, wanted)
+        assert absent not in ptx, f32_div
+        assert not any(op in ptx for op in approximate), f32_div
+    # with F32_DIV, EPS's quotient is folded at compile time: float32(448 / 1e-12), rounded once
+    at_eps = f"0f{struct.unpack('<I', struct.pack('<f', 448.0 / 1e-12))[0]:08X}"
+    assert at_eps in _ptx(
+        k.block, "block", "fp8e4nv", BM=128, BK=128, TWO_D=False, TRANSPOSE=True, F32_DIV=True, **common
+    )
+    e5m2 = {**common, "ELEM_MAX": 57344.0, "POW2": False, "F8": k.DTYPES["e5m2"], "F32_DIV": True}
     ptx = _ptx(k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, **e5m2)
-    assert "div.rn.f64" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.full.f32" not in ptx
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.full.f32" not in ptx
     assert "atom.global" in _ptx(k.amax, "amax", "fp8e4nv", BM=64, BK=64, ROWWISE=True, COLS=True)
 
 

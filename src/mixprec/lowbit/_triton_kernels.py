@@ -3,12 +3,20 @@ when Triton is installed; loaded once per ``TRITON_INTERPRET`` setting, which ``
 
 ``PRECISE`` (a kernel argument): libdevice's ``log2f`` / ``exp2f`` for pow2 scales, as torch's CUDA
 kernels compute them; the interpreter, which has no libdevice, passes False and gets numpy's.
+
+``F32_DIV`` (a kernel argument): the scale ``ELEM_MAX / max(amax, EPS)`` as one correctly rounded float32
+division instead of a float64 division rounded to float32. The bits are the same: double rounding through
+a format of at least 2p + 2 bits is innocuous for division (Figueroa, "When is double rounding
+innocuous?", SIGNUM Newsletter 1995; float64's 53 bits >= 2 * 24 + 2), the quotients stay normal (amax >=
+EPS, ELEM_MAX <= 57344), and an amax below EPS takes EPS's quotient rounded once, as the float64 path
+does. It holds fewer registers where a tile needs many scales.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import struct
 from typing import Any
 
 import triton
@@ -22,13 +30,30 @@ libdevice: Any = None if INTERPRET else importlib.import_module("triton.language
 EPS: Any = tl.constexpr(1e-12)
 
 
+def _float32_at_or_above(value: float) -> float:
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]  # round to nearest
+    bits += struct.unpack("<f", struct.pack("<I", bits))[0] < value
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+#: The smallest float32 >= EPS: a float32 amax below it is below EPS.
+EPS_F32_UP: Any = tl.constexpr(_float32_at_or_above(1e-12))
+
+
 @triton.jit
-def _scale_of(amax_bits, ELEM_MAX: tl.constexpr, POW2: tl.constexpr, PRECISE: tl.constexpr):
+def _scale_of(amax_bits, ELEM_MAX: tl.constexpr, POW2: tl.constexpr, PRECISE: tl.constexpr,
+              F32_DIV: tl.constexpr):  # fmt: skip
     # scaling.fp32_scale: ELEM_MAX / max(amax, EPS) in float64 (Triton divides f64 as div.rn), one
-    # rounding to float32; pow2: exp2(floor(log2 s)) with libdevice's log2f, torch's CUDA log2.
-    a64 = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
-    a64 = tl.where(a64 != a64, a64, tl.maximum(a64, EPS))
-    s = (ELEM_MAX / a64).to(tl.float32)
+    # rounding to float32, or the same bits from one float32 div.rn (F32_DIV, the module doc); a nan amax
+    # stays nan in both; pow2: exp2(floor(log2 s)) with libdevice's log2f, torch's CUDA log2.
+    if F32_DIV:
+        a = amax_bits.to(tl.float32, bitcast=True)
+        at_eps = (tl.full([], ELEM_MAX, tl.float64) / EPS).to(tl.float32)
+        s = tl.where(a < EPS_F32_UP, at_eps, tl.div_rn(tl.full(a.shape, ELEM_MAX, tl.float32), a))
+    else:
+        a64 = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
+        a64 = tl.where(a64 != a64, a64, tl.maximum(a64, EPS))
+        s = (ELEM_MAX / a64).to(tl.float32)
     if POW2:
         if PRECISE:
             s = libdevice.exp2(libdevice.floor(libdevice.log2(s)))
@@ -98,19 +123,20 @@ def amax(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, BM: tl.constexpr, BK: tl.const
 def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_ptr,
                 scale_ptr, scale_t_ptr, BM: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
                 TRANSPOSE: tl.constexpr, ELEM_MAX: tl.constexpr, POW2: tl.constexpr,
-                CAST: tl.constexpr, F8: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
+                CAST: tl.constexpr, F8: tl.constexpr, PRECISE: tl.constexpr,
+                F32_DIV: tl.constexpr):  # fmt: skip
     # MODE 0: one scale from the tensor amax; 1: a given scale; 2: a scale per row (and per column
     # for the transposed copy).
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm, rk, mask, x = _tile(x_ptr, M, K, sxm, sxk, BM, BK)
     if MODE == 2:
-        s_row = _scale_of(tl.load(row_ptr + rm, mask=rm < M, other=0), ELEM_MAX, POW2, PRECISE)
+        s_row = _scale_of(tl.load(row_ptr + rm, mask=rm < M, other=0), ELEM_MAX, POW2, PRECISE, F32_DIV)
         y = _saturate(x * s_row[:, None], ELEM_MAX)
         if pid_k == 0:
             tl.store(scale_ptr + rm, s_row, mask=rm < M)
     else:
         if MODE == 0:
-            s = _scale_of(tl.load(row_ptr), ELEM_MAX, POW2, PRECISE)
+            s = _scale_of(tl.load(row_ptr), ELEM_MAX, POW2, PRECISE, F32_DIV)
             if (pid_m == 0) & (pid_k == 0):
                 tl.store(scale_ptr, s)
         else:
@@ -119,7 +145,8 @@ def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_p
     _store(out_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], y, mask, CAST, F8)
     if TRANSPOSE:
         if MODE == 2:
-            s_col = _scale_of(tl.load(col_ptr + rk, mask=rk < K, other=0), ELEM_MAX, POW2, PRECISE)
+            col_amax = tl.load(col_ptr + rk, mask=rk < K, other=0)
+            s_col = _scale_of(col_amax, ELEM_MAX, POW2, PRECISE, F32_DIV)
             yt = _saturate(x * s_col[None, :], ELEM_MAX)
             if pid_m == 0:
                 tl.store(scale_t_ptr + rk, s_col, mask=rk < K)
@@ -137,7 +164,7 @@ def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
                  OUT_ROWS, OUT_T_ROWS, KP, MP, BM: tl.constexpr, BK: tl.constexpr,
                  TWO_D: tl.constexpr, TRANSPOSE: tl.constexpr, ELEM_MAX: tl.constexpr,
                  POW2: tl.constexpr, CAST: tl.constexpr, F8: tl.constexpr,
-                 PRECISE: tl.constexpr):  # fmt: skip
+                 PRECISE: tl.constexpr, F32_DIV: tl.constexpr):  # fmt: skip
     # One BM x 128 tile (zeros beyond M, K: quantize's padding): 1x128 blocks are its rows, the
     # transposed copy's 1x128 blocks its columns (BM = 128), a 128x128 block the tile itself.
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -146,13 +173,13 @@ def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
     n_kb = KP // BK
     n_mb = MP // BK
     if TWO_D:
-        s = _scale_of(_amax(_amax(bits, 1), 0), ELEM_MAX, POW2, PRECISE)
+        s = _scale_of(_amax(_amax(bits, 1), 0), ELEM_MAX, POW2, PRECISE, F32_DIV)
         y = _saturate(x * s, ELEM_MAX)
         tl.store(scale_ptr + pid_m * n_kb + pid_k, s)
         if TRANSPOSE:
             tl.store(scale_t_ptr + pid_k * n_mb + pid_m, s)
     else:
-        s_row = _scale_of(_amax(bits, 1), ELEM_MAX, POW2, PRECISE)
+        s_row = _scale_of(_amax(bits, 1), ELEM_MAX, POW2, PRECISE, F32_DIV)
         y = _saturate(x * s_row[:, None], ELEM_MAX)
         tl.store(scale_ptr + rm.to(tl.int64) * n_kb + pid_k, s_row, mask=rm < OUT_ROWS)
     out_mask = (rm[:, None] < OUT_ROWS) & (rk[None, :] < KP)
@@ -161,7 +188,7 @@ def block(x_ptr, M, K, sxm, sxk, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr,
         if TWO_D:
             yt = y
         else:
-            s_col = _scale_of(_amax(bits, 0), ELEM_MAX, POW2, PRECISE)
+            s_col = _scale_of(_amax(bits, 0), ELEM_MAX, POW2, PRECISE, F32_DIV)
             yt = _saturate(x * s_col[None, :], ELEM_MAX)
             tl.store(scale_t_ptr + rk.to(tl.int64) * n_mb + pid_m, s_col, mask=rk < OUT_T_ROWS)
         mask_t = (rk[:, None] < OUT_T_ROWS) & (rm[None, :] < MP)

@@ -76,6 +76,9 @@ _SCALES = ("fp32", "pow2")
 _BLOCKS = ((-1, -1), (1, -1), (1, 128), (128, 128))
 _TILE = 128  # the side of a cast tile; a 1x128 / 128x128 block format's block side
 _EPS = 1e-12  # scaling.EPS, the smallest amax a scale is computed from
+#: Per kernel, whether it computes scales with one float32 division (same bits as float64; see
+#: ``_triton_kernels``' doc): where that holds fewer registers for sm_90 (docs/measured-figures.md).
+F32_DIV = {"cast": True, "block": True}
 
 
 def format_supported(fmt: LowbitFormat | str) -> bool:
@@ -166,7 +169,7 @@ def _quantize(
             x2, m, k, x2.stride(0), x2.stride(1), row_amax, col_amax, row_amax,
             data, data_t, scale, scale_t,
             BM=bm, BK=bk, MODE=2 if rowwise else 0, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
-            CAST=cast, F8=f8, PRECISE=not interpreting(),
+            CAST=cast, F8=f8, PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
         )  # fmt: skip
     else:
         two_d = rows == _TILE
@@ -186,7 +189,8 @@ def _quantize(
             x2, m, k, x2.stride(0), x2.stride(1), data, data_t, scale, scale_t,
             out_rows, out_t_rows, kp, mp,
             BM=bm, BK=_TILE, TWO_D=two_d, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
-            CAST=cast, F8=f8, PRECISE=not interpreting(), num_warps=8 if bm == _TILE else 4,
+            CAST=cast, F8=f8, PRECISE=not interpreting(), F32_DIV=F32_DIV["block"],
+            num_warps=8 if bm == _TILE else 4,
         )  # fmt: skip
     q = Quantized(data, scale, None, fmt, x.shape, x.dtype, x.dim() - 1)
     if not transpose:
@@ -233,7 +237,7 @@ def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Te
     kern.cast[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
         x, m, k, x.stride(0), x.stride(1), unused, unused, scale32, data, data_t, scale32, scale32,
         BM=bm, BK=bk, MODE=1, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max), POW2=False,
-        CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(),
+        CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
     )  # fmt: skip
     return data, (data_t if transpose else None)
 
