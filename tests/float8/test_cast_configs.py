@@ -168,6 +168,27 @@ def test_configs_torchao_refuses_are_refused_with_assertion_and_value_errors() -
         mf.Float8Config.from_recipe_name("columnwise")
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("e4m3", torch.float8_e4m3fn),
+        ("float8_e5m2", torch.float8_e5m2),
+        ("torch.float8_e4m3fnuz", torch.float8_e4m3fnuz),
+        (" E5M2FNUZ ", torch.float8_e5m2fnuz),
+    ],
+)
+def test_target_dtype_takes_a_name_as_its_dtype(name: str, dtype: torch.dtype) -> None:
+    by_name, by_dtype = mf.CastConfig(target_dtype=name), mf.CastConfig(target_dtype=dtype)
+    assert by_name.target_dtype is dtype
+    assert by_name == by_dtype and hash(by_name) == hash(by_dtype)  # one config, however it was spelled
+
+
+@pytest.mark.parametrize("bad", ["bf16", "e4m3x", "fp8"])
+def test_target_dtype_name_that_is_not_an_fp8_dtype_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match=rf"or a name of one \('e4m3', 'e5m2', .*got '{bad}'"):
+        mf.CastConfig(target_dtype=bad)
+
+
 def test_bad_values_name_the_field_and_what_it_accepts() -> None:
     with pytest.raises(
         ValueError,

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from mixprec import formats
 from mixprec.lowbit.gemm import GemmOptions
 from mixprec.lowbit.history import TensorScaling
 from mixprec.lowbit.recipes import Recipe
@@ -108,6 +109,24 @@ def _enum(kind: type[Enum], field: str, value: object) -> Enum:
         raise ValueError(f"{field} must be one of {accepted}; got {value!r}") from None
 
 
+def _fp8_dtype(value: object) -> torch.dtype | None:
+    """``target_dtype`` resolved: None, one of the fp8 dtypes, or a name of one (``formats.get``'s)."""
+    dtype = value
+    if isinstance(value, str):
+        try:
+            dtype = formats.get(value).dtype
+        except ValueError:
+            dtype = None
+        if dtype not in _DTYPE_NAMES:
+            names = ", ".join(repr(n) for n in _DTYPE_NAMES.values())
+            raise ValueError(
+                f"target_dtype must be None, one of {TARGET_DTYPES} or a name of one ({names}); got {value!r}"
+            )
+    if dtype is not None and dtype not in _DTYPE_NAMES:
+        raise ValueError(f"target_dtype must be None or one of {TARGET_DTYPES}; got {value!r}")
+    return dtype  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class CastConfig:
     """How one use of a tensor is cast to fp8 (see the module doc); frozen and hashable.
@@ -115,7 +134,7 @@ class CastConfig:
     Raises:
         ValueError: for a ``scaling_type`` or ``scaling_granularity`` outside the enums (their string
             values are accepted too), a ``target_dtype`` other than None, float8_e4m3fn, float8_e5m2,
-            float8_e4m3fnuz or float8_e5m2fnuz.
+            float8_e4m3fnuz or float8_e5m2fnuz (or their names: "e4m3", "float8_e5m2", ...).
         Float8UsageError: (a ValueError and an AssertionError, as torchao raises) for AXISWISE scaling
             that is not DYNAMIC.
     """
@@ -127,9 +146,7 @@ class CastConfig:
     def __post_init__(self) -> None:
         scaling_type = _enum(ScalingType, "scaling_type", self.scaling_type)
         granularity = _enum(ScalingGranularity, "scaling_granularity", self.scaling_granularity)
-        if self.target_dtype is not None and self.target_dtype not in _DTYPE_NAMES:
-            got = self.target_dtype
-            raise ValueError(f"target_dtype must be None or one of {TARGET_DTYPES}; got {got!r}")
+        dtype = _fp8_dtype(self.target_dtype)
         if granularity is ScalingGranularity.AXISWISE and scaling_type is not ScalingType.DYNAMIC:
             raise Float8UsageError(
                 "only dynamic scaling type is supported for axiswise scaling granularity "
@@ -137,6 +154,7 @@ class CastConfig:
             )
         object.__setattr__(self, "scaling_type", scaling_type)
         object.__setattr__(self, "scaling_granularity", granularity)
+        object.__setattr__(self, "target_dtype", dtype)
 
     @classmethod
     def of(cls, value: object, field: str, default_dtype: torch.dtype) -> CastConfig:
