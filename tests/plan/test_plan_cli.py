@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -146,6 +147,65 @@ def test_plan_command_compile_prices_the_compiled_layers(factory, capsys):
     plan = PrecisionPlan.from_json(out_json.read_text())
     assert plan.target == "measured:cpu:compiled"
     assert all(c > 0 for info in plan.layers.values() for c in info["cost"].values())
+
+
+@pytest.mark.parametrize(
+    ("flags", "path", "words"),
+    [
+        ([], "triton", "eager Triton quantization"),
+        (["--quantize", "unfused"], "unfused", "eager pure-torch quantization"),
+        (["--compile"], "fused", "compiled, fused quantization"),
+        (["--compile", "--quantize", "triton"], "triton", "eager Triton quantization"),
+    ],
+)
+def test_plan_quantize_picks_the_path_a_roofline_prices_and_says_it(
+    factory, capsys, monkeypatch, flags, path, words
+):
+    """The plan records and prints the quantization path its roofline priced; the path changes the price
+    (rowwise fp8 at 8192 rows on h100: unfused quantization costs more than the Triton kernels')."""
+    monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE", raising=False)
+    out_json = factory / "q.json"
+    argv = ["plan", "--from", "plan_factory:make", "--formats", "fp8_rowwise,bf16", "--cost", "h100"]
+    argv += [
+        "--tokens-per-step",
+        "8192",
+        "--exhaustive",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(factory / "q.png"),
+    ]
+    assert main([*argv, *flags]) == 0
+    plan = PrecisionPlan.from_json(out_json.read_text())
+    assert plan.quantize == path and plan.target == "h100"
+    assert f"on h100 ({words})" in capsys.readouterr().out
+    cost = {p: None for p in ("triton", "unfused")}
+    for quantize in cost:
+        assert main([*argv, "--quantize", quantize]) == 0
+        layer = PrecisionPlan.from_json(out_json.read_text()).layers["0"]["cost"]
+        cost[quantize] = layer["fp8_rowwise"] / layer["bf16"]
+    assert cost["unfused"] > cost["triton"]
+
+
+def test_plan_measured_cost_records_no_quantize_path(factory, capsys):
+    out_json = factory / "m.json"
+    argv = ["plan", "--from", "plan_factory:make", "--formats", "bf16", "--cost", "measured"]
+    assert (
+        main([*argv, "--tokens-per-step", "16", "--json", str(out_json), "--plot", str(factory / "m.png")])
+        == 0
+    )
+    assert PrecisionPlan.from_json(out_json.read_text()).quantize is None
+    assert "quantization)" not in capsys.readouterr().out
+
+
+def test_plan_quantize_refuses_an_unknown_path(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--quantize", "fast"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err  # argparse quotes the choices from Python 3.12 (and some 3.11 builds) on
+    assert re.search(
+        r"--quantize: invalid choice: 'fast' \(choose from '?fused'?, '?triton'?, '?unfused'?\)", err
+    )
 
 
 def test_plan_without_tokens_per_step_names_the_flag_and_where_it_wrote(factory, capsys):

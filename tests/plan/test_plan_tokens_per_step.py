@@ -92,15 +92,15 @@ def test_a_bad_tokens_per_step_is_refused_by_name(bad) -> None:
 def test_json_records_it_and_older_versions_still_load() -> None:
     plan = plan_precision(_mlp(32, 2), _batches(8, 32), _loss, tokens_per_step=512)
     data = json.loads(plan.to_json())
-    assert data["version"] == 5 and data["tokens_per_step"] == 512 and data["not_run"] == []
+    assert data["version"] == 6 and data["tokens_per_step"] == 512 and data["not_run"] == []
     assert PrecisionPlan.from_json(plan.to_json()) == plan
     for version in (2, 3):  # written before tokens_per_step: priced at the calibration rows
         old = {k: v for k, v in data.items() if k not in ("tokens_per_step", "not_run")}
         old["version"] = version
         loaded = PrecisionPlan.from_json(json.dumps(old))
         assert loaded.tokens_per_step is None and loaded.not_run == [] and loaded.formats == plan.formats
-    with pytest.raises(ValueError, match="version 5"):
-        PrecisionPlan.from_json(json.dumps({**data, "version": 6}))
+    with pytest.raises(ValueError, match="version 6"):
+        PrecisionPlan.from_json(json.dumps({**data, "version": 7}))
 
 
 def test_the_cli_takes_tokens_per_step(tmp_path, capsys) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec._files import write_atomic
+from mixprec.lowbit.cost import QUANTIZE_PATHS
 
 HELP = "plan a format per linear layer (low-bit, bf16, fp32) by measured divergence under a budget"
 
@@ -82,6 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="price each format on the torch.compile path (--cost measured times the compiled layers)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_PATHS,
+        default=None,
+        help="the quantization path a roofline --cost prices: fused (torch.compile), triton (CUDA eager), "
+        "unfused (pure torch); default: fused with --compile, unfused if MIXPREC_FUSED_QUANTIZE=0, "
+        "else triton",
     )
     parser.add_argument(
         "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
@@ -194,6 +203,7 @@ def _plan(plan_precision: Any, model: Any, batches: Any, loss_fn: Any, formats: 
         max_memory=int(args.max_memory) if str(args.max_memory).isdigit() else args.max_memory,
         weight_update=args.weight_update,
         compiled=args.compile,
+        quantize=args.quantize,
     )
 
 

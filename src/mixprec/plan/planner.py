@@ -60,6 +60,7 @@ from torch import nn
 
 from mixprec.inspect._modules import LossInputError, check_model, describe
 from mixprec.inspect._restore import preserved
+from mixprec.lowbit.cost import TARGETS, quantize_path
 from mixprec.plan.config import PlanConfig
 from mixprec.plan.cost import resolve_cost
 from mixprec.plan.local import LocalMeasurer
@@ -308,6 +309,7 @@ def plan_precision(
             "components": memory.components(state_format, activation_format),
             "options": pairs,
         },
+        quantize=quantize_path(config.quantize, compiled=config.compiled) if target in TARGETS else None,
     )
 
 

@@ -21,11 +21,13 @@ from mixprec.plan.measure import HIGH_PRECISION
 
 __all__ = ["PrecisionPlan"]
 
-_VERSION = 5
+_VERSION = 6
 #: version 2 documents have no ``measure`` field (they were measured exactly); versions 2-3 have no
 #: ``tokens_per_step`` or ``not_run`` (priced at the calibration rows; every linear that ran is listed);
 #: versions 2-4 have no ``state_format``, ``activation_format`` or ``memory`` (no memory was planned)
-_READS = (2, 3, 4, 5)
+#: versions 2-5 have no ``quantize`` (a roofline target's quantization path was not recorded)
+_READS = (2, 3, 4, 5, 6)
+_QUANTIZE_WORDS = {"fused": "compiled, fused", "triton": "eager Triton", "unfused": "eager pure-torch"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class PrecisionPlan:
             :mod:`mixprec.plan.memory` for the planned formats), "options": [{"state_format",
             "activation_format", "total"}, ...] (every candidate pair)}``; None in a plan read from a
             version before 5.
+        quantize: the quantization path a roofline ``target`` priced each operand's quantization on
+            (``"fused"``: compiled, ``"triton"``: CUDA eager, ``"unfused"``: pure torch;
+            :func:`mixprec.lowbit.cost.quantize_path`); None for a measured or user cost, and in a plan
+            read from a version before 6.
     """
 
     formats: dict[str, str]
@@ -92,6 +98,7 @@ class PrecisionPlan:
     state_format: str | None = None
     activation_format: str | None = None
     memory: dict[str, Any] | None = None
+    quantize: str | None = None
 
     # ------------------------------------------------------------------ reading
     def flop_share(self, fqn: str) -> float:
@@ -208,7 +215,7 @@ class PrecisionPlan:
         lines += self.memory_lines()
         lines.append(
             f"plan: {self.low_precision_share():.1%} of GEMM FLOPs below bf16, "
-            f"cost {self.relative_cost():.3f}x bf16 on {self.target}; "
+            f"cost {self.relative_cost():.3f}x bf16 on {self._target()}; "
             f"measured loss divergence {m['loss']:.2e} ({self._bound()}), "
             f"weight-gradient divergence {m['weight_grad']:.2e} after {len(self.rounds)} solve(s); "
             f"planning {self.seconds:.2f} s "
@@ -239,6 +246,12 @@ class PrecisionPlan:
         rows = sorted({info["shape"][0] for info in self.layers.values()})
         shown = ", ".join(map(str, rows)) if len(rows) < 4 else f"{rows[0]}-{rows[-1]}"
         return f"priced at the calibration batch's M={shown} rows (no tokens_per_step: not the run's shape)"
+
+    def _target(self) -> str:
+        """The target, with the quantization path a roofline priced (a measured cost timed its own)."""
+        if self.quantize is None:
+            return self.target
+        return f"{self.target} ({_QUANTIZE_WORDS.get(self.quantize, self.quantize)} quantization)"
 
     def _bound(self) -> str:
         if self.budget is not None:
