@@ -38,7 +38,9 @@ CUDA): per fp8 format, an operand quantized along K and its transposed copy quan
 forward and the backward need), by the pure-torch quantizers (``MIXPREC_FUSED_QUANTIZE=0``) and by the
 fused Triton kernels (``mixprec.lowbit.triton_quantize``, where the device has them), interleaved
 rounds of ``--quant-repeats`` timed calls each, the median and range in ms and in GB/s (the input read
-once and two fp8 copies written), and whether the fused result is the pure-torch one bit for bit. Then
+once and two fp8 copies written), and whether the fused result is the pure-torch one bit for bit; for
+``F64_SCALE_FORMATS`` also the fused kernels with their scales divided in float64 (``fused f64``, the
+division they made before the float32 one: the same bits, more registers). Then
 the passes: per lowbit recipe, the operand quantizations (each one read of a high-precision input,
 weight or grad_output) one ``LowbitLinearFunction`` forward and backward makes, counted by a patched
 counter, per use (``mixprec.lowbit.gemm.SHARE_CASTS = False``, as before the cast-transpose) and shared
@@ -101,6 +103,10 @@ CONFIGS = (
 GEMM_FORMATS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_rowwise_gw_hp")
 GEMM_SHAPE = {"cuda": "8192,8192,8192", "cpu": "64,64,64"}
 QUANT_FORMATS = ("fp8_tensorwise", "fp8_tensorwise_e5m2", "fp8_rowwise", "fp8_blockwise", "fp8_blockwise_2d")
+#: Formats whose fused kernels are also timed with the scale divided in float64 (``fused f64`` rows): where
+#: the float32 division changed registers most for sm_90 (docs/measured-figures.md: the 1x128 cast-transpose
+#: spilled, the per-row casts held 220 registers).
+F64_SCALE_FORMATS = ("fp8_rowwise", "fp8_blockwise")
 QUANT_SHAPE = {"cuda": "8192,8192", "cpu": "64,256"}
 #: A guess at one config's compile warm-up before any has run (seconds), for ``--budget-s``.
 FIRST_COMPILE_GUESS_S = {"cuda": 25.0, "cpu": 10.0}
@@ -520,6 +526,8 @@ def run_quantize(results: Results, args: argparse.Namespace) -> None:
             runs[fmt, "fused"] = functools.partial(triton_quantize.quantize, x, fmt, transpose=True)
         except Exception as exc:
             fused["error"] = _error(exc)
+            continue
+        if fmt not in F64_SCALE_FORMATS:
             continue
         # The same kernels with their scales divided in float64 (the float32 division's registers A/B).
         f64 = {"format": fmt, "path": "fused f64", "shape": [m, k]}
