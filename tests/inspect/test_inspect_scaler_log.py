@@ -121,3 +121,40 @@ def test_nonfinite_params_and_grad_amax():
     assert grad_amax(model.named_parameters()) == 3.0
     with pytest.raises(TypeError, match="nn.Module, an optimizer"):
         nonfinite_params(42)
+
+
+def test_summary_says_when_the_loss_went_non_finite(tmp_path):
+    # A run that diverges (SGD at lr=50 under fp16 autocast): its later losses are inf/nan, which the log
+    # writes as null. The summary once read "1.397 → 17.06", the last *finite* loss, as if the run ended
+    # there; it must say how many losses were not finite and from which step.
+    from mixprec.inspect.report import summarize
+    from mixprec.scaling import GradScaler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
+    scaler = GradScaler("cpu")
+    log = ScalerLog(scaler, tmp_path / "run.jsonl", optimizer=optimizer, model=model)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    for _ in range(10):
+        optimizer.zero_grad()
+        with autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        log.record(loss=loss)
+    log.close()
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    records = [r for r in records if "step" in r]
+    bad = [r["step"] for r in records if r["loss"] is None]
+    assert bad and bad[-1] == 9  # the run did end on a non-finite loss
+    summary = summarize(records)
+    assert f"({len(bad)} non-finite, first at step {bad[0]})" in summary
+
+
+def test_summary_of_a_finite_run_is_unchanged():
+    from mixprec.inspect.report import summarize
+
+    records = [{"step": s, "scale": 2.0**16, "skipped": False, "loss": 2.0 - 0.5 * s} for s in range(3)]
+    assert "| 2 → 1 |" in summarize(records)

@@ -103,8 +103,20 @@ def _bench_file(path: Path, name: str) -> ValueError:
     )
 
 
+def _loss_cell(losses: Sequence[float], nonfinite: Sequence[Any]) -> str:
+    """``first → last`` of the finite losses, and how many were not finite (from which step)."""
+    cell = f"{losses[0]:.4g} → {losses[-1]:.4g}" if losses else "-"
+    if nonfinite:
+        first = "" if nonfinite[0] is None else f", first at step {nonfinite[0]}"
+        cell += f" ({len(nonfinite)} non-finite{first})"
+    return cell
+
+
 def _run_row(label: str, run: Sequence[Mapping[str, Any]]) -> str:
     losses = [r["loss"] for r in run if r.get("loss") is not None]
+    # ScalerLog and the bench write a non-finite loss as null: count those steps, so a run that went to
+    # NaN does not read as ending on its last finite loss
+    nonfinite = [r.get("step") for r in run if "loss" in r and r["loss"] is None]
     scales = [r["scale"] for r in run if r.get("scale") is not None]
     amaxes = [r["grad_amax"] for r in run if r.get("grad_amax") is not None]
     times = [r["step_time_ms"] for r in run if r.get("step_time_ms") is not None]
@@ -113,7 +125,7 @@ def _run_row(label: str, run: Sequence[Mapping[str, Any]]) -> str:
     cells = [
         label,
         str(len(run)),
-        f"{losses[0]:.4g} → {losses[-1]:.4g}" if losses else "-",
+        _loss_cell(losses, nonfinite),
         f"{len(skipped)}" + (f" ({shown})" if skipped else ""),
         f"{format_scale(scales[0])} / {format_scale(min(scales))} / {format_scale(scales[-1])}"
         if scales
