@@ -11,7 +11,10 @@ Configs (each on its own copy of the same bf16 parameters, all fed the same grad
 - ``torchao-adamw8bit``: ``torchao.optim.AdamW8bit`` (its step is ``torch.compile``-d on the first call,
   which the warm-up pays; it is warmed up after the others' first round, so a time limit during the
   compile keeps their rounds, and its rows have one round fewer, paired with the same rounds of
-  ``torch-fused``).
+  ``torch-fused``);
+- opt-in with ``--configs``: ``mixprec-int8-fp32`` and ``torchao-adamw8bit-fp32``, the two 8-bit ones on
+  fp32 copies of the weights and gradients (8-bit Adam's common use; ``MixedPrecisionOptimizer``'s masters
+  with ``state_format`` step the same way). Their ratio is still to bf16 ``torch-fused``.
 
 A config whose package does not import is skipped with the reason; one that fails to build or step gets its
 error in the JSON and the others go on. The parameters are a GPT's weight shapes (per block a ``(3d, d)``,
@@ -25,7 +28,8 @@ is rewritten after the warm-up and every round (and on SIGTERM), so a run cut sh
 ``--no-bitwise``), :func:`bitwise_check` compares ``mixprec-kahan``'s steps on the first block's shapes with
 torch's fused kernel on fp32 copies, bit for bit (``bitwise_vs_torch_fused`` in the JSON), and
 :func:`coded_check` the int8 / fp8 one-pass kernel against the chunked engine (mismatch counts per kind,
-``coded_vs_chunked_engine``, on width 256's block and a tensor whose last block is short).
+``coded_vs_chunked_engine``, on width 256's block and a tensor whose last block is short;
+``int8-nearest-fp32`` on fp32 weights).
 
     python benchmarks/optimizer_speed.py --device cuda --json optim.json           # 403M on a GPU
     python benchmarks/optimizer_speed.py --device cpu --width 64 --layers 2 --configs torch-fused,optimi-kahan
@@ -54,9 +58,13 @@ CONFIGS = (
     "mixprec-int8",
     "torchao-adamw8bit",
 )
+#: Opt-in (``--configs``): the 8-bit peers on fp32 weights and gradients (a copy of the same start), as
+#: 8-bit Adam is most often run, and as ``MixedPrecisionOptimizer``'s fp32 masters with ``state_format``
+#: step
+FP32_CONFIGS = ("mixprec-int8-fp32", "torchao-adamw8bit-fp32")
 #: Configs whose first step compiles (seconds): warmed up after the first round, so that a time limit
 #: during the compile still leaves the others' rounds
-COMPILES = ("torchao-adamw8bit",)
+COMPILES = ("torchao-adamw8bit", "torchao-adamw8bit-fp32")
 LR, BETAS, WD = 1e-4, (0.9, 0.95), 0.1
 
 
@@ -69,6 +77,7 @@ def shapes(width: int, layers: int) -> list[tuple[int, ...]]:
 
 def build(config: str, params: list[torch.Tensor], device: torch.device) -> Any:
     """The optimizer of ``config`` on ``params``; ImportError when its package is missing."""
+    config = config.removesuffix("-fp32")  # the same optimizer; Run gave it fp32 params
     adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW
     kwargs: dict[str, Any] = {"lr": LR, "betas": BETAS, "weight_decay": WD}
     if config == "torch-fused":
@@ -88,7 +97,7 @@ def build(config: str, params: list[torch.Tensor], device: torch.device) -> Any:
         from torchao.optim import AdamW8bit
 
         return AdamW8bit(params, **kwargs)
-    raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+    raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS + FP32_CONFIGS)}")
 
 
 def bitwise_check(device: torch.device, dims: list[tuple[int, ...]], steps: int = 3) -> dict[str, Any]:
@@ -164,9 +173,15 @@ def coded_check(device: torch.device, dims: list[tuple[int, ...]], steps: int = 
         ran.append(1)
         real(unit, *args)
 
-    for fmt, method in (("int8", "kahan"), ("int8", "nearest"), ("fp8", "kahan")):
+    cases = [
+        ("int8", "kahan", torch.bfloat16),
+        ("int8", "nearest", torch.bfloat16),
+        ("fp8", "kahan", torch.bfloat16),
+    ]
+    cases.append(("int8", "nearest", torch.float32))  # fp32 weights (masters): the kernel's W_F32 variant
+    for fmt, method, dtype in cases:
         gen = torch.Generator(device=device).manual_seed(2)
-        start = [torch.randn(s, generator=gen, device=device).to(torch.bfloat16) * 0.02 for s in dims]
+        start = [torch.randn(s, generator=gen, device=device).to(dtype) * 0.02 for s in dims]
         sides: list[tuple[list[torch.nn.Parameter], Any]] = []
         ran.clear()
         _triton_adam.step_unit = counted  # type: ignore[assignment]
@@ -180,7 +195,7 @@ def coded_check(device: torch.device, dims: list[tuple[int, ...]], steps: int = 
             counts = dict.fromkeys(kinds, 0)
             compared = dict.fromkeys(kinds, 0)
             for _ in range(steps):
-                grads = [torch.randn(p.shape, generator=gen, device=device).to(torch.bfloat16) * 1e-3
+                grads = [torch.randn(p.shape, generator=gen, device=device).to(dtype) * 1e-3
                          for p in start]  # fmt: skip
                 for switch, (params, opt) in zip(("1", "0"), sides, strict=True):
                     os.environ[_triton_adam.ENV_SWITCH] = switch
@@ -209,7 +224,7 @@ def coded_check(device: torch.device, dims: list[tuple[int, ...]], steps: int = 
                 os.environ.pop(_triton_adam.ENV_SWITCH, None)
             else:
                 os.environ[_triton_adam.ENV_SWITCH] = before
-        out[f"{fmt}-{method}"] = {
+        out[f"{fmt}-{method}" + ("-fp32" if dtype == torch.float32 else "")] = {
             "steps": steps,
             "kernel_ran": bool(ran),
             "values": compared,
@@ -230,9 +245,10 @@ class Run:
         self, config: str, start: list[torch.Tensor], grads: list[torch.Tensor], device: torch.device
     ):
         self.config, self.device = config, device
-        self.params = [p.clone().requires_grad_(True) for p in start]
+        dtype = torch.float32 if config.endswith("-fp32") else start[0].dtype
+        self.params = [p.to(dtype, copy=True).requires_grad_(True) for p in start]
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g  # read only by the step: every config steps the same gradients
+            p.grad = g.to(dtype)  # read only by the step: every config steps the same gradients
         self.optimizer = build(config, self.params, device)
         self.times_ms: dict[int, float] = {}  # round index -> the mean step time of that round
 
@@ -298,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in CONFIGS + FP32_CONFIGS]
     if unknown or not configs:
-        parser.error(f"--configs: unknown {unknown or configs!r}; known: {', '.join(CONFIGS)}")
+        parser.error(f"--configs: unknown {unknown or configs!r}; known: {', '.join(CONFIGS + FP32_CONFIGS)}")
     for name in ("width", "layers", "rounds", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")

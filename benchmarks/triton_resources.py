@@ -142,7 +142,7 @@ def _run_every_kernel() -> None:
     """Each kernel launch mixprec makes, at small sizes on CPU tensors (the interpreter runs them)."""
     from mixprec.lowbit import triton_quantize
     from mixprec.lowbit.formats import FORMATS
-    from mixprec.optim import CompensatedOptimizer
+    from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 384, generator=g).to(torch.bfloat16)
@@ -160,6 +160,14 @@ def _run_every_kernel() -> None:
         for _ in range(2):  # the first step is the chunked engine's (see optim._triton_adam)
             p.grad = torch.randn(300, generator=g).to(torch.bfloat16)
             opt.step()
+    for state_format in ("int8", "fp8"):  # fp32 master weights: the coded kernel's fp32-weight variant
+        p = torch.nn.Parameter(torch.randn(300, generator=g).to(torch.bfloat16))
+        masters = MixedPrecisionOptimizer(
+            torch.optim.AdamW([p], lr=1e-3), scaler=None, state_format=state_format
+        )
+        for _ in range(2):
+            p.grad = torch.randn(300, generator=g).to(torch.bfloat16)
+            masters.step()
 
 
 def _ptxas(ptx: str, arch: int) -> dict[str, int]:

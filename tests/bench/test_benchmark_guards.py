@@ -484,6 +484,45 @@ def test_optimizer_speed_steps_what_torch_steps(monkeypatch) -> None:
         assert not torch.equal(b, s)  # stepped: the start is a copy each config owns
 
 
+def test_optimizer_speed_fp32_configs_step_fp32_copies_with_int8_moments(tmp_path: Path) -> None:
+    """``mixprec-int8-fp32`` steps fp32 copies of the start (not the bf16 ones) with int8 moments, close
+    to torch's AdamW on the same fp32 weights; the fp32 configs are opt-in, refused among the defaults'
+    names only when misspelled."""
+    script = _script("optimizer_speed")
+    assert not set(script.FP32_CONFIGS) & set(script.CONFIGS)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen, dtype=torch.bfloat16) for s in script.shapes(16, 1)]
+    grads = [torch.randn_like(p) for p in start]
+    run = script.Run("mixprec-int8-fp32", start, grads, torch.device("cpu"))
+    torch_run = script.Run("torch-fused", [p.float() for p in start], grads, torch.device("cpu"))
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in run.params)
+    assert run.params[0].data_ptr() != start[0].data_ptr()
+    run.step(3)
+    torch_run.step(3)
+    state = run.optimizer.optimizer.state[run.params[0]]
+    assert state["exp_avg"].dtype in (torch.int8, torch.uint8)  # int8 codes, not torch's fp32 moments
+    for a, b in zip(run.params, torch_run.params, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    out = tmp_path / "o.json"
+    argv = [*OPTIM_ARGV, "--rounds", "1", "--no-bitwise", "--json", str(out)]
+    assert script.main([*argv, "--configs", "torch-fused,mixprec-int8-fp32"]) == 0
+    assert [r["config"] for r in json.loads(out.read_text())["rows"]] == ["torch-fused", "mixprec-int8-fp32"]
+    with pytest.raises(SystemExit):
+        script.main([*argv, "--configs", "mixprec-int8-fp16"])
+
+
+def test_optimizer_speed_coded_check_covers_fp32_weights() -> None:
+    """The device check's cases include fp32 weights; on a CPU without the interpreter both sides are the
+    chunked engine, so every count is 0 and the kernel did not run."""
+    script = _script("optimizer_speed")
+    out = script.coded_check(torch.device("cpu"), [(8, 300), (300,)], steps=2)
+    assert set(out) == {"int8-kahan", "int8-nearest", "fp8-kahan", "int8-nearest-fp32"}
+    fp32 = out["int8-nearest-fp32"]
+    assert fp32["values"]["weights"] == 2 * (8 * 300 + 300) and fp32["values"]["kahan"] == 0
+    assert all(v == 0 for case in out.values() for v in case["mismatched"].values())
+    assert not any(case["kernel_ran"] for case in out.values())
+
+
 def test_optimizer_speed_warms_a_compiling_config_after_the_first_round_and_stops_at_its_budget(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -84,7 +84,7 @@ def test_the_gpu_kernel_compiles_with_torchs_rounding(monkeypatch):
     types |= {"v_ptr": "*fp32", "step_ptr": "*fp32", "bc_ptr": "*fp32", "n": "i32", "index": "i32"}
     signature = {a: types.get(a, "fp32") for a in args}
     consts = {"ADAMW": True, "DECAY": True, "MAXIMIZE": False, "ROUND": 1, "M_BF16": True}
-    consts |= {"V_BF16": False, "PRECISE": True, "BLOCK": 1024}
+    consts |= {"V_BF16": False, "PRECISE": True, "BLOCK": 1024, "W_F32": False}
     signature.update(dict.fromkeys(consts, "constexpr"))
     source = ASTSource(fn=k.adam, signature=signature, constexprs=consts)
     ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
@@ -101,9 +101,14 @@ def test_the_gpu_kernel_compiles_with_torchs_rounding(monkeypatch):
     signature |= dict.fromkeys(["lr", "beta1", "beta2", "eps", "wd", "tiny", "q"], "fp32")
     consts = {"ADAMW": True, "DECAY": True, "MAXIMIZE": False, "ROUND": 1, "PRECISE": True, "ROWS": 4}
     consts |= {"BLOCK": 256, "RECIPROCAL": True}
-    signature.update(dict.fromkeys([*consts, "FP8"], "constexpr"))
-    for fp8 in (False, True):
-        source = ASTSource(fn=k.adam_coded, signature=signature, constexprs={**consts, "FP8": fp8})
+    signature.update(dict.fromkeys([*consts, "FP8", "W_F32"], "constexpr"))
+    wide = dict.fromkeys(["w_ptr", "c_ptr", "g_ptr"], "*fp32")  # an fp32 weight (masters), stored as stepped
+    for fp8, w_f32 in ((False, False), (True, False), (False, True)):
+        source = ASTSource(
+            fn=k.adam_coded,
+            signature=signature | wide if w_f32 else signature,
+            constexprs={**consts, "FP8": fp8, "W_F32": w_f32, "ROUND": 0 if w_f32 else 1},
+        )
         ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm[
             "ptx"
         ]
@@ -336,8 +341,8 @@ def test_stochastic_bits_differ_by_step_and_repeat_by_seed(interpret):
 
 
 def test_which_path_runs(monkeypatch):
-    """A CPU tensor takes the kernel only under the interpreter; the switch and fp32 params keep the
-    chunked engine; an int8 state takes the coded kernel."""
+    """A CPU tensor takes the kernel only under the interpreter; the switch and fp16 params keep the
+    chunked engine (fp32 ones take the kernel); an int8 state takes the coded kernel."""
     from mixprec.optim import _triton_adam
 
     calls = []
@@ -371,7 +376,10 @@ def test_which_path_runs(monkeypatch):
     assert not _triton_adam.takes(unit)
     unit.params = [torch.randn(8, 8, requires_grad=True)]
     unit.params[0].grad = torch.randn(8, 8)
-    assert not _triton_adam.takes(unit)  # fp32
+    assert _triton_adam.takes(unit)  # fp32, its gradient fp32: stored as stepped
+    unit.params = [torch.randn(8, 8, dtype=torch.float16, requires_grad=True)]
+    unit.params[0].grad = torch.randn(8, 8, dtype=torch.float16)
+    assert not _triton_adam.takes(unit)  # fp16: the chunked engine
 
 
 def test_a_skipped_step_writes_nothing(interpret, monkeypatch):

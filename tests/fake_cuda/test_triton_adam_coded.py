@@ -37,6 +37,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 GROUPS = torch_layout.GROUPS
 interpret = torch_layout.interpret  # the fixture: Triton's interpreter with a true fp32 fma
 SHAPES = [(37, 29), (1,), (512,), (3, 300)]  # a short last block, one value, whole blocks, two tensors odd
+ALL_BF16 = (BF16,) * len(SHAPES)
 
 
 def _cuda_adam_(group, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
@@ -74,10 +75,13 @@ def _grads(gen: torch.Generator, step: int) -> list[torch.Tensor]:
     return out
 
 
-def _run(monkeypatch, switch, fmt, name, method, steps=4, seed=0):
+def _run(monkeypatch, switch, fmt, name, method, steps=4, seed=0, dtypes=ALL_BF16):
     monkeypatch.setenv("MIXPREC_FUSED_OPTIM", switch)
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.3).to(BF16)) for s in SHAPES]
+    params = [
+        torch.nn.Parameter((torch.randn(s, generator=gen) * 0.3).to(d))
+        for s, d in zip(SHAPES, dtypes, strict=True)
+    ]
     group = GROUPS[name]
     cls = torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
     inner = cls(params, **{k: v for k, v in group.items() if k != "decoupled_weight_decay"})
@@ -85,7 +89,7 @@ def _run(monkeypatch, switch, fmt, name, method, steps=4, seed=0):
     history = []
     for step in range(1, steps + 1):
         for p, g in zip(params, _grads(gen, step), strict=True):
-            p.grad = g
+            p.grad = g.to(p.dtype)
         opt.step()
         history.append(_snapshot(opt, params))
     return history
@@ -116,6 +120,64 @@ def test_steps_are_the_chunked_engines_bit_for_bit(coded, monkeypatch, fmt, name
     assert len(coded) == 4 and all(isinstance(m, CodedMoments) for m in coded)
     slow = _run(monkeypatch, "0", fmt, name, method)
     assert len(coded) == 4
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True), 1):
+        bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if _mismatch(a, b)]
+        assert not bad, (step, bad)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+def test_fp32_weights_beside_bf16_ones_take_the_kernel_bit_for_bit(coded, monkeypatch, fmt, method):
+    """A group of bf16 and fp32 weights (norms kept in fp32, masters): the fp32 ones are stepped and stored
+    in fp32 as the engine steps them in place, without a Kahan buffer or rounding, in the same launch
+    sequence. Under stochastic rounding only the bf16 weights draw bits (another stream than the
+    engine's), so the fp32 weights and all moments are still bitwise."""
+    dtypes = (BF16, F32, F32, BF16)
+    fast = _run(monkeypatch, "1", fmt, "adamw", method, steps=3, dtypes=dtypes)
+    assert len(coded) == 3
+    slow = _run(monkeypatch, "0", fmt, "adamw", method, steps=3, dtypes=dtypes)
+    assert len(coded) == 3
+    stochastic = {i for i, d in enumerate(dtypes) if d == BF16} if method == "stochastic" else set()
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True), 1):
+        assert got[1].dtype == F32 and got[2].dtype == F32
+        bad = [
+            i
+            for i, (a, b) in enumerate(zip(got, want, strict=True))
+            if _mismatch(a, b) and i not in stochastic
+        ]
+        assert not bad, (step, bad)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_master_weights_with_a_state_format_take_the_kernel(coded, monkeypatch, fmt):
+    """``MixedPrecisionOptimizer``'s fp32 masters of bf16 weights with low-bit moments: one kernel launch
+    per master, bit for bit the chunked engine (masters, the bf16 weights copied from them, codes,
+    scales)."""
+    from mixprec.optim import MixedPrecisionOptimizer
+
+    def run(switch):
+        monkeypatch.setenv("MIXPREC_FUSED_OPTIM", switch)
+        gen = torch.Generator().manual_seed(1)
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.3).to(BF16)) for s in SHAPES]
+        opt = MixedPrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), scaler=None, state_format=fmt)
+        assert all(m.dtype == F32 for m in opt.master_params) and len(opt.master_params) == len(params)
+        out = []
+        for step in range(1, 4):
+            for p, g in zip(params, _grads(gen, step), strict=True):
+                p.grad = g
+            opt.step()
+            states = [opt.optimizer.state[m] for m in opt.master_params]
+            out.append(
+                [p.detach().clone() for p in params]
+                + [m.detach().clone() for m in opt.master_params]
+                + [s[k].clone() for s in states for k in (*MOMENTS, *map(scale_key, MOMENTS))]
+            )
+        return out
+
+    fast = run("1")
+    assert len(coded) == 3
+    slow = run("0")
+    assert len(coded) == 3
     for step, (got, want) in enumerate(zip(fast, slow, strict=True), 1):
         bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if _mismatch(a, b)]
         assert not bad, (step, bad)
@@ -209,7 +271,13 @@ def test_which_units_take_the_coded_kernel(coded, monkeypatch):
     monkeypatch.setenv("MIXPREC_FUSED_OPTIM", "1")
     unit.params = [unit.params[0].float()]
     unit.params[0].grad = torch.zeros(1000)
-    assert not _triton_adam.takes(unit)
+    assert _triton_adam.takes(unit)  # fp32 with an fp32 gradient, no Kahan buffer
+    unit.kahan = [torch.zeros(1000, dtype=BF16)]
+    assert not _triton_adam.takes(unit)  # fp32 with a Kahan buffer: the engine's to refuse
+    unit.kahan = None
+    unit.params = [unit.params[0].half()]
+    unit.params[0].grad = torch.zeros(1000, dtype=torch.float16)
+    assert not _triton_adam.takes(unit)  # fp16
 
 
 def test_the_e4m3_cast_is_torchs(interpret):

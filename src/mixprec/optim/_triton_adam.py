@@ -1,4 +1,4 @@
-"""One-pass Adam/AdamW steps of bf16 weights on CUDA: one Triton kernel launch per tensor.
+"""One-pass Adam/AdamW steps of bf16 (and fp32) weights on CUDA: one Triton kernel launch per tensor.
 
 :func:`mixprec.optim.fused_adam.adam_step` hands a unit here when :func:`takes` says so; the kernel
 (``_triton_adam_kernels.adam``) reads the weight, its Kahan buffer, the gradient, both moments (torch's
@@ -39,13 +39,15 @@ then bit for bit the engine's on the same device, the weights and Kahan buffers 
 fp32 ``sqrt`` is correctly rounded (CUDA's; torch's CPU one is not: the tests give the engine a correctly
 rounded one); ``benchmarks/optimizer_speed.py`` counts the differences on a GPU.
 
-What :func:`takes`: a unit in torch's moment layout or a state format whose params are plain (not fake,
-not a subclass) contiguous bf16 CUDA tensors under ``2**31`` elements with contiguous bf16 gradients (and
-Kahan buffers), the moments (codes and scales) laid out as the format makes them, contiguous on that
+What :func:`takes`: a unit in torch's moment layout or a state format whose params are plain (not fake, not a
+subclass) contiguous CUDA tensors under ``2**31`` elements, each bf16 with a contiguous bf16 gradient (and
+Kahan buffer where the unit has them) or fp32 with an fp32 gradient (and none: stepped and stored in fp32 as
+the engine steps an fp32 param in place, e.g. ``MixedPrecisionOptimizer``'s master weights with a
+``state_format``), the moments (codes and scales) laid out as the format makes them, contiguous on that
 device, no amsgrad, eager mode (not compiling), Triton importable, and the environment variable
 ``MIXPREC_FUSED_OPTIM`` not ``0`` (read at each step; ``0`` forces the chunked engine). A CPU tensor takes it
-only under Triton's interpreter (``TRITON_INTERPRET=1``), where the tests run it; there ``powf`` is torch's
-on the host. Triton is imported when a kernel is first launched (``mixprec._triton.kernels``).
+only under Triton's interpreter (``TRITON_INTERPRET=1``), where the tests run it; there ``powf`` is torch's on
+the host. Triton is imported when a kernel is first launched (``mixprec._triton.kernels``).
 """
 
 from __future__ import annotations
@@ -100,10 +102,15 @@ def takes(unit: AdamUnit) -> bool:
     device = unit.params[0].device
     if not (device.type == "cuda" or (device.type == "cpu" and interpreting())):
         return False
-    grads = [p.grad for p in unit.params]
-    kahan = list(unit.kahan) if unit.kahan is not None else []
-    if not all(_fits(t, device) for t in [*unit.params, *grads, *kahan]):
-        return False
+    kahan = list(unit.kahan) if unit.kahan is not None else [None] * len(unit.params)
+    for param, buffer in zip(unit.params, kahan, strict=True):
+        dtype = param.dtype  # bf16 (a Kahan buffer where the unit has them) or fp32 (none), grad alike
+        if dtype not in (_BF16, _F32) or not (
+            _fits(param, device, dtype) and _fits(param.grad, device, dtype)
+        ):
+            return False
+        if not (_fits(buffer, device) if dtype == _BF16 and unit.kahan is not None else buffer is None):
+            return False
     if isinstance(moments, TorchMoments):
         if any(dtype not in (_BF16, _F32) for dtype in moments.dtypes):
             return False
@@ -172,11 +179,14 @@ def step_unit(unit: AdamUnit, tables: dict[Any, Any] | None = None) -> None:
             n = param.numel()
             if n == 0:
                 continue
+            # an fp32 weight is stored as stepped: one rounding variant compiled for it, not three
+            w_f32 = param.dtype == _F32
+            tensor_consts = consts | {"W_F32": w_f32, "ROUND": 0 if w_f32 else rounding}
             if not coded:
                 m, v = (_bits(state[key]) for key in MOMENTS)
                 kern.adam[(-(-n // BLOCK),)](
                     _bits(param), _bits(buffer), _bits(grad), m, v, step, seed, bias, n, index, *hyper,
-                    **consts, **options,
+                    **tensor_consts, **options,
                 )  # fmt: skip
                 continue
             codes = [state[key].view(-1).view(torch.uint8) for key in MOMENTS]
@@ -188,7 +198,7 @@ def step_unit(unit: AdamUnit, tables: dict[Any, Any] | None = None) -> None:
                 (m, v), (ms, vs) = (x[start:stop] for x in codes), (x[block : block + blocks] for x in scales)
                 kern.adam_coded[(-(-blocks // ROWS),)](
                     w, c, g, m, ms, v, vs, *maps[0], *maps[1], step, seed, bias, stop - start, start, index,
-                    *hyper, _TINY, q, **consts, **options,
+                    *hyper, _TINY, q, **tensor_consts, **options,
                 )  # fmt: skip
 
 

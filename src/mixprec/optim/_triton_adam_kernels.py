@@ -72,12 +72,25 @@ def _step_sizes(step_ptr, bc_ptr, lr, beta1, beta2, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _load_weight(w_ptr, c_ptr, offs, mask, ROUND: tl.constexpr):
-    # fp32(w) + fp32(c) with a Kahan buffer (ROUND 1), else fp32(w)
-    p = _widen(tl.load(w_ptr + offs, mask=mask))
-    if ROUND == 1:
-        p = p + _widen(tl.load(c_ptr + offs, mask=mask))
+def _load_weight(w_ptr, c_ptr, offs, mask, ROUND: tl.constexpr, W_F32: tl.constexpr):
+    # fp32(w) + fp32(c) with a Kahan buffer (ROUND 1), else fp32(w); an fp32 weight (W_F32) as it is
+    if W_F32:
+        p = tl.load(w_ptr + offs, mask=mask)
+    else:
+        p = _widen(tl.load(w_ptr + offs, mask=mask))
+        if ROUND == 1:
+            p = p + _widen(tl.load(c_ptr + offs, mask=mask))
     return p
+
+
+@triton.jit
+def _load_grad(g_ptr, offs, mask, W_F32: tl.constexpr):
+    # the gradient in fp32: an fp32 weight's is fp32, a bf16 one's bf16 (bits)
+    if W_F32:
+        g = tl.load(g_ptr + offs, mask=mask)
+    else:
+        g = _widen(tl.load(g_ptr + offs, mask=mask))
+    return g
 
 
 @triton.jit
@@ -102,10 +115,16 @@ def _adam_math(
 
 
 @triton.jit
-def _store_weight(w_ptr, c_ptr, seed_ptr, p, offs, mask, counter, index, ROUND: tl.constexpr):
+def _store_weight(
+    w_ptr, c_ptr, seed_ptr, p, offs, mask, counter, index, ROUND: tl.constexpr, W_F32: tl.constexpr
+):  # fmt: skip
     # the stepped fp32 value into the bf16 weight: nearest (ROUND 0), Kahan (1), stochastic (2);
-    # ``counter``: each value's Philox counter within its tensor
-    if ROUND == 2:  # 16 uniform bits under bf16's last one, then truncate: carries with the dropped fraction
+    # ``counter``: each value's Philox counter within its tensor. An fp32 weight (W_F32) takes it as it is
+    if W_F32:
+        tl.store(w_ptr + offs, p, mask=mask)
+    elif (
+        ROUND == 2
+    ):  # 16 uniform bits under bf16's last one, then truncate: carries with the dropped fraction
         bits = _philox(counter.to(tl.uint32), (counter * 0 + index).to(tl.uint32), tl.load(seed_ptr))
         rounded = (p.to(tl.int32, bitcast=True) + (bits & 0xFFFF).to(tl.int32)) >> 16
         tl.store(w_ptr + offs, tl.where(p != p, 0x7FC0, rounded).to(tl.int16), mask=mask)
@@ -122,16 +141,18 @@ def adam(
     lr, beta1, beta2, eps, wd,
     ADAMW: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr, ROUND: tl.constexpr,
     M_BF16: tl.constexpr, V_BF16: tl.constexpr, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
+    W_F32: tl.constexpr,
 ):  # fmt: skip
     # One Adam/AdamW step of one bf16 tensor, moments in torch's layout (ROUND 0 nearest, 1 Kahan,
-    # 2 stochastic). fp32 hyperparameters (the interpreter passes Python floats through as float64)
+    # 2 stochastic), or of an fp32 one (W_F32: its gradient fp32, no rounding). fp32 hyperparameters
+    # (the interpreter passes Python floats through as float64)
     lr, beta1, beta2 = tl.cast(lr, tl.float32), tl.cast(beta1, tl.float32), tl.cast(beta2, tl.float32)
     eps, wd = tl.cast(eps, tl.float32), tl.cast(wd, tl.float32)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     step_size, bc2_sqrt = _step_sizes(step_ptr, bc_ptr, lr, beta1, beta2, PRECISE)
-    p = _load_weight(w_ptr, c_ptr, offs, mask, ROUND)
-    g = _widen(tl.load(g_ptr + offs, mask=mask))
+    p = _load_weight(w_ptr, c_ptr, offs, mask, ROUND, W_F32)
+    g = _load_grad(g_ptr, offs, mask, W_F32)
     m = tl.load(m_ptr + offs, mask=mask)
     if M_BF16:
         m = _widen(m)
@@ -139,7 +160,7 @@ def adam(
     if V_BF16:
         v = _widen(v)
     p, m, v = _adam_math(p, g, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, ADAMW, DECAY, MAXIMIZE)
-    _store_weight(w_ptr, c_ptr, seed_ptr, p, offs, mask, offs, index, ROUND)
+    _store_weight(w_ptr, c_ptr, seed_ptr, p, offs, mask, offs, index, ROUND, W_F32)
     if M_BF16:
         m = _nearest(m)
     tl.store(m_ptr + offs, m, mask=mask)
@@ -217,11 +238,11 @@ def adam_coded(
     lr, beta1, beta2, eps, wd, tiny, q,
     ADAMW: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr, ROUND: tl.constexpr,
     FP8: tl.constexpr, RECIPROCAL: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, W_F32: tl.constexpr,
 ):  # fmt: skip
-    # One Adam/AdamW step of one run of a bf16 tensor's block grid, moments block-coded (int8: the
-    # dynamic map's codes, fp8: e4m3, the second moment's square root): a program owns ROWS whole
-    # blocks of BLOCK values, a row each, and decodes, steps and encodes them
+    # One Adam/AdamW step of one run of a bf16 (or, W_F32, fp32) tensor's block grid, moments block-coded
+    # (int8: the dynamic map's codes, fp8: e4m3, the second moment's square root): a program owns ROWS
+    # whole blocks of BLOCK values, a row each, and decodes, steps and encodes them
     lr, beta1, beta2 = tl.cast(lr, tl.float32), tl.cast(beta1, tl.float32), tl.cast(beta2, tl.float32)
     eps, wd, tiny = tl.cast(eps, tl.float32), tl.cast(wd, tl.float32), tl.cast(tiny, tl.float32)
     q = tl.cast(q, tl.float32)
@@ -230,12 +251,12 @@ def adam_coded(
     mask = offs < n
     live = rows * BLOCK < n
     step_size, bc2_sqrt = _step_sizes(step_ptr, bc_ptr, lr, beta1, beta2, PRECISE)
-    p = _load_weight(w_ptr, c_ptr, offs, mask, ROUND)
-    g = _widen(tl.load(g_ptr + offs, mask=mask))
+    p = _load_weight(w_ptr, c_ptr, offs, mask, ROUND, W_F32)
+    g = _load_grad(g_ptr, offs, mask, W_F32)
     m = _decode(m_ptr, ms_ptr, m_table, offs, mask, rows, live, False)
     v = _decode(v_ptr, vs_ptr, v_table, offs, mask, rows, live, FP8)
     p, m, v = _adam_math(p, g, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, ADAMW, DECAY, MAXIMIZE)
-    _store_weight(w_ptr, c_ptr, seed_ptr, p, offs, mask, offs + start, index, ROUND)
+    _store_weight(w_ptr, c_ptr, seed_ptr, p, offs, mask, offs + start, index, ROUND, W_F32)
     _encode(m, m_ptr, ms_ptr, m_mids, offs, mask, rows, live, tiny, q, FP8, False, RECIPROCAL)
     _encode(v, v_ptr, vs_ptr, v_mids, offs, mask, rows, live, tiny, q, FP8, FP8, RECIPROCAL)
 

@@ -28,8 +28,8 @@ With a low-bit format the update uses the moments at full precision within the s
 AdamW does) and only what is carried to the next step is quantized; no fp32 copy of a whole moment, weight
 or gradient exists.
 
-On CUDA (eager, Triton importable, bf16 params, ``MIXPREC_FUSED_OPTIM`` not ``0``) a unit in torch's layout
-or a state format skips the chunks: :mod:`mixprec.optim._triton_adam` steps each tensor in one Triton
+On CUDA (eager, Triton importable, bf16 or fp32 params, ``MIXPREC_FUSED_OPTIM`` not ``0``) a unit in torch's
+layout or a state format skips the chunks: :mod:`mixprec.optim._triton_adam` steps each tensor in one Triton
 pass (decoding and encoding block-coded moments in it), bit for bit this engine with torch's CUDA fused
 kernel, rounded as above; the gradients are then checked unfolded.
 

@@ -73,7 +73,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         state_format: None (the inner optimizer's own state and step) or ``"bf16"``, ``"int8"``, ``"fp8"``:
             Adam's moments stored in that low-bit format (``mixprec.optim.state_formats``) and the masters
             stepped chunk by chunk through torch's fused kernel (``mixprec.optim.fused_adam``, the step
-            counters on the masters' device); needs a fresh ``torch.optim.Adam``/``AdamW`` (any
+            counters on the masters' device; on CUDA one Triton pass per master instead, bit for bit the
+            same, ``mixprec.optim._triton_adam``); needs a fresh ``torch.optim.Adam``/``AdamW`` (any
             foreach/fused/capturable flag). A chunk is at most ``rounding.CHUNK`` (2**18) values on a CPU
             and ``rounding.CUDA_CHUNK`` (2**24) on a CUDA device; the step's workspace holds three fp32
             buffers of a chunk (gradients, both moments: 192 MiB on a GPU) and allocates up to 8 bytes
