@@ -125,13 +125,14 @@ def test_steps_are_the_chunked_engines_bit_for_bit(coded, monkeypatch, fmt, name
         assert not bad, (step, bad)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16", None])
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])
 def test_fp32_weights_beside_bf16_ones_take_the_kernel_bit_for_bit(coded, monkeypatch, fmt, method):
     """A group of bf16 and fp32 weights (norms kept in fp32, masters): the fp32 ones are stepped and stored
     in fp32 as the engine steps them in place, without a Kahan buffer or rounding, in the same launch
-    sequence. Under stochastic rounding only the bf16 weights draw bits (another stream than the
-    engine's), so the fp32 weights and all moments are still bitwise."""
+    sequence (``fmt`` None: torch's moment layout, the other kernel). Under stochastic rounding only the
+    bf16 weights draw bits (another stream than the engine's), so the fp32 weights and all moments are
+    still bitwise."""
     dtypes = (BF16, F32, F32, BF16)
     fast = _run(monkeypatch, "1", fmt, "adamw", method, steps=3, dtypes=dtypes)
     assert len(coded) == 3
