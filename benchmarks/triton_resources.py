@@ -160,7 +160,7 @@ def _run_every_kernel() -> None:
         for _ in range(2):  # the first step is the chunked engine's (see optim._triton_adam)
             p.grad = torch.randn(300, generator=g).to(torch.bfloat16)
             opt.step()
-    for state_format in ("int8", "fp8"):  # fp32 master weights: the coded kernel's fp32-weight variant
+    for state_format in ("bf16", "int8", "fp8"):  # fp32 master weights: both kernels' fp32-weight variants
         p = torch.nn.Parameter(torch.randn(300, generator=g).to(torch.bfloat16))
         masters = MixedPrecisionOptimizer(
             torch.optim.AdamW([p], lr=1e-3), scaler=None, state_format=state_format
