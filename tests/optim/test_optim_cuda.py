@@ -121,3 +121,60 @@ def test_a_run_resumed_from_a_host_checkpoint_repeats_the_uninterrupted_one(flag
     _train(fresh, fresh_opt, 2, start=2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
     assert all(s["step"].device.type == "cuda" for s in fresh_opt.state.values())
+
+
+def _master_run(state_format: str, switch: str, monkeypatch, steps: int = 3):
+    """``MixedPrecisionOptimizer``'s fp32 masters with ``state_format``, the Triton pass on (``"1"``) or
+    the chunked engine; the masters and the moments' codes and scales after each step."""
+    monkeypatch.setenv("MIXPREC_FUSED_OPTIM", switch)
+    model = _model()
+    opt = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+        scaler=None,
+        state_format=state_format,
+    )
+    out = []
+    for i in range(steps):
+        _backward(model, i)
+        opt.step()
+        out.append([m.detach().clone() for m in opt.master_params])
+        out[-1] += [
+            v.clone() for m in opt.master_params for k, v in opt.optimizer.state[m].items() if k != "step"
+        ]
+    return out
+
+
+@pytest.mark.parametrize("state_format", STATE_FORMATS)
+def test_master_weights_with_a_state_format_take_the_one_pass_kernel_bit_for_bit(state_format, monkeypatch):
+    """The fp32-weight variant of the Triton kernels against the chunked engine (torch's CUDA fused
+    kernel on the same fp32 masters): masters, codes and scales bit for bit over three steps."""
+    from mixprec.optim import _triton_adam
+
+    calls = []
+    real = _triton_adam.step_unit
+    monkeypatch.setattr(_triton_adam, "step_unit", lambda unit, *a: calls.append(1) or real(unit, *a))
+    fast = _master_run(state_format, "1", monkeypatch)
+    assert calls, "the kernel did not run"
+    calls.clear()
+    slow = _master_run(state_format, "0", monkeypatch)
+    assert not calls
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True), 1):
+        bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if not torch.equal(a, b)]
+        assert not bad, (state_format, step, bad)
+
+
+def test_first_master_step_with_bf16_state_is_torchs_fused_adamw_bit_for_bit(monkeypatch):
+    """From fresh (zero) bf16 moments the first step's masters are torch's fused AdamW on fp32 copies."""
+    monkeypatch.setenv("MIXPREC_FUSED_OPTIM", "1")
+    model = _model()
+    _backward(model, 1)
+    copies = [nn.Parameter(p.detach().float()) for p in model.parameters()]
+    for c, p in zip(copies, model.parameters(), strict=True):
+        c.grad = p.grad.float()
+    torch.optim.AdamW(copies, lr=1e-3, weight_decay=0.1, fused=True).step()
+    opt = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), scaler=None, state_format="bf16"
+    )
+    opt.step()
+    for master, copy in zip(opt.master_params, copies, strict=True):
+        assert torch.equal(master, copy.detach())
