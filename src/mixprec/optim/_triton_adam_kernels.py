@@ -122,9 +122,8 @@ def _store_weight(
     # ``counter``: each value's Philox counter within its tensor. An fp32 weight (W_F32) takes it as it is
     if W_F32:
         tl.store(w_ptr + offs, p, mask=mask)
-    elif (
-        ROUND == 2
-    ):  # 16 uniform bits under bf16's last one, then truncate: carries with the dropped fraction
+    elif ROUND == 2:
+        # 16 uniform bits under bf16's last one, then truncate: carries with the dropped fraction
         bits = _philox(counter.to(tl.uint32), (counter * 0 + index).to(tl.uint32), tl.load(seed_ptr))
         rounded = (p.to(tl.int32, bitcast=True) + (bits & 0xFFFF).to(tl.int32)) >> 16
         tl.store(w_ptr + offs, tl.where(p != p, 0x7FC0, rounded).to(tl.int16), mask=mask)
