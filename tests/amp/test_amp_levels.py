@@ -247,3 +247,15 @@ def test_a_plain_torch_state_dict_is_refused_saying_how_to_migrate_it():
     moved = optimizer.optimizer.state[optimizer.master_params[0]]
     assert torch.equal(moved["exp_avg"], saved["state"][0]["exp_avg"])
     assert torch.equal(moved["exp_avg_sq"], saved["state"][0]["exp_avg_sq"])
+
+
+def test_a_compensated_update_takes_a_fresh_adagrad():
+    """Adagrad's state made when it is built (``step`` 0) is not a step: ``weight_update="kahan"`` takes it
+    (it was refused as "already holds state")."""
+    model = bn_model()
+    model, opt = initialize(model, torch.optim.Adagrad(model.parameters(), lr=0.1), "bf16-true",
+                            weight_update="kahan")  # fmt: skip
+    opt.zero_grad()
+    opt.backward(model(torch.randn(4, 4).bfloat16()).float().square().mean())
+    opt.step()
+    assert isinstance(opt.optimizer, CompensatedOptimizer) and opt.optimizer.skipped_steps == 0

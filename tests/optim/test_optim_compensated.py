@@ -259,3 +259,28 @@ def test_fp32_params_warn_that_there_is_nothing_to_compensate():
         warnings.simplefilter("error")  # bf16 weights (what it is for), or a low-bit state: no warning
         CompensatedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), "kahan")
         CompensatedOptimizer(torch.optim.AdamW(mlp(dtype=torch.float32).parameters()), state_format="int8")
+
+
+def test_a_fresh_adagrad_is_wrapped_and_its_built_in_state_kept_fp32():
+    """torch's Adagrad makes its state (``sum``, ``step`` 0) when built: that is not a step taken, so
+    ``CompensatedOptimizer(torch.optim.Adagrad(bf16 params))`` is accepted (it was refused as an optimizer
+    "before its first step"), its ``sum`` held in fp32 as the generic path's state is, and a state_format
+    with it names the optimizer it needs."""
+    model = mlp()
+    reference = [nn.Parameter(p.detach().float()) for p in model.parameters()]
+    opt = CompensatedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), "kahan")
+    ref_opt = torch.optim.Adagrad(reference, lr=0.1)
+    for p, r in zip(model.parameters(), reference, strict=True):
+        p.grad = torch.full_like(p, 0.5)
+        r.grad = torch.full_like(r, 0.5)
+    opt.step()
+    ref_opt.step()
+    for p, r in zip(model.parameters(), reference, strict=True):  # one step: torch's fp32 step, rounded
+        assert torch.equal(p, r.detach().bfloat16())
+        assert opt.optimizer.state[p]["sum"].dtype == FP32
+        assert torch.equal(opt.optimizer.state[p]["sum"], ref_opt.state[r]["sum"])
+    with pytest.raises(ValueError, match="needs torch.optim.Adam or AdamW .* got Adagrad"):
+        CompensatedOptimizer(torch.optim.Adagrad(mlp().parameters()), "kahan", state_format="fp8")
+    stepped = opt.optimizer  # a step taken: refused as before
+    with pytest.raises(ValueError, match="before its first step"):
+        CompensatedOptimizer(stepped)

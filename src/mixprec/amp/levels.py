@@ -44,6 +44,7 @@ from mixprec import formats
 from mixprec._tree import map_tensors
 from mixprec.amp.casting import cast_model, cast_with_undo
 from mixprec.optim import CompensatedOptimizer, MixedPrecisionOptimizer
+from mixprec.optim.compensated import has_stepped
 from mixprec.scaling import resolve_scaler
 
 __all__ = [
@@ -313,9 +314,8 @@ def initialize(
     scaler = resolve_scaler(level.loss_scale, device_type, min_scale=level.min_loss_scale,
                             max_scale=level.max_loss_scale)  # fmt: skip
     method = _weight_update(level, half)
-    if method is not None and any(
-        optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]
-    ):
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if method is not None and any(has_stepped(optimizer, p) for p in held):
         raise ValueError(
             f"weight_update={method!r} needs the optimizer before its first step: it already holds state"
         )

@@ -175,6 +175,10 @@ class CompensatedOptimizer(OptimizerWrapper):
         for param in params:
             if param.dtype in LOW_PRECISION_DTYPES:
                 self.model_params.append(param)
+                state = self.optimizer.state.get(param, {})
+                for key, value in state.items():  # built with the optimizer (Adagrad's sum): fp32, as stepped
+                    if key != "step" and torch.is_tensor(value) and value.dtype in LOW_PRECISION_DTYPES:
+                        state[key] = value.float()
                 if self.method == "kahan":
                     shard = local(param)  # FSDP2: a buffer for this rank's shard only
                     self.compensation.append(torch.zeros_like(shard, memory_format=torch.preserve_format))
@@ -472,6 +476,16 @@ def _check_unique(params: list[Any], where: str) -> None:
         )
 
 
+def has_stepped(optimizer: Optimizer, param: torch.Tensor) -> bool:
+    """Whether ``optimizer`` holds state for ``param`` from a step: state a torch optimizer makes when it
+    is built (Adagrad's ``sum`` and a ``step`` of 0) does not count."""
+    state = optimizer.state.get(param)
+    if not state:
+        return False
+    step = state.get("step")
+    return step is None or float(step) != 0
+
+
 def _check_params(optimizer: Optimizer, method: str, params: list[Any]) -> None:
     for param in params:
         if not torch.is_tensor(param):
@@ -481,7 +495,7 @@ def _check_params(optimizer: Optimizer, method: str, params: list[Any]) -> None:
                 f"method {method!r} cannot round to {param.dtype}; "
                 f"dtypes it supports: {sorted(str(d) for d in METHODS[method])}"
             )
-        if optimizer.state.get(param):
+        if has_stepped(optimizer, param):
             raise ValueError(
                 f"the optimizer already holds state for a param of shape {tuple(param.shape)}: "
                 "wrap the optimizer before its first step"

@@ -117,7 +117,7 @@ def check_state_format(optimizer: Optimizer, state_format: Any) -> str | None:
         return None
     if not (isinstance(state_format, str) and state_format in STATE_FORMATS):
         raise ValueError(
-            f"unknown state_format {state_format!r}; accepted: None (the moments as today), "
+            f"unknown state_format {state_format!r}; accepted: None (the inner optimizer's own state), "
             + ", ".join(repr(f) for f in STATE_FORMATS)
         )
     if isinstance(optimizer, OptimizerWrapper):
