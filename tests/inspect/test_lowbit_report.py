@@ -123,3 +123,28 @@ def test_bad_arguments() -> None:
         lowbit_report(_model(), _inputs(), loss_fn=_loss, recipe="mxfp3")
     with pytest.raises(ValueError, match="no nn.Linear"):
         lowbit_report(nn.Sequential(nn.ReLU()), _inputs(), loss_fn=_loss, recipe="mxfp8")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_sequence_model_and_bf16_autocast_are_reported_and_their_gradients_left_alone(autocast) -> None:
+    # A transformer's Linear sees (batch, seq, features): the capture's gradient hook returned the
+    # gradient flattened to 2-D, which autograd refused ("hook '<lambda>' has changed the size of
+    # value"), and on a 2-D bf16 output it returned it in float32 in place of the real gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(1))
+    x = x if not autocast else x[0]
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return m(x).float().square().mean()
+
+    loss(model, x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for report in (fp8_report(model, x, loss_fn=loss), lowbit_report(model, x, loss_fn=loss, recipe="mxfp8")):
+        assert set(report.layers) == {"0", "2"}
+    rows = x.numel() // 64
+    assert lowbit_report(model, x, loss_fn=loss, recipe="fp8_rowwise").layers["2"]["dgrad_go"].blocks == rows
+    loss(model, x).backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))

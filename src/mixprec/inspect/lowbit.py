@@ -273,7 +273,10 @@ def _capture(name: str, seen: dict, handles: Any) -> Callable[..., None]:
         seen[name]["x"] = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
         seen[name]["w"] = module.weight.detach().to(torch.float32)
         if output.requires_grad:
-            grad_hook = lambda g: seen[name].setdefault("go", g.detach().reshape(-1, g.shape[-1]).float())  # noqa: E731
+
+            def grad_hook(g: torch.Tensor) -> None:  # returns None: the gradient flows on unchanged
+                seen[name].setdefault("go", g.detach().reshape(-1, g.shape[-1]).float())
+
             handles.add(output.register_hook(grad_hook))
 
     return hook
