@@ -151,6 +151,10 @@ def _run_every_kernel() -> None:
             for transpose in (False, True):
                 triton_quantize.quantize(x, name, transpose=transpose)
     triton_quantize.scaled_cast(x, torch.tensor(2.0), "fp8_tensorwise", transpose=True)
+    stats = torch.zeros(2, 3)  # a dynamic per-tensor layer's cast: the scale and stats in the kernel
+    triton_quantize.dynamic_cast(
+        x, "fp8_tensorwise", transpose=True, amax_out=stats[0, 0], scale_out=stats[1, 0]
+    )
     triton_quantize.tensor_amax(x)
     triton_quantize.post_scale_(x.clone(), torch.rand(256) + 0.5, torch.rand(384) + 0.5)
     for method, state_format in itertools.product(("nearest", "kahan", "stochastic"), (None, "int8", "fp8")):

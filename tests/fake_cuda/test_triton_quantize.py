@@ -217,7 +217,8 @@ def test_on_a_gpu_every_bit_is_the_pure_torch_quantizers(monkeypatch, fmt):
 
 _SIGNATURES = {
     "block": "x_ptr M K sxm sxk out_ptr out_t_ptr scale_ptr scale_t_ptr OUT_ROWS OUT_T_ROWS KP MP",
-    "cast": "x_ptr M K sxm sxk row_ptr col_ptr scale_in_ptr out_ptr out_t_ptr scale_ptr scale_t_ptr",
+    "cast": "x_ptr M K sxm sxk row_ptr col_ptr scale_in_ptr out_ptr out_t_ptr scale_ptr scale_t_ptr "
+    "amax_out_ptr scale_out_ptr",
     "amax": "x_ptr M K sxm sxk row_ptr col_ptr",
 }
 _TYPES = {"x_ptr": "*bf16", "row_ptr": "*i32", "col_ptr": "*i32", "out_ptr": "*F8", "out_t_ptr": "*F8"}
@@ -261,9 +262,63 @@ def test_the_gpu_kernels_compile_with_torchs_rounding(monkeypatch):
         k.block, "block", "fp8e4nv", BM=128, BK=128, TWO_D=False, TRANSPOSE=True, F32_DIV=True, **common
     )
     e5m2 = {**common, "ELEM_MAX": 57344.0, "POW2": False, "F8": k.DTYPES["e5m2"], "F32_DIV": True}
-    ptx = _ptx(k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, **e5m2)
+    ptx = _ptx(k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, STATS=False, **e5m2)
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.full.f32" not in ptx
     assert "atom.global" in _ptx(k.amax, "amax", "fp8e4nv", BM=64, BK=64, ROWWISE=True, COLS=True)
+    # the dynamic tensorwise cast (MODE 0) that records amax and scale into a layer's stats
+    ptx = _ptx(
+        k.cast, "cast", "fp8e4nv", BM=64, BK=64, MODE=0, TRANSPOSE=True, STATS=True, F32_DIV=True, **common
+    )
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert not any(op in ptx for op in approximate)
+
+
+TENSORWISE = ["fp8_tensorwise", "fp8_tensorwise_e5m2", "fp8_tensorwise_pow2"]
+
+
+@pytest.mark.parametrize("fmt", TENSORWISE)
+@pytest.mark.parametrize("kind", ["randn", "outliers", "zeros", "inf", "nan", "bf16"])
+def test_dynamic_cast_is_tensor_scaling_then_to_float8(interpret, monkeypatch, fmt, kind):
+    """The amax kernel and the cast kernel that computes the scale and records it: the scale, the stats
+    slots, the amax and everything before the cast bit for bit TensorScaling's scale and to_float8."""
+    from mixprec.lowbit.history import TensorScaling, amax_of, to_float8
+
+    f = get_format(fmt)
+    for view in (_input((70, 200), kind, seed=11), _input((130, 300), kind, seed=12).t()):
+        ref_stats, stats = torch.full((2, 3), 7.0), torch.full((2, 3), 7.0)
+        with monkeypatch.context() as m:
+            m.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+            ref_scale = TensorScaling().scale(2, view, f.elem, f.scale == "pow2", None, ref_stats, True)
+            ref = to_float8(view, ref_scale, f.elem)
+            ref_amax = amax_of(view)
+        pre, pre_t, scale, amax = interpret.dynamic_cast(
+            view, fmt, transpose=True, cast=False, amax_out=stats[0, 2], scale_out=stats[1, 2]
+        )
+        assert same_bits(scale, ref_scale) and same_bits(amax, ref_amax), (scale, ref_scale, amax)
+        assert same_bits(stats, ref_stats), (stats, ref_stats)  # only the role's column written
+        assert same_bits(pre.to(f.elem.dtype), ref)
+        assert same_bits(pre_t, pre.t().contiguous())
+        data, none, _, _ = interpret.dynamic_cast(view, fmt)  # no stats, no transposed copy, fp8
+        assert none is None and data.dtype == f.elem.dtype and data.shape == view.shape
+
+
+def test_dynamic_cast_refuses_by_name_and_writes_nothing(interpret):
+    x, stats = torch.randn(8, 16), torch.full((2, 3), 7.0)
+    with pytest.raises(ValueError, match="fused tensorwise format, got \\(8, 16\\), fp8_rowwise"):
+        interpret.dynamic_cast(x, "fp8_rowwise", amax_out=stats[0, 0], scale_out=stats[1, 0])
+    with pytest.raises(ValueError, match="got \\(2, 4, 16\\)"):
+        interpret.dynamic_cast(x.reshape(2, 4, 16), "fp8_tensorwise")
+    with pytest.raises(ValueError, match="got \\(0, 16\\)"):
+        interpret.dynamic_cast(x[:0], "fp8_tensorwise")
+    with pytest.raises(ValueError, match="together, got one"):
+        interpret.dynamic_cast(x, "fp8_tensorwise", amax_out=stats[0, 0])
+    with pytest.raises(
+        ValueError, match="scale_out must be a float32 one-element tensor on cpu, got torch.bfloat16"
+    ):
+        interpret.dynamic_cast(x, "fp8_tensorwise", amax_out=stats[0, 0], scale_out=stats[1, :1].bfloat16())
+    with pytest.raises(ValueError, match="amax_out must be a float32 one-element .* shape \\(3,\\)"):
+        interpret.dynamic_cast(x, "fp8_tensorwise", amax_out=stats[0], scale_out=stats[1, 0])
+    assert torch.equal(stats, torch.full((2, 3), 7.0))
 
 
 @pytest.mark.parametrize("kind", ["randn", "outliers", "zeros", "inf", "nan", "bf16"])
@@ -318,6 +373,80 @@ def test_a_layer_reads_each_operand_once_and_gets_the_per_use_bits(interpret, mo
     assert len(calls) == 3
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
+
+
+def _dynamic_recipes():
+    from mixprec.lowbit import RECIPES, Recipe
+    from mixprec.lowbit.history import TensorScaling
+
+    pow2 = dict.fromkeys(
+        ("fprop_x", "fprop_w", "dgrad_go", "dgrad_w", "wgrad_go", "wgrad_x"), "fp8_tensorwise_pow2"
+    )
+    return {
+        "dynamic": RECIPES["fp8_tensorwise"].with_(scaling=TensorScaling()),
+        "dynamic_e5m2_grads": RECIPES["fp8_tensorwise"].with_(
+            scaling=TensorScaling(), dgrad_go="fp8_tensorwise_e5m2", wgrad_go="fp8_tensorwise_e5m2"
+        ),
+        "dynamic_pow2": Recipe(**pow2, scaling=TensorScaling()),
+    }
+
+
+def _per_tensor_step(recipe, dtype=torch.float32, device="cpu", seed: int = 9):
+    """One forward and backward of a per-tensor-scaled layer: (out, grad_x, grad_w, stats)."""
+    import warnings
+
+    from mixprec.lowbit.gemm import LowbitLinearFunction
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 70, 256, generator=g) * 4).to(device, dtype).requires_grad_()
+    w = (torch.randn(96, 256, generator=g) / 16).to(device).requires_grad_()
+    stats = torch.zeros(2, 3, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU's emulation warning
+        out = LowbitLinearFunction.apply(x, w, recipe, None, None, None, stats)
+        out.backward(torch.randn(2, 70, 96, generator=g).to(device, dtype))
+    return out.detach(), x.grad, w.grad, stats
+
+
+@pytest.mark.parametrize("name", ["dynamic", "dynamic_e5m2_grads", "dynamic_pow2"])
+def test_a_dynamic_per_tensor_layer_step_with_the_in_kernel_scale_is_the_torch_step(
+    interpret, monkeypatch, name
+):
+    """Input, weight and grad_output each through dynamic_cast (with torch's cast of its values, the
+    interpreter's cast aside): the layer's output, gradients and stats bit for bit the torch path's."""
+    recipe = _dynamic_recipes()[name]
+    calls = []
+    fused = interpret.dynamic_cast
+
+    def kernels_with_torchs_cast(x, fmt, *, transpose=False, cast=True, amax_out=None, scale_out=None):
+        calls.append((tuple(x.shape), transpose, amax_out is not None))
+        pre, pre_t, scale, amax = fused(
+            x, fmt, transpose=transpose, cast=False, amax_out=amax_out, scale_out=scale_out
+        )
+        dtype = get_format(fmt).elem.dtype
+        return pre.to(dtype), (pre_t.to(dtype) if pre_t is not None else None), scale, amax
+
+    monkeypatch.setattr(interpret, "dynamic_cast", kernels_with_torchs_cast)
+    got = _per_tensor_step(recipe)
+    assert calls == [((140, 256), True, True), ((96, 256), True, True), ((140, 96), True, True)]
+    monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+    ref = _per_tensor_step(recipe)
+    assert len(calls) == 3
+    for a, b in zip(got, ref, strict=True):
+        assert same_bits(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernels)")
+@pytest.mark.parametrize("name", ["dynamic", "dynamic_e5m2_grads", "dynamic_pow2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_a_gpu_a_dynamic_per_tensor_step_is_the_torch_step(monkeypatch, name, dtype):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    recipe = _dynamic_recipes()[name]
+    got = _per_tensor_step(recipe, dtype, "cuda")
+    monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+    for a, b in zip(got, _per_tensor_step(recipe, dtype, "cuda"), strict=True):
+        assert same_bits(a, b)
 
 
 @pytest.mark.cuda

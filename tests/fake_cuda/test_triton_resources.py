@@ -29,3 +29,5 @@ def test_every_kernel_is_recorded_compiled_and_fits_an_sm(monkeypatch):
         assert 0 < r["occupancy"] <= 1, r
     quantize = {r["constexprs"].get("MODE") for r in rows if r["kernel"] == "cast"}
     assert quantize == {0, 1, 2}  # one scale from the amax, a given one, one per row
+    stats = {r["constexprs"].get("STATS") for r in rows if r["kernel"] == "cast"}
+    assert stats == {False, True}  # a dynamic per-tensor layer's cast records its amax and scale

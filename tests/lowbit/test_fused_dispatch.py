@@ -93,3 +93,91 @@ def test_the_amax_of_a_cpu_tensor_is_torchs(monkeypatch):
     x = torch.randn(8, 16)
     x[2, 3] = -50.0
     assert history.amax_of(x).item() == 50.0
+
+
+class _Launches:
+    """Stand-in for the kernels module: records each launch (name, constexprs) and computes nothing."""
+
+    def __init__(self) -> None:
+        self.DTYPES = {"e4m3": None, "e5m2": None}
+        self.launched: list[tuple[str, dict]] = []
+
+    def __getattr__(self, name: str):
+        recorder = self
+
+        class _Kernel:
+            def __getitem__(self, grid):
+                return lambda *args, **constexprs: recorder.launched.append((name, constexprs))
+
+        return _Kernel()
+
+
+# aten ops that make a view or an uninitialized tensor: no kernel runs for them on a GPU.
+_NO_LAUNCH = {
+    "aten.select.int",
+    "aten.empty.memory_format",
+    "aten.view.dtype",
+    "aten.view.default",
+    "aten.detach.default",
+}
+
+
+def _glue_ops(fn) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as mode:
+        fn()
+    return mode.ops
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_tensorwise_pow2"])
+def test_a_dynamic_tensorwise_operand_takes_two_launches_and_one_fill(monkeypatch, fmt):
+    """The dynamic per-tensor layer's cast of one operand: the amax kernel, then the cast kernel that
+    computes the scale and stores it and the amax into the layer's stats (STATS), and one zero-fill of
+    the amax's accumulator. The path it replaces launched nine: the fill and the amax kernel, four torch
+    ops for the float64 scale (twelve with pow2's log2, floor, exp2), two stores into stats, the cast."""
+    from mixprec.lowbit.history import TensorScaling
+
+    launches = _Launches()
+    monkeypatch.setattr(triton_quantize, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_quantize, "_kernels", lambda interpret: launches)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU tensor is launchable
+    x, stats = torch.randn(64, 96), torch.zeros(2, 3)
+    ops = _glue_ops(lambda: gemm._scale_cast(1, x, fmt, TensorScaling(), None, stats, True, transpose=True))
+    assert [name for name, _ in launches.launched] == ["amax", "cast"]
+    cast = launches.launched[1][1]
+    assert (cast["MODE"], cast["STATS"], cast["TRANSPOSE"], cast["POW2"]) == (
+        0,
+        True,
+        True,
+        fmt.endswith("pow2"),
+    )
+    assert [op for op in ops if op not in _NO_LAUNCH] == ["aten.zeros.default"]
+
+
+def test_delayed_scaling_a_margin_or_a_converted_stats_buffer_keep_their_own_paths(monkeypatch):
+    from mixprec.lowbit.history import TensorScaling
+
+    launches = _Launches()
+    monkeypatch.setattr(triton_quantize, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_quantize, "_kernels", lambda interpret: launches)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(64, 96)
+    history_ = torch.ones(3, 4)
+    gemm._scale_cast(0, x, "fp8_tensorwise", TensorScaling(delayed=True), history_, torch.zeros(2, 3), True)
+    gemm._scale_cast(0, x, "fp8_tensorwise", TensorScaling(margin=1), None, torch.zeros(2, 3), True)
+    assert [n for n, _ in launches.launched] == ["cast", "cast"]  # a given scale: MODE 1, no amax kernel
+    assert [c["MODE"] for _, c in launches.launched] == [1, 1]
+    launches.launched.clear()
+    stats16 = torch.zeros(2, 3, dtype=torch.bfloat16)  # model.to(bfloat16) converts the buffer
+    gemm._scale_cast(2, x, "fp8_tensorwise", TensorScaling(), None, stats16, True)
+    assert [(n, c.get("STATS")) for n, c in launches.launched] == [("amax", None), ("cast", False)]

@@ -121,12 +121,13 @@ def amax(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, BM: tl.constexpr, BK: tl.const
 
 @triton.jit
 def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_ptr,
-                scale_ptr, scale_t_ptr, BM: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-                TRANSPOSE: tl.constexpr, ELEM_MAX: tl.constexpr, POW2: tl.constexpr,
-                CAST: tl.constexpr, F8: tl.constexpr, PRECISE: tl.constexpr,
-                F32_DIV: tl.constexpr):  # fmt: skip
+                scale_ptr, scale_t_ptr, amax_out_ptr, scale_out_ptr, BM: tl.constexpr,
+                BK: tl.constexpr, MODE: tl.constexpr, TRANSPOSE: tl.constexpr,
+                ELEM_MAX: tl.constexpr, POW2: tl.constexpr, CAST: tl.constexpr, F8: tl.constexpr,
+                PRECISE: tl.constexpr, F32_DIV: tl.constexpr, STATS: tl.constexpr):  # fmt: skip
     # MODE 0: one scale from the tensor amax; 1: a given scale; 2: a scale per row (and per column
-    # for the transposed copy).
+    # for the transposed copy). STATS (MODE 0): also the amax and the scale into a layer's stats slots,
+    # so a dynamic tensorwise layer records them without two more launches.
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm, rk, mask, x = _tile(x_ptr, M, K, sxm, sxk, BM, BK)
     if MODE == 2:
@@ -136,9 +137,13 @@ def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_p
             tl.store(scale_ptr + rm, s_row, mask=rm < M)
     else:
         if MODE == 0:
-            s = _scale_of(tl.load(row_ptr), ELEM_MAX, POW2, PRECISE, F32_DIV)
+            amax_bits = tl.load(row_ptr)
+            s = _scale_of(amax_bits, ELEM_MAX, POW2, PRECISE, F32_DIV)
             if (pid_m == 0) & (pid_k == 0):
                 tl.store(scale_ptr, s)
+                if STATS:
+                    tl.store(amax_out_ptr, amax_bits.to(tl.float32, bitcast=True))
+                    tl.store(scale_out_ptr, s)
         else:
             s = tl.load(scale_in_ptr)
         y = _saturate(x * s, ELEM_MAX)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from mixprec._triton import interpreting
 from mixprec.lowbit import history as tensor_history
 from mixprec.lowbit.formats import LowbitFormat, get_format
 from mixprec.lowbit.history import GRAD_OUTPUT, INPUT, WEIGHT
@@ -548,6 +549,18 @@ def _scale_cast(
     fmt = get_format(fmt_name)
     if not fmt.is_tensorwise:
         raise ValueError(f"a TensorScaling layer needs tensorwise formats, got {fmt_name!r}")
+    if history is None and scaling.margin == 0 and _fused(x, fmt):  # dynamic: amax, then one cast pass
+        from mixprec.lowbit import triton_quantize
+
+        in_kernel = stats.dtype == torch.float32 and stats.device == x.device
+        slots = (stats[0, role], stats[1, role]) if in_kernel else (None, None)
+        data, data_t, scale, amax = triton_quantize.dynamic_cast(
+            x, fmt, transpose=transpose, amax_out=slots[0], scale_out=slots[1]
+        )
+        if not in_kernel:  # a stats buffer moved to another dtype: torch's copy converts
+            stats[0, role], stats[1, role] = amax, scale
+        q_t = _tensorwise(data_t, scale, x.dtype, fmt_name) if data_t is not None else None
+        return _tensorwise(data, scale, x.dtype, fmt_name), scale, q_t
     scale = scaling.scale(role, x, fmt.elem, fmt.scale == "pow2", history, stats, update)
     data, data_t = _to_float8(x, scale, fmt, transpose)
     q_t = _tensorwise(data_t, scale, x.dtype, fmt_name) if transpose else None
@@ -559,14 +572,23 @@ def _to_float8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``history.to_float8`` and its transpose: on CUDA in eager mode one fused Triton pass writes both
     (with ``transpose``; the same bits, the transpose contiguous), else torch ops and a transposed view."""
-    if x.device.type == "cuda" and not torch.compiler.is_compiling():
+    if _fused(x, fmt):
         from mixprec.lowbit import triton_quantize
 
-        if triton_quantize.fused_eligible(x, fmt) and x.dim() == 2:
-            data, data_t = triton_quantize.scaled_cast(x, scale, fmt, transpose=transpose)
-            return data, (data_t if data_t is not None else data.t())
+        data, data_t = triton_quantize.scaled_cast(x, scale, fmt, transpose=transpose)
+        return data, (data_t if data_t is not None else data.t())
     data = tensor_history.to_float8(x, scale, fmt.elem)
     return data, data.t()
+
+
+def _fused(x: torch.Tensor, fmt: LowbitFormat) -> bool:
+    """Whether a per-tensor layer casts the 2-D ``x`` with the Triton kernels: eager CUDA (or the CPU
+    under Triton's interpreter, the tests) and :func:`~mixprec.lowbit.triton_quantize.fused_eligible`."""
+    if x.dim() != 2 or torch.compiler.is_compiling() or not (x.device.type == "cuda" or interpreting()):
+        return False
+    from mixprec.lowbit import triton_quantize
+
+    return triton_quantize.fused_eligible(x, fmt)
 
 
 def _weight_cast(

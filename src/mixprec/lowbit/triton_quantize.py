@@ -24,8 +24,9 @@ and rounded once to float32 as :func:`mixprec.lowbit.scaling.fp32_scale` does, a
 ``log2`` calls.
 
 :func:`mixprec.lowbit.quantize` dispatches to :func:`quantize` (the module's), the per-tensor layers
-(:mod:`mixprec.lowbit.gemm`, :mod:`mixprec.lowbit.history`) to :func:`tensor_amax` and
-:func:`scaled_cast`, when :func:`fused_eligible` says so: a plain CUDA tensor in
+(:mod:`mixprec.lowbit.gemm`, :mod:`mixprec.lowbit.history`) to :func:`dynamic_cast` (dynamic scaling:
+the scale computed and recorded in the cast kernel), :func:`tensor_amax` and :func:`scaled_cast`
+(delayed scaling, a margin), when :func:`fused_eligible` says so: a plain CUDA tensor in
 eager mode (under ``torch.compile`` inductor fuses the pure-torch quantizers itself; a FakeTensor or
 another tensor subclass has no storage to launch on), Triton importable, a supported format, and the
 environment variable ``MIXPREC_FUSED_QUANTIZE`` not set to ``0`` (the switch that forces the pure-torch
@@ -59,6 +60,7 @@ from mixprec.lowbit.quantized import Quantized
 
 __all__ = [
     "ENV_SWITCH",
+    "dynamic_cast",
     "format_supported",
     "fused_eligible",
     "post_scale_",
@@ -167,9 +169,9 @@ def _quantize(
         scale_t = torch.empty(k if rowwise else 1, 1, dtype=torch.float32, device=dev) if transpose else scale
         kern.cast[grid](
             x2, m, k, x2.stride(0), x2.stride(1), row_amax, col_amax, row_amax,
-            data, data_t, scale, scale_t,
+            data, data_t, scale, scale_t, scale, scale,
             BM=bm, BK=bk, MODE=2 if rowwise else 0, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
-            CAST=cast, F8=f8, PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
+            CAST=cast, F8=f8, PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"], STATS=False,
         )  # fmt: skip
     else:
         two_d = rows == _TILE
@@ -236,10 +238,85 @@ def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Te
     bm, bk = 64, 64
     kern.cast[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
         x, m, k, x.stride(0), x.stride(1), unused, unused, scale32, data, data_t, scale32, scale32,
+        scale32, scale32,
         BM=bm, BK=bk, MODE=1, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max), POW2=False,
         CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
+        STATS=False,
     )  # fmt: skip
     return data, (data_t if transpose else None)
+
+
+def dynamic_cast(
+    x: torch.Tensor,
+    fmt: LowbitFormat | str,
+    *,
+    transpose: bool = False,
+    cast: bool = True,
+    amax_out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Dynamic tensorwise scaling in two launches: ``max|x|``, then the scale, the cast and the transposed
+    copy in one pass, bit for bit :class:`mixprec.lowbit.history.TensorScaling` (``delayed=False``,
+    ``margin=0``) followed by :func:`mixprec.lowbit.history.to_float8`.
+
+    Three launches per operand (the amax accumulator's zero-fill, the amax, the cast) where computing
+    the scale with torch between the two kernels made nine (four torch ops for the float64 scale, three
+    more for a pow2 one, two stores into the layer's stats): the cast kernel computes the scale from the
+    amax and, given ``amax_out`` / ``scale_out``, stores both there.
+
+    Args:
+        x: a non-empty 2-D floating tensor (any strides) on a CUDA device (a CPU one under the
+            interpreter).
+        fmt: a tensorwise format with a fused kernel (fp32 or pow2 scales; see :func:`format_supported`).
+        transpose: also write ``x.T`` (K, M) cast with the same scale, contiguous.
+        cast: False stores the scaled, clamped float32 values instead of fp8 (the tests' view).
+        amax_out, scale_out: float32 one-element tensors on ``x``'s device (e.g. ``stats[0, role]`` and
+            ``stats[1, role]`` of a layer's float32[2, 3] stats buffer) that receive the amax and the
+            scale; both or neither.
+
+    Returns:
+        ``(data (M, K), data_t (K, M) or None, scale, amax)``; ``scale`` and ``amax`` float32 0-dim.
+
+    Raises:
+        ValueError: for a format that is not a fused tensorwise one, an ``x`` that is not non-empty 2-D,
+            or ``amax_out`` / ``scale_out`` given alone, not float32 one-element, or on another device.
+    """
+    fmt = get_format(fmt)
+    if not format_supported(fmt) or fmt.block != (-1, -1) or x.dim() != 2 or x.numel() == 0:
+        raise ValueError(
+            f"dynamic_cast takes a non-empty 2-D tensor and a fused tensorwise format, got "
+            f"{tuple(x.shape)}, {fmt.name}"
+        )
+    if (amax_out is None) != (scale_out is None):
+        raise ValueError("dynamic_cast takes amax_out and scale_out together, got one of them")
+    for name, out in (("amax_out", amax_out), ("scale_out", scale_out)):
+        if out is not None and (out.dtype != torch.float32 or out.numel() != 1 or out.device != x.device):
+            raise ValueError(
+                f"{name} must be a float32 one-element tensor on {x.device}, got {out.dtype} of shape "
+                f"{tuple(out.shape)} on {out.device}"
+            )
+    m, k = x.shape
+    kern = _kernels(interpreting())
+    out_dtype = fmt.elem.dtype if cast else torch.float32
+    with device_of(x):
+        amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+        bm, bk = 64, 64
+        grid = (triton_cdiv(m, bm), triton_cdiv(k, bk))
+        kern.amax[grid](
+            x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, BM=bm, BK=bk, ROWWISE=False, COLS=False
+        )
+        data = torch.empty(m, k, dtype=out_dtype, device=x.device)
+        data_t = torch.empty(k, m, dtype=out_dtype, device=x.device) if transpose else data
+        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        stats = amax_out is not None
+        kern.cast[grid](
+            x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, scale, data, data_t, scale, scale,
+            amax_out if stats else scale, scale_out if stats else scale,
+            BM=bm, BK=bk, MODE=0, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max),
+            POW2=fmt.scale == "pow2", CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(),
+            F32_DIV=F32_DIV["cast"], STATS=stats,
+        )  # fmt: skip
+    return data, (data_t if transpose else None), scale, amax_bits.view(torch.float32)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
