@@ -150,6 +150,36 @@ def test_state_dict_fields():
     assert any(c.abs().sum() > 0 for c in state["compensation"])
 
 
+def test_skipped_steps_survive_a_checkpoint_and_a_bad_count_is_refused():
+    """A skipped step counted before a checkpoint is still counted after resuming from it (the count
+    restarted at 0 before it was saved); an older state dict without it leaves the count alone."""
+    model = mlp()
+    opt = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "kahan")
+    train(model, opt, 1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.warns(RuntimeWarning, match="1 such step"):
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["skipped_steps"] == 1
+    resumed = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "kahan")
+    resumed.load_state_dict(saved)
+    assert resumed.skipped_steps == 1
+    older = {k: v for k, v in saved.items() if k != "skipped_steps"}
+    resumed.skipped_steps = 5
+    resumed.load_state_dict(older)
+    assert resumed.skipped_steps == 5
+    before = copy.deepcopy(resumed.state_dict())
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(
+            ValueError, match=rf"state_dict\['skipped_steps'\] must be an int >= 0, got {bad!r}"
+        ):
+            resumed.load_state_dict({**saved, "skipped_steps": bad})
+    after = resumed.state_dict()
+    assert after["skipped_steps"] == 5
+    assert all(torch.equal(a, b) for a, b in zip(before["compensation"], after["compensation"], strict=True))
+
+
 def test_errors_name_the_bad_value():
     model = mlp()
     with pytest.raises(

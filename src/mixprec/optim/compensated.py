@@ -393,14 +393,15 @@ class CompensatedOptimizer(OptimizerWrapper):
         self.optimizer.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, Kahan compensation buffers, stochastic-rounding generator states and the
-        ``state_format`` when one is set."""
+        """Inner optimizer state, Kahan compensation buffers, stochastic-rounding generator states,
+        ``skipped_steps`` and the ``state_format`` when one is set."""
         return self._with_state_format(
             {
                 "method": self.method,
                 "optimizer": self.optimizer.state_dict(),
                 "compensation": [c.detach() for c in self.compensation],
                 "generators": self.generators.state_dict(),
+                "skipped_steps": self.skipped_steps,
             }
         )
 
@@ -420,17 +421,20 @@ class CompensatedOptimizer(OptimizerWrapper):
         Raises:
             TypeError: ``state_dict`` is not a dict.
             ValueError: missing keys, another method, compensation buffers of other shapes or dtypes,
-                generator states or an optimizer state that do not fit.
+                generator states or an optimizer state that do not fit, a ``skipped_steps`` that is not
+                an int >= 0.
 
         Generator states are per device (``mixprec._generators``): one saved on a device this process has
         none of (a GPU checkpoint read on a CPU-only machine) is kept for it, and a device without a saved
-        state starts afresh from ``seed``.
+        state starts afresh from ``seed``. A state dict saved before ``skipped_steps`` was part of it
+        leaves the count as it is.
         """
         check_compensated_state(self, state_dict)
         load_inner_state(self.optimizer, state_dict["optimizer"])
         for buffer, value in zip(self.compensation, state_dict["compensation"], strict=True):
             buffer.copy_(value)
         self.generators.load_state_dict(state_dict["generators"], "state_dict['generators']")
+        self.skipped_steps = state_dict.get("skipped_steps", self.skipped_steps)
 
 
 def _scratch(param: torch.Tensor) -> torch.nn.Parameter:

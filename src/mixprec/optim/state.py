@@ -164,6 +164,9 @@ def check_compensated_state(optimizer: Any, state_dict: Any) -> None:
             f"{[(tuple(c.shape), c.dtype) for c in optimizer.compensation]}"
         )
     DeviceGenerators.check_state(state_dict["generators"], "state_dict['generators']")
+    skipped = state_dict.get("skipped_steps", 0)  # absent from state dicts saved before it was kept
+    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+        raise ValueError(f"state_dict['skipped_steps'] must be an int >= 0, got {skipped!r}")
     check_inner_state(optimizer.optimizer, state_dict["optimizer"])
 
 
