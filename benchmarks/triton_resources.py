@@ -155,6 +155,10 @@ def _run_every_kernel() -> None:
     triton_quantize.dynamic_cast(
         x, "fp8_tensorwise", transpose=True, amax_out=stats[0, 0], scale_out=stats[1, 0]
     )
+    history = torch.ones(3, 16)  # a delayed layer's: the scale from the history, the push (one program)
+    triton_quantize.delayed_cast(
+        x, "fp8_tensorwise", history[0], transpose=True, amax_out=stats[0, 0], scale_out=stats[1, 0]
+    )
     triton_quantize.tensor_amax(x)
     triton_quantize.post_scale_(x.clone(), torch.rand(256) + 0.5, torch.rand(384) + 0.5)
     for method, state_format in itertools.product(("nearest", "kahan", "stochastic"), (None, "int8", "fp8")):

@@ -220,8 +220,16 @@ _SIGNATURES = {
     "cast": "x_ptr M K sxm sxk row_ptr col_ptr scale_in_ptr out_ptr out_t_ptr scale_ptr scale_t_ptr "
     "amax_out_ptr scale_out_ptr",
     "amax": "x_ptr M K sxm sxk row_ptr col_ptr",
+    "delayed_scale": "amax_ptr hist_ptr L scale_ptr amax_out_ptr scale_out_ptr",
 }
-_TYPES = {"x_ptr": "*bf16", "row_ptr": "*i32", "col_ptr": "*i32", "out_ptr": "*F8", "out_t_ptr": "*F8"}
+_TYPES = {
+    "x_ptr": "*bf16",
+    "row_ptr": "*i32",
+    "col_ptr": "*i32",
+    "out_ptr": "*F8",
+    "out_t_ptr": "*F8",
+    "amax_ptr": "*i32",
+}
 
 
 def _ptx(kernel, name: str, f8: str, **constexprs) -> str:
@@ -271,6 +279,20 @@ def test_the_gpu_kernels_compile_with_torchs_rounding(monkeypatch):
     )
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert not any(op in ptx for op in approximate)
+    # the delayed scale: the margin's division and the amax's both correctly rounded, libdevice's log2f
+    delayed = {"ELEM_MAX": 448.0, "POW2": True, "PRECISE": True, "F32_DIV": True, "ALGO_MAX": True}
+    ptx = _ptx(
+        k.delayed_scale,
+        "delayed_scale",
+        "",
+        MARGIN_DIV=4.0,
+        UPDATE=True,
+        GROWTH=256.0,
+        STATS=True,
+        HBLOCK=16,
+        **delayed,
+    )
+    assert "div.rn.f32" in ptx and not any(op in ptx for op in approximate)
 
 
 TENSORWISE = ["fp8_tensorwise", "fp8_tensorwise_e5m2", "fp8_tensorwise_pow2"]
@@ -300,6 +322,70 @@ def test_dynamic_cast_is_tensor_scaling_then_to_float8(interpret, monkeypatch, f
         assert same_bits(pre_t, pre.t().contiguous())
         data, none, _, _ = interpret.dynamic_cast(view, fmt)  # no stats, no transposed copy, fp8
         assert none is None and data.dtype == f.elem.dtype and data.shape == view.shape
+
+
+def _history(kind: str, length: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(length)
+    if kind == "empty":  # the first step: no amax yet
+        return torch.zeros(3, length)
+    h = torch.rand(3, length, generator=g) * 50
+    if kind == "small":  # far below the amax: the push is bounded by AMAX_GROWTH_LIMIT x the past max
+        h = h * 1e-6
+    return h
+
+
+@pytest.mark.parametrize("fmt", TENSORWISE)
+@pytest.mark.parametrize("kind", ["randn", "outliers", "zeros", "inf", "nan", "bf16"])
+def test_delayed_cast_is_tensor_scaling_then_to_float8(interpret, monkeypatch, fmt, kind):
+    """The amax kernel, the one-program delayed scale with the history push, and the given-scale cast:
+    scale, stats, amax, the pushed history and everything before the cast bit for bit TensorScaling's
+    delayed scale (with push_amax) and to_float8, for each algo, margin, history length and state."""
+    from mixprec.lowbit.history import TensorScaling, to_float8
+
+    f = get_format(fmt)
+    x = _input((70, 200), kind, seed=13)
+    cases = [
+        ("max", 0, 16, "empty", True),
+        ("max", 0, 20, "full", True),
+        ("max", 3, 1, "full", True),
+        ("most_recent", 0, 16, "full", True),
+        ("most_recent", 1, 7, "small", True),
+        ("max", 0, 16, "small", True),
+        ("max", 2, 16, "full", False),
+    ]
+    for algo, margin, length, state, update in cases:
+        scaling = TensorScaling(delayed=True, margin=margin, amax_compute_algo=algo)
+        ref_hist, hist = _history(state, length), _history(state, length)
+        ref_stats, stats = torch.full((2, 3), 7.0), torch.full((2, 3), 7.0)
+        with monkeypatch.context() as m:
+            m.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+            ref_scale = scaling.scale(1, x, f.elem, f.scale == "pow2", ref_hist, ref_stats, update)
+            ref = to_float8(x, ref_scale, f.elem)
+        pre, pre_t, scale, _ = interpret.delayed_cast(
+            x, fmt, hist[1], amax_compute_algo=algo, margin=margin, update=update, transpose=True,
+            cast=False, amax_out=stats[0, 1], scale_out=stats[1, 1],
+        )  # fmt: skip
+        case = (algo, margin, length, state, update)
+        assert same_bits(scale, ref_scale), (case, scale, ref_scale)
+        assert same_bits(stats, ref_stats), (case, stats, ref_stats)
+        assert same_bits(hist, ref_hist), (case, hist[1], ref_hist[1])  # only the role's row, pushed
+        assert same_bits(pre.to(f.elem.dtype), ref), case
+        assert same_bits(pre_t, pre.t().contiguous()), case
+
+
+def test_delayed_cast_refuses_by_name_and_writes_nothing(interpret):
+    x, hist = torch.randn(8, 16), torch.ones(3, 4)
+    with pytest.raises(ValueError, match="contiguous float32 1-D tensor on cpu, got torch.bfloat16"):
+        interpret.delayed_cast(x, "fp8_tensorwise", hist[0].bfloat16())
+    with pytest.raises(ValueError, match="got torch.float32 \\(3,\\)"):
+        interpret.delayed_cast(x, "fp8_tensorwise", hist[:, 0])  # a column: not contiguous
+    with pytest.raises(ValueError, match="amax_compute_algo must be 'max' or 'most_recent', got 'mean'"):
+        interpret.delayed_cast(x, "fp8_tensorwise", hist[0], amax_compute_algo="mean")
+    with pytest.raises(ValueError, match="margin must be an int from 0 to 64, got 65"):
+        interpret.delayed_cast(x, "fp8_tensorwise", hist[0], margin=65)
+    with pytest.raises(ValueError, match="fused tensorwise format, got \\(8, 16\\), fp8_blockwise"):
+        interpret.delayed_cast(x, "fp8_blockwise", hist[0])
+    assert torch.equal(hist, torch.ones(3, 4))
 
 
 def test_dynamic_cast_refuses_by_name_and_writes_nothing(interpret):
@@ -408,6 +494,51 @@ def _per_tensor_step(recipe, dtype=torch.float32, device="cpu", seed: int = 9):
     return out.detach(), x.grad, w.grad, stats
 
 
+def test_delayed_layer_steps_with_the_fused_scale_are_the_torch_steps(interpret, monkeypatch):
+    """Three steps of a delayed-scaling layer (the history filling up, a margin, pow2 scales) through
+    delayed_cast, with torch's cast of its values: outputs, gradients, stats and histories bit for bit."""
+    import warnings
+
+    from mixprec.lowbit import Recipe
+    from mixprec.lowbit.gemm import LowbitLinearFunction
+    from mixprec.lowbit.history import TensorScaling
+
+    fused = interpret.delayed_cast
+    calls = []
+
+    def kernels_with_torchs_cast(x, fmt, history, **kwargs):
+        calls.append(tuple(x.shape))
+        kwargs.pop("cast", None)
+        pre, pre_t, scale, amax = fused(x, fmt, history, cast=False, **kwargs)
+        dtype = get_format(fmt).elem.dtype
+        return pre.to(dtype), (pre_t.to(dtype) if pre_t is not None else None), scale, amax
+
+    operands = ("fprop_x", "fprop_w", "dgrad_go", "dgrad_w", "wgrad_go", "wgrad_x")
+    recipe = Recipe(**dict.fromkeys(operands, "fp8_tensorwise_pow2"), scaling=TensorScaling(True, 1, "max"))
+
+    def steps():
+        g = torch.Generator().manual_seed(21)
+        w = (torch.randn(96, 256, generator=g) / 16).requires_grad_()
+        history, stats, seen = torch.zeros(3, 6), torch.zeros(2, 3), []
+        for step in range(3):
+            x = (torch.randn(2, 70, 256, generator=g) * 4 * (step + 1)).requires_grad_()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = LowbitLinearFunction.apply(x, w, recipe, None, None, history, stats, True)
+                out.backward(torch.randn(2, 70, 96, generator=g))
+            seen += [out.detach(), x.grad, stats.clone(), history.clone()]
+        return [*seen, w.grad]
+
+    monkeypatch.setattr(interpret, "delayed_cast", kernels_with_torchs_cast)
+    got = steps()
+    assert len(calls) == 9  # input, weight, grad_output per step
+    monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+    ref = steps()
+    assert len(calls) == 9 and (ref[-2][:, :3] > 0).all()  # three amaxes pushed per role
+    for a, b in zip(got, ref, strict=True):
+        assert same_bits(a, b)
+
+
 @pytest.mark.parametrize("name", ["dynamic", "dynamic_e5m2_grads", "dynamic_pow2"])
 def test_a_dynamic_per_tensor_layer_step_with_the_in_kernel_scale_is_the_torch_step(
     interpret, monkeypatch, name
@@ -434,6 +565,35 @@ def test_a_dynamic_per_tensor_layer_step_with_the_in_kernel_scale_is_the_torch_s
     assert len(calls) == 3
     for a, b in zip(got, ref, strict=True):
         assert same_bits(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernels)")
+@pytest.mark.parametrize("fmt", TENSORWISE)
+def test_on_a_gpu_delayed_cast_is_tensor_scaling_then_to_float8(monkeypatch, fmt):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from mixprec.lowbit import triton_quantize
+    from mixprec.lowbit.history import TensorScaling, to_float8
+
+    f = get_format(fmt)
+    for kind in ("randn", "outliers", "zeros", "inf", "nan", "bf16"):
+        x = _input((300, 500), kind, seed=14).cuda()
+        for algo, margin, state in (("max", 0, "empty"), ("max", 2, "full"), ("most_recent", 1, "small")):
+            scaling = TensorScaling(delayed=True, margin=margin, amax_compute_algo=algo)
+            ref_hist, hist = _history(state, 16).cuda(), _history(state, 16).cuda()
+            ref_stats, stats = torch.zeros(2, 3, device="cuda"), torch.zeros(2, 3, device="cuda")
+            monkeypatch.setenv("MIXPREC_FUSED_QUANTIZE", "0")
+            ref_scale = scaling.scale(0, x, f.elem, f.scale == "pow2", ref_hist, ref_stats, True)
+            ref = to_float8(x, ref_scale, f.elem)
+            monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE")
+            data, data_t, scale, _ = triton_quantize.delayed_cast(
+                x, fmt, hist[0], amax_compute_algo=algo, margin=margin, transpose=True,
+                amax_out=stats[0, 0], scale_out=stats[1, 0],
+            )  # fmt: skip
+            case = (fmt, kind, algo, margin, state)
+            assert same_bits(scale, ref_scale) and same_bits(stats, ref_stats), case
+            assert same_bits(hist, ref_hist) and same_bits(data, ref), case
+            assert same_bits(data_t, data.t().contiguous()), case
 
 
 @pytest.mark.cuda

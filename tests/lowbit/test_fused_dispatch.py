@@ -143,8 +143,8 @@ def _glue_ops(fn) -> list[str]:
 def test_a_dynamic_tensorwise_operand_takes_two_launches_and_one_fill(monkeypatch, fmt):
     """The dynamic per-tensor layer's cast of one operand: the amax kernel, then the cast kernel that
     computes the scale and stores it and the amax into the layer's stats (STATS), and one zero-fill of
-    the amax's accumulator. The path it replaces launched nine: the fill and the amax kernel, four torch
-    ops for the float64 scale (twelve with pow2's log2, floor, exp2), two stores into stats, the cast."""
+    the amax's accumulator. The path it replaces launched ten: the fill, the amax kernel, the 7 torch ops
+    of the scale and its stats (counted below), the cast."""
     from mixprec.lowbit.history import TensorScaling
 
     launches = _Launches()
@@ -164,7 +164,33 @@ def test_a_dynamic_tensorwise_operand_takes_two_launches_and_one_fill(monkeypatc
     assert [op for op in ops if op not in _NO_LAUNCH] == ["aten.zeros.default"]
 
 
-def test_delayed_scaling_a_margin_or_a_converted_stats_buffer_keep_their_own_paths(monkeypatch):
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_a_delayed_operand_takes_three_launches_and_one_fill(monkeypatch, algo):
+    """Delayed scaling: the amax kernel, one program that computes the scale from the history, records
+    amax and scale and pushes the history, and the cast with that scale (28 torch ops between the amax and
+    the cast kernels before, counted below)."""
+    from mixprec.lowbit.history import TensorScaling
+
+    launches = _Launches()
+    monkeypatch.setattr(triton_quantize, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_quantize, "_kernels", lambda interpret: launches)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, stats, history_ = torch.randn(64, 96), torch.zeros(2, 3), torch.ones(3, 20)
+    scaling = TensorScaling(delayed=True, margin=2, amax_compute_algo=algo)
+    ops = _glue_ops(lambda: gemm._scale_cast(1, x, "fp8_tensorwise", scaling, history_, stats, False))
+    assert [name for name, _ in launches.launched] == ["amax", "delayed_scale", "cast"]
+    scale = launches.launched[1][1]
+    assert (scale["MARGIN_DIV"], scale["ALGO_MAX"], scale["UPDATE"], scale["STATS"]) == (
+        4.0,
+        algo == "max",
+        False,
+        True,
+    )
+    assert scale["HBLOCK"] == 32 and launches.launched[2][1]["MODE"] == 1  # the next power of two >= 20
+    assert [op for op in ops if op not in _NO_LAUNCH] == ["aten.zeros.default"]
+
+
+def test_a_margin_a_converted_stats_buffer_or_history_keep_their_own_paths(monkeypatch):
     from mixprec.lowbit.history import TensorScaling
 
     launches = _Launches()
@@ -172,12 +198,33 @@ def test_delayed_scaling_a_margin_or_a_converted_stats_buffer_keep_their_own_pat
     monkeypatch.setattr(triton_quantize, "_kernels", lambda interpret: launches)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.randn(64, 96)
-    history_ = torch.ones(3, 4)
-    gemm._scale_cast(0, x, "fp8_tensorwise", TensorScaling(delayed=True), history_, torch.zeros(2, 3), True)
     gemm._scale_cast(0, x, "fp8_tensorwise", TensorScaling(margin=1), None, torch.zeros(2, 3), True)
-    assert [n for n, _ in launches.launched] == ["cast", "cast"]  # a given scale: MODE 1, no amax kernel
-    assert [c["MODE"] for _, c in launches.launched] == [1, 1]
+    history16 = torch.ones(3, 4, dtype=torch.bfloat16)  # model.to(bfloat16) converts the buffer
+    gemm._scale_cast(0, x, "fp8_tensorwise", TensorScaling(delayed=True), history16, torch.zeros(2, 3), True)
+    far = TensorScaling(delayed=True, margin=triton_quantize.MAX_MARGIN + 1)
+    gemm._scale_cast(0, x, "fp8_tensorwise", far, torch.ones(3, 4), torch.zeros(2, 3), True)
+    assert [n for n, _ in launches.launched] == ["cast"] * 3  # torch's scale, then a given-scale cast
+    assert [c["MODE"] for _, c in launches.launched] == [1, 1, 1]
     launches.launched.clear()
-    stats16 = torch.zeros(2, 3, dtype=torch.bfloat16)  # model.to(bfloat16) converts the buffer
+    stats16 = torch.zeros(2, 3, dtype=torch.bfloat16)
     gemm._scale_cast(2, x, "fp8_tensorwise", TensorScaling(), None, stats16, True)
     assert [(n, c.get("STATS")) for n, c in launches.launched] == [("amax", None), ("cast", False)]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_the_torch_ops_the_fused_scale_replaces(monkeypatch, pow2):
+    """What the layer launched between the amax and the cast kernels before the scale moved on the
+    device: 7 ops dynamic (the float64 scale, two stats stores), 28 delayed (with the history push),
+    3 more each for pow2 (the figures the docs and the CHANGELOG quote)."""
+    from mixprec.lowbit.history import TensorScaling
+
+    amax = torch.tensor(3.0)
+    monkeypatch.setattr(history, "amax_of", lambda x: amax)
+    x, stats, hist = torch.randn(8, 16), torch.zeros(2, 3), torch.ones(3, 16)
+    elem = get_format("fp8_tensorwise").elem
+    dynamic = _glue_ops(lambda: TensorScaling().scale(0, x, elem, pow2, None, stats, True))
+    delayed = _glue_ops(lambda: TensorScaling(delayed=True).scale(0, x, elem, pow2, hist, stats, True))
+    views = _NO_LAUNCH | {"aten.slice.Tensor", "aten.alias.default"}
+    extra = 3 if pow2 else 0
+    assert len([op for op in dynamic if op not in views]) == 7 + extra, dynamic
+    assert len([op for op in delayed if op not in views]) == 28 + extra, delayed

@@ -55,11 +55,17 @@ def _scale_of(amax_bits, ELEM_MAX: tl.constexpr, POW2: tl.constexpr, PRECISE: tl
         a64 = tl.where(a64 != a64, a64, tl.maximum(a64, EPS))
         s = (ELEM_MAX / a64).to(tl.float32)
     if POW2:
-        if PRECISE:
-            s = libdevice.exp2(libdevice.floor(libdevice.log2(s)))
-        else:  # the interpreter has no libdevice; numpy's log2
-            s = tl.exp2(tl.floor(tl.log2(s)))
+        s = _pow2(s, PRECISE)
     return s
+
+
+@triton.jit
+def _pow2(s, PRECISE: tl.constexpr):
+    # torchao's round_scales_to_power_of_2: exp2(floor(log2 s)), libdevice's log2f as torch's CUDA log2
+    if PRECISE:
+        return libdevice.exp2(libdevice.floor(libdevice.log2(s)))
+    else:  # the interpreter has no libdevice; numpy's log2
+        return tl.exp2(tl.floor(tl.log2(s)))
 
 
 @triton.jit
@@ -162,6 +168,44 @@ def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_p
                     tl.store(scale_t_ptr, s)
         mask_t = (rk[:, None] < K) & (rm[None, :] < M)
         _store(out_t_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(yt), mask_t, CAST, F8)
+
+
+@triton.jit
+def delayed_scale(amax_ptr, hist_ptr, L, scale_ptr, amax_out_ptr, scale_out_ptr, ELEM_MAX: tl.constexpr,
+                  POW2: tl.constexpr, PRECISE: tl.constexpr, F32_DIV: tl.constexpr,
+                  MARGIN_DIV: tl.constexpr, ALGO_MAX: tl.constexpr, UPDATE: tl.constexpr,
+                  GROWTH: tl.constexpr, STATS: tl.constexpr, HBLOCK: tl.constexpr):  # fmt: skip
+    # One program: history.delayed_scale (then pow2) from the amax the amax kernel left (float32 bits)
+    # and the role's float32[L] history, then push_amax. The history holds finite amaxes >= 0 (push_amax
+    # keeps it so, check_amax_history refuses others on load), so its max is an integer max of the bits;
+    # one program reads the history before it writes it.
+    offs = tl.arange(0, HBLOCK)
+    in_l = offs < L
+    hist = tl.load(hist_ptr + offs, mask=in_l, other=0.0)
+    amax_bits = tl.load(amax_ptr)
+    if ALGO_MAX:
+        past_bits = _amax(hist.to(tl.int32, bitcast=True), 0)
+    else:
+        past_bits = tl.load(hist_ptr).to(tl.int32, bitcast=True)
+    s = _scale_of(tl.where(past_bits > 0, past_bits, amax_bits), ELEM_MAX, False, PRECISE, F32_DIV)
+    if MARGIN_DIV != 1.0:  # scale / 2**margin: a power of two, so div_rn is torch's float32 division
+        s = tl.div_rn(s, tl.full(s.shape, MARGIN_DIV, tl.float32))
+    finite = (amax_bits & 0x7FFFFFFF) < 0x7F800000
+    s = tl.where(finite, s, float("nan"))
+    if POW2:
+        s = _pow2(s, PRECISE)
+    tl.store(scale_ptr, s)
+    if STATS:
+        tl.store(amax_out_ptr, amax_bits.to(tl.float32, bitcast=True))
+        tl.store(scale_out_ptr, s)
+    if UPDATE:  # push_amax: the new amax first (at most AMAX_GROWTH_LIMIT x the past max), the oldest out
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        past = past_bits.to(tl.float32, bitcast=True)
+        if not ALGO_MAX:
+            past = _amax(hist.to(tl.int32, bitcast=True), 0).to(tl.float32, bitcast=True)
+        bounded = tl.where(past > 0, tl.minimum(amax, past * GROWTH), amax)
+        older = tl.load(hist_ptr + offs - 1, mask=in_l & (offs > 0), other=0.0)
+        tl.store(hist_ptr + offs, tl.where(offs == 0, bounded, older), mask=in_l & finite)
 
 
 @triton.jit

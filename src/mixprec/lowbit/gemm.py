@@ -549,14 +549,17 @@ def _scale_cast(
     fmt = get_format(fmt_name)
     if not fmt.is_tensorwise:
         raise ValueError(f"a TensorScaling layer needs tensorwise formats, got {fmt_name!r}")
-    if history is None and scaling.margin == 0 and _fused(x, fmt):  # dynamic: amax, then one cast pass
-        from mixprec.lowbit import triton_quantize
-
+    fused = _fused_per_tensor(x, fmt, scaling, history)
+    if fused is not None:  # the scale computed and recorded on the device between the amax and the cast
         in_kernel = stats.dtype == torch.float32 and stats.device == x.device
-        slots = (stats[0, role], stats[1, role]) if in_kernel else (None, None)
-        data, data_t, scale, amax = triton_quantize.dynamic_cast(
-            x, fmt, transpose=transpose, amax_out=slots[0], scale_out=slots[1]
-        )
+        slots = {"amax_out": stats[0, role], "scale_out": stats[1, role]} if in_kernel else {}
+        if history is None:
+            data, data_t, scale, amax = fused.dynamic_cast(x, fmt, transpose=transpose, **slots)
+        else:
+            data, data_t, scale, amax = fused.delayed_cast(
+                x, fmt, history[role], amax_compute_algo=scaling.amax_compute_algo, margin=scaling.margin,
+                update=update, transpose=transpose, **slots,
+            )  # fmt: skip
         if not in_kernel:  # a stats buffer moved to another dtype: torch's copy converts
             stats[0, role], stats[1, role] = amax, scale
         q_t = _tensorwise(data_t, scale, x.dtype, fmt_name) if data_t is not None else None
@@ -579,6 +582,19 @@ def _to_float8(
         return data, (data_t if data_t is not None else data.t())
     data = tensor_history.to_float8(x, scale, fmt.elem)
     return data, data.t()
+
+
+def _fused_per_tensor(x: torch.Tensor, fmt: LowbitFormat, scaling: Any, history: torch.Tensor | None) -> Any:
+    """The fused module when a per-tensor layer's operand takes ``dynamic_cast`` (no margin) or
+    ``delayed_cast`` (a float32 history, a margin up to its ``MAX_MARGIN``), else None."""
+    if not _fused(x, fmt):
+        return None
+    from mixprec.lowbit import triton_quantize
+
+    if history is None:
+        return triton_quantize if scaling.margin == 0 else None
+    usable = history.dtype == torch.float32 and history.device == x.device and history.is_contiguous()
+    return triton_quantize if usable and scaling.margin <= triton_quantize.MAX_MARGIN else None
 
 
 def _fused(x: torch.Tensor, fmt: LowbitFormat) -> bool:

@@ -25,8 +25,10 @@ and rounded once to float32 as :func:`mixprec.lowbit.scaling.fp32_scale` does, a
 
 :func:`mixprec.lowbit.quantize` dispatches to :func:`quantize` (the module's), the per-tensor layers
 (:mod:`mixprec.lowbit.gemm`, :mod:`mixprec.lowbit.history`) to :func:`dynamic_cast` (dynamic scaling:
-the scale computed and recorded in the cast kernel), :func:`tensor_amax` and :func:`scaled_cast`
-(delayed scaling, a margin), when :func:`fused_eligible` says so: a plain CUDA tensor in
+the scale computed and recorded in the cast kernel), :func:`delayed_cast` (delayed scaling: the scale,
+the records and the history push in one small program), :func:`tensor_amax` and :func:`scaled_cast`
+(what neither takes: a dynamic margin, a history in another dtype), when :func:`fused_eligible` says
+so: a plain CUDA tensor in
 eager mode (under ``torch.compile`` inductor fuses the pure-torch quantizers itself; a FakeTensor or
 another tensor subclass has no storage to launch on), Triton importable, a supported format, and the
 environment variable ``MIXPREC_FUSED_QUANTIZE`` not set to ``0`` (the switch that forces the pure-torch
@@ -56,10 +58,12 @@ import torch
 
 from mixprec._triton import device_of, interpreting, kernels, triton_available
 from mixprec.lowbit.formats import LowbitFormat, get_format
+from mixprec.lowbit.history import AMAX_GROWTH_LIMIT
 from mixprec.lowbit.quantized import Quantized
 
 __all__ = [
     "ENV_SWITCH",
+    "delayed_cast",
     "dynamic_cast",
     "format_supported",
     "fused_eligible",
@@ -255,14 +259,13 @@ def dynamic_cast(
     amax_out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Dynamic tensorwise scaling in two launches: ``max|x|``, then the scale, the cast and the transposed
+    """Dynamic tensorwise scaling in two kernels: ``max|x|``, then the scale, the cast and the transposed
     copy in one pass, bit for bit :class:`mixprec.lowbit.history.TensorScaling` (``delayed=False``,
     ``margin=0``) followed by :func:`mixprec.lowbit.history.to_float8`.
 
-    Three launches per operand (the amax accumulator's zero-fill, the amax, the cast) where computing
-    the scale with torch between the two kernels made nine (four torch ops for the float64 scale, three
-    more for a pow2 one, two stores into the layer's stats): the cast kernel computes the scale from the
-    amax and, given ``amax_out`` / ``scale_out``, stores both there.
+    Three launches per operand (the amax accumulator's zero-fill, the amax, the cast): the cast kernel
+    computes the scale from the amax and, given ``amax_out`` / ``scale_out``, stores both there, where
+    torch ops would compute and store them between the two kernels (docs/guide/fp8.md counts them).
 
     Args:
         x: a non-empty 2-D floating tensor (any strides) on a CUDA device (a CPU one under the
@@ -281,42 +284,156 @@ def dynamic_cast(
         ValueError: for a format that is not a fused tensorwise one, an ``x`` that is not non-empty 2-D,
             or ``amax_out`` / ``scale_out`` given alone, not float32 one-element, or on another device.
     """
-    fmt = get_format(fmt)
-    if not format_supported(fmt) or fmt.block != (-1, -1) or x.dim() != 2 or x.numel() == 0:
-        raise ValueError(
-            f"dynamic_cast takes a non-empty 2-D tensor and a fused tensorwise format, got "
-            f"{tuple(x.shape)}, {fmt.name}"
-        )
-    if (amax_out is None) != (scale_out is None):
-        raise ValueError("dynamic_cast takes amax_out and scale_out together, got one of them")
-    for name, out in (("amax_out", amax_out), ("scale_out", scale_out)):
-        if out is not None and (out.dtype != torch.float32 or out.numel() != 1 or out.device != x.device):
-            raise ValueError(
-                f"{name} must be a float32 one-element tensor on {x.device}, got {out.dtype} of shape "
-                f"{tuple(out.shape)} on {out.device}"
-            )
+    fmt = _check_per_tensor("dynamic_cast", x, fmt, amax_out, scale_out)
     m, k = x.shape
     kern = _kernels(interpreting())
     out_dtype = fmt.elem.dtype if cast else torch.float32
     with device_of(x):
-        amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-        bm, bk = 64, 64
-        grid = (triton_cdiv(m, bm), triton_cdiv(k, bk))
-        kern.amax[grid](
-            x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, BM=bm, BK=bk, ROWWISE=False, COLS=False
-        )
+        amax_bits = _amax_bits(x, kern)
         data = torch.empty(m, k, dtype=out_dtype, device=x.device)
         data_t = torch.empty(k, m, dtype=out_dtype, device=x.device) if transpose else data
         scale = torch.empty((), dtype=torch.float32, device=x.device)
         stats = amax_out is not None
-        kern.cast[grid](
+        kern.cast[_grid(m, k)](
             x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, scale, data, data_t, scale, scale,
             amax_out if stats else scale, scale_out if stats else scale,
-            BM=bm, BK=bk, MODE=0, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max),
+            BM=_BM, BK=_BK, MODE=0, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max),
             POW2=fmt.scale == "pow2", CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(),
             F32_DIV=F32_DIV["cast"], STATS=stats,
         )  # fmt: skip
     return data, (data_t if transpose else None), scale, amax_bits.view(torch.float32)
+
+
+def delayed_cast(
+    x: torch.Tensor,
+    fmt: LowbitFormat | str,
+    history: torch.Tensor,
+    *,
+    amax_compute_algo: str = "max",
+    margin: int = 0,
+    update: bool = True,
+    transpose: bool = False,
+    cast: bool = True,
+    amax_out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Delayed tensorwise scaling (Transformer Engine's ``DelayedScaling``) in three kernels, bit for bit
+    :class:`mixprec.lowbit.history.TensorScaling` (``delayed=True``) followed by
+    :func:`mixprec.lowbit.history.to_float8`: ``max|x|``; one program that computes the scale from the
+    amax history (:func:`mixprec.lowbit.history.delayed_scale`, then pow2 where ``fmt`` says), records
+    amax and scale and pushes the amax (:func:`mixprec.lowbit.history.push_amax`); the cast with the
+    transposed copy: four launches with the zero-fill.
+
+    Args:
+        x: a non-empty 2-D floating tensor (any strides) on a CUDA device (a CPU one under the
+            interpreter).
+        fmt: a tensorwise format with a fused kernel (see :func:`format_supported`).
+        history: the role's float32[L] amax history (newest first), contiguous, on ``x``'s device, of
+            finite amaxes >= 0 (as ``push_amax`` keeps it and a checkpoint load checks it); updated in
+            place when ``update``.
+        amax_compute_algo: ``"max"`` (the history's largest entry) or ``"most_recent"`` (``history[0]``).
+        margin: the scale is divided by ``2**margin``; an int from 0 to 64.
+        update: push the amax into ``history`` (training).
+        transpose, cast, amax_out, scale_out: as :func:`dynamic_cast`'s.
+
+    Returns:
+        ``(data (M, K), data_t (K, M) or None, scale, amax)``; ``scale`` and ``amax`` float32 0-dim
+        (``scale`` is nan when the amax is not finite, so the cast is all nan, and the history is kept).
+
+    Raises:
+        ValueError: as :func:`dynamic_cast`, and for a ``history`` that is not a non-empty contiguous
+            float32 1-D tensor on ``x``'s device, another ``amax_compute_algo`` or a ``margin`` outside
+            0-64.
+    """
+    fmt = _check_per_tensor("delayed_cast", x, fmt, amax_out, scale_out)
+    if (
+        not isinstance(history, torch.Tensor)
+        or history.dtype != torch.float32
+        or history.dim() != 1
+        or history.numel() == 0
+        or history.stride(0) != 1
+        or history.device != x.device
+    ):
+        got = (
+            f"{history.dtype} {tuple(history.shape)} on {history.device}"
+            if torch.is_tensor(history)
+            else history
+        )
+        raise ValueError(
+            f"history must be a non-empty contiguous float32 1-D tensor on {x.device}, got {got}"
+        )
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= MAX_MARGIN:
+        raise ValueError(f"margin must be an int from 0 to {MAX_MARGIN}, got {margin!r}")
+    m, k = x.shape
+    kern = _kernels(interpreting())
+    out_dtype = fmt.elem.dtype if cast else torch.float32
+    pow2 = fmt.scale == "pow2"
+    with device_of(x):
+        amax_bits = _amax_bits(x, kern)
+        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        stats = amax_out is not None
+        length = history.numel()
+        kern.delayed_scale[(1,)](
+            amax_bits, history, length, scale, amax_out if stats else scale, scale_out if stats else scale,
+            ELEM_MAX=float(fmt.elem.max), POW2=pow2, PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
+            MARGIN_DIV=2.0**margin, ALGO_MAX=amax_compute_algo == "max", UPDATE=update,
+            GROWTH=AMAX_GROWTH_LIMIT, STATS=stats, HBLOCK=max(16, 1 << (length - 1).bit_length()),
+        )  # fmt: skip
+        data = torch.empty(m, k, dtype=out_dtype, device=x.device)
+        data_t = torch.empty(k, m, dtype=out_dtype, device=x.device) if transpose else data
+        kern.cast[_grid(m, k)](
+            x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, scale, data, data_t, scale, scale,
+            scale, scale,
+            BM=_BM, BK=_BK, MODE=1, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max), POW2=False,
+            CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
+            STATS=False,
+        )  # fmt: skip
+    return data, (data_t if transpose else None), scale, amax_bits.view(torch.float32)
+
+
+#: The largest ``margin`` :func:`delayed_cast` takes (``2**margin`` stays a normal float32).
+MAX_MARGIN = 64
+_BM, _BK = 64, 64  # the cast and amax kernels' tile
+
+
+def _grid(m: int, k: int) -> tuple[int, int]:
+    return triton_cdiv(m, _BM), triton_cdiv(k, _BK)
+
+
+def _amax_bits(x: torch.Tensor, kern: Any) -> torch.Tensor:
+    """``max|x|`` of a 2-D ``x`` as the int32 bits of its float32 value (0-dim), one amax launch."""
+    m, k = x.shape
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    kern.amax[_grid(m, k)](
+        x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, BM=_BM, BK=_BK, ROWWISE=False, COLS=False
+    )
+    return amax_bits
+
+
+def _check_per_tensor(
+    name: str,
+    x: torch.Tensor,
+    fmt: LowbitFormat | str,
+    amax_out: torch.Tensor | None,
+    scale_out: torch.Tensor | None,
+) -> LowbitFormat:
+    fmt = get_format(fmt)
+    if not format_supported(fmt) or fmt.block != (-1, -1) or x.dim() != 2 or x.numel() == 0:
+        raise ValueError(
+            f"{name} takes a non-empty 2-D tensor and a fused tensorwise format, got "
+            f"{tuple(x.shape)}, {fmt.name}"
+        )
+    if (amax_out is None) != (scale_out is None):
+        raise ValueError(f"{name} takes amax_out and scale_out together, got one of them")
+    for what, out in (("amax_out", amax_out), ("scale_out", scale_out)):
+        if out is not None and (out.dtype != torch.float32 or out.numel() != 1 or out.device != x.device):
+            raise ValueError(
+                f"{what} must be a float32 one-element tensor on {x.device}, got {out.dtype} of shape "
+                f"{tuple(out.shape)} on {out.device}"
+            )
+    return fmt
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -326,15 +443,10 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     ``x``: a non-empty floating tensor of 1 or 2 dims (any strides) on a CUDA device (a CPU one under
     the interpreter).
     """
-    x2 = x.reshape(1, -1) if x.dim() == 1 else x
-    m, k = x2.shape
     with device_of(x):
-        out = torch.zeros(1, dtype=torch.int32, device=x.device)
-        bm, bk = 64, 64
-        _kernels(interpreting()).amax[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
-            x2, m, k, x2.stride(0), x2.stride(1), out, out, BM=bm, BK=bk, ROWWISE=False, COLS=False
+        return _amax_bits(x.reshape(1, -1) if x.dim() == 1 else x, _kernels(interpreting())).view(
+            torch.float32
         )
-    return out.view(torch.float32).reshape(())
 
 
 def post_scale_eligible(out: torch.Tensor) -> bool:
