@@ -366,9 +366,7 @@ def delayed_cast(
         raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
     if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= MAX_MARGIN:
         raise ValueError(f"margin must be an int from 0 to {MAX_MARGIN}, got {margin!r}")
-    m, k = x.shape
     kern = _kernels(interpreting())
-    out_dtype = fmt.elem.dtype if cast else torch.float32
     pow2 = fmt.scale == "pow2"
     with device_of(x):
         amax_bits = _amax_bits(x, kern)
@@ -381,16 +379,8 @@ def delayed_cast(
             MARGIN_DIV=2.0**margin, ALGO_MAX=amax_compute_algo == "max", UPDATE=update,
             GROWTH=AMAX_GROWTH_LIMIT, STATS=stats, HBLOCK=max(16, 1 << (length - 1).bit_length()),
         )  # fmt: skip
-        data = torch.empty(m, k, dtype=out_dtype, device=x.device)
-        data_t = torch.empty(k, m, dtype=out_dtype, device=x.device) if transpose else data
-        kern.cast[_grid(m, k)](
-            x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, scale, data, data_t, scale, scale,
-            scale, scale,
-            BM=_BM, BK=_BK, MODE=1, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max), POW2=False,
-            CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
-            STATS=False,
-        )  # fmt: skip
-    return data, (data_t if transpose else None), scale, amax_bits.view(torch.float32)
+        data, data_t = _scaled_cast(x, scale, fmt, transpose, cast)
+    return data, data_t, scale, amax_bits.view(torch.float32)
 
 
 #: The largest ``margin`` :func:`delayed_cast` takes (``2**margin`` stays a normal float32).
