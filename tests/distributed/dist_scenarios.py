@@ -573,10 +573,12 @@ def _reshard_case(kind: str, fmt: str | None) -> Result:
 
     model = _reshard_model(sharded=True)
     optimizer = _reshard_optimizer(model, kind, fmt)
+    before = [p._version for p in model.parameters()]
     _reshard_train(model, optimizer, range(3))
     saved, weights = full_state_dict(optimizer), _whole(model)
+    after = [p._version for p in model.parameters()]
     _reshard_train(model, optimizer, range(3, 5))
-    result: Result = {"reference": _whole(model), "weights": weights}
+    result: Result = {"reference": _whole(model), "weights": weights, "versions": (before, after)}
     origins = saved["optimizer"]["state"][0].get("block_origins")  # the first weight's saved grid
     result["origins"] = None if origins is None else origins.tolist()
     for name, sharded in (("two", True), ("one", False)):

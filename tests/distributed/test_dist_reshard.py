@@ -43,6 +43,16 @@ def test_resumed_run_equals_uninterrupted_bitwise(ranks: list[dict[str, Any]], c
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_each_step_bumps_the_dtensor_params_version_counters(ranks: list[dict[str, Any]], case: str) -> None:
+    """The shards change in place, so the DTensor params count an in-place change per step, as a torch
+    optimizer's step on them does (float8's precompute_float8_dynamic_scale_for_fsdp reads the counter to
+    know a precomputed scale is stale)."""
+    for rank in ranks:
+        before, after = rank[case]["versions"]
+        assert all(a >= b + 3 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_ranks_agree_on_the_uninterrupted_run(ranks: list[dict[str, Any]], case: str) -> None:
     assert _equal(ranks[0][case]["reference"], ranks[1][case]["reference"])
 

@@ -390,3 +390,24 @@ def test_a_skipped_step_writes_nothing(interpret, monkeypatch):
     with pytest.warns(RuntimeWarning, match="skipped"):
         opt.step()
     assert torch.equal(params[0], before) and not opt.optimizer.state
+
+
+@pytest.mark.parametrize("state_format", [None, "int8"])
+def test_a_step_between_forward_and_backward_is_caught_as_torchs_is(interpret, monkeypatch, state_format):
+    """The kernels write the weights through pointers; the step marks them modified in place, so a graph
+    that saved a weight before the step fails in backward as it does after ``torch.optim.AdamW``'s step
+    (and ``p._version`` counts the change), instead of computing gradients from the new weights."""
+    calls = []
+    monkeypatch.setattr(interpret, "step_unit", lambda *a, f=interpret.step_unit: calls.append(1) or f(*a))
+    results = []
+    for wrap in (lambda o: o, lambda o: CompensatedOptimizer(o, "kahan", state_format=state_format)):
+        p = torch.nn.Parameter(torch.randn(300, generator=torch.Generator().manual_seed(3)).bfloat16())
+        opt = wrap(torch.optim.AdamW([p], lr=1e-3, foreach=True))
+        out = (p * p).sum()  # saves p for its backward
+        p.grad = torch.ones_like(p)
+        version = p._version
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+            out.backward()
+        results.append((p._version > version, "is at version" in str(caught.value)))
+    assert results == [(True, True), (True, True)] and calls  # torch's step, then the kernel's

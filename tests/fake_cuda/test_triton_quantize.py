@@ -637,3 +637,23 @@ def test_on_a_gpu_a_layer_step_with_the_cast_transpose_is_the_per_use_step(monke
     monkeypatch.setattr(gemm, "SHARE_CASTS", False)
     for a, b in zip(got, step(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_kernel_writes_count_as_in_place_changes(interpret):
+    """Stats, a pushed history and a post-scaled output change through pointers; their version counters
+    move as the torch ops' (``copy_``, ``*=``) would move them, and a history not pushed stays put."""
+    x, stats, hist = torch.randn(64, 96), torch.zeros(2, 3), torch.ones(3, 8)
+    versions = stats._version, hist._version
+    interpret.dynamic_cast(x, "fp8_tensorwise", amax_out=stats[0, 0], scale_out=stats[1, 0])
+    assert stats._version > versions[0]
+    versions = stats._version, hist._version
+    interpret.delayed_cast(
+        x, "fp8_tensorwise", hist[0], update=False, amax_out=stats[0, 1], scale_out=stats[1, 1]
+    )
+    assert stats._version > versions[0] and hist._version == versions[1]
+    interpret.delayed_cast(x, "fp8_tensorwise", hist[0], update=True)
+    assert hist._version > versions[1]
+    out = torch.randn(32, 128).bfloat16()
+    version = out._version
+    interpret.post_scale_(out, torch.rand(32) + 0.5, torch.rand(128) + 0.5)
+    assert out._version > version

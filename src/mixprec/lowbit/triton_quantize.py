@@ -301,6 +301,7 @@ def dynamic_cast(
             POW2=fmt.scale == "pow2", CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(),
             F32_DIV=F32_DIV["cast"], STATS=stats,
         )  # fmt: skip
+    _written_in_place(amax_out, scale_out)
     return data, (data_t if transpose else None), scale, amax_bits.view(torch.float32)
 
 
@@ -380,6 +381,7 @@ def delayed_cast(
             GROWTH=AMAX_GROWTH_LIMIT, STATS=stats, HBLOCK=max(16, 1 << (length - 1).bit_length()),
         )  # fmt: skip
         data, data_t = _scaled_cast(x, scale, fmt, transpose, cast)
+    _written_in_place(amax_out, scale_out, history if update else None)
     return data, data_t, scale, amax_bits.view(torch.float32)
 
 
@@ -390,6 +392,12 @@ _BM, _BK = 64, 64  # the cast and amax kernels' tile
 
 def _grid(m: int, k: int) -> tuple[int, int]:
     return triton_cdiv(m, _BM), triton_cdiv(k, _BK)
+
+
+def _written_in_place(*tensors: torch.Tensor | None) -> None:
+    """Count a kernel's writes through pointers as in-place changes (autograd's version counters), as the
+    torch ops they replace count theirs."""
+    torch.autograd.graph.increment_version([t for t in tensors if t is not None])
 
 
 def _amax_bits(x: torch.Tensor, kern: Any) -> torch.Tensor:
@@ -489,6 +497,7 @@ def post_scale_(out: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Ten
         _kernels(interpreting()).post_scale[(triton_cdiv(m, bm), triton_cdiv(n, bn))](
             bits, rows, cols, m, n, bits.stride(0), bits.stride(1), BM=bm, BN=bn, PRECISE=not interpreting()
         )
+    _written_in_place(out)
     return out
 
 

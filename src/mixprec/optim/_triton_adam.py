@@ -200,6 +200,9 @@ def step_unit(unit: AdamUnit, tables: dict[Any, Any] | None = None) -> None:
                     w, c, g, m, ms, v, vs, *maps[0], *maps[1], step, seed, bias, stop - start, start, index,
                     *hyper, _TINY, q, **tensor_consts, **options,
                 )  # fmt: skip
+    # The kernels write through pointers, which autograd does not see: mark the weights modified in place
+    # as torch's own in-place ops do, so a graph that saved one fails its version check in backward.
+    torch.autograd.graph.increment_version(params)
 
 
 def _bias_corrections(beta1: float, beta2: float, step: torch.Tensor) -> torch.Tensor:

@@ -249,9 +249,13 @@ class CompensatedOptimizer(OptimizerWrapper):
                     graded = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
                     if not agree_finite(held, grads_fit(graded)):
                         return False
-                return self._step_fast() if self.algorithm is not None else self._step_generic()
+                stepped = self._step_fast() if self.algorithm is not None else self._step_generic()
             finally:
                 self.model_params = model_params
+        if stepped:  # the shards changed in place, so the DTensor params did (a torch optimizer bumps them)
+            stepped_params = [p for p in held if id(p) in swapped and p.grad is not None]
+            torch.autograd.graph.increment_version(stepped_params)
+        return stepped
 
     def _step_lowbit(self) -> bool:
         """Adam/AdamW with low-bit moments; False when ``skip_nonfinite`` skipped it (checked before

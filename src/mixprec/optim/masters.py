@@ -289,6 +289,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             if self.model_params:
                 with torch.no_grad():
                     torch._foreach_copy_([local(p) for p in self.model_params], self.master_params)
+                # a DTensor param changed through its shard: bump its own counter, as torch's in-place ops do
+                torch.autograd.graph.increment_version([p for p in self.model_params if local(p) is not p])
         finally:
             for master in self.master_params:
                 master.grad = None  # the fp32 gradients exist during the step only
