@@ -134,6 +134,9 @@ def test_bad_arguments_are_refused() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ValueError, match="contradicts mixed_precision='bf16'"):
         MixprecAccelerator(cpu=True, mixed_precision="bf16", dtype=torch.float16)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(ValueError, match=r"^mixed_precision='bf16' asks for torch\.bfloat16, but the policy"):
+        MixprecAccelerator(cpu=True, mixed_precision="bf16", policy="16-mixed")  # no dtype= given
 
 
 def test_diagnose_step_takes_the_reports_loss_fn_and_refuses_a_loss_of_the_output() -> None:

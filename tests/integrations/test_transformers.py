@@ -138,6 +138,11 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         MixprecTrainer(model=model, args=args, scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="compute dtype"):
         MixprecTrainer(model=model, args=args, policy="16-mixed")
+    # the error names the setting that asked for bf16 (bf16=True), not a dtype= the user never passed
+    with pytest.raises(ValueError, match=r"^the TrainingArguments' bf16/fp16 asks for torch\.bfloat16"):
+        MixprecTrainer(model=model, args=args, policy="16-mixed")
+    with pytest.raises(ValueError, match=r"^dtype asks for torch\.bfloat16"):
+        MixprecTrainer(model=model, args=tiny.training_args(str(tmp_path)), policy="16-mixed", dtype="bf16")
     with pytest.raises(ValueError, match="contradicts"):
         MixprecTrainer(model=model, args=args, dtype=torch.float16)
     with pytest.raises(ValueError, match="max_diagnoses"):

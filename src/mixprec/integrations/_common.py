@@ -79,7 +79,8 @@ def settings(
     policy = check_policy(policy)
     scaler = check_scaler(scaler)
     dtype = None if dtype is None else as_dtype(dtype, "dtype")  # "bf16" as autocast takes it
-    dtype = region_dtype(policy, framework_dtype(dtype, flag, flag_name), "dtype")
+    source = "dtype" if dtype is not None else flag_name  # the setting the user gave, named in an error
+    dtype = region_dtype(policy, framework_dtype(dtype, flag, flag_name), source)
     if scaler is None and dtype == torch.float16:
         scaler = GradScaler()
     return policy, dtype, scaler
