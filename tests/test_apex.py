@@ -198,6 +198,29 @@ def test_fp16_optimizer_scales_clips_and_skips_as_apex() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_fp16_optimizer_overflow_flag_holds_the_lr_schedule_as_apex_era_loops_read_it() -> None:
+    """Megatron-era loops: ``if not optimizer.overflow: lr_scheduler.step()`` after ``step()`` (apex sets the
+    flag in ``backward`` already). A start of 2**20 overflows this model's fp16 gradients at steps 0 and 3."""
+    model, opt = fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**20})
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    flags = []
+    for step in range(8):
+        opt.zero_grad()
+        opt.backward(half_loss(model, step) * (float("inf") if step == 5 else 1.0))
+        before_step = opt.overflow  # apex's check ran in backward (update_master_grads)
+        opt.step()
+        assert opt.overflow == before_step == opt.last_step_skipped
+        flags.append(opt.overflow)
+        if not opt.overflow:
+            scheduler.step()
+    assert flags == [True, False, False, True, True, True, False, False]
+    assert scheduler.last_epoch == flags.count(False)
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5 ** flags.count(False)
+    opt.zero_grad()
+    opt.backward(half_loss(model), update_master_grads=False)
+    assert opt.overflow is False  # the last step's, until the master gradients are updated
+
+
 def test_fp16_optimizer_dynamic_args_and_the_loss_scale_setter() -> None:
     model, opt = fp16_optimizer(
         dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 2}

@@ -316,6 +316,17 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
         return norm if bool(torch.isfinite(norm)) else -1
 
     @property
+    def overflow(self) -> bool:
+        """apex's flag, which apex-era loops read after ``step()`` to hold the LR schedule
+        (``if not optimizer.overflow: lr_scheduler.step()``): whether that step was skipped. Between
+        ``backward`` (or :meth:`update_master_grads`) and ``step()``, as apex set it there: whether the
+        unscaled master gradients hold inf/nan (one pass and a host read, as apex's check)."""
+        if not self.grads_unscaled:
+            return self.last_step_skipped
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    @property
     def loss_scale(self) -> float:  # type: ignore[override]
         """The current loss scale; setting it replaces the scale (as apex's ``cur_scale``).
 
