@@ -235,6 +235,18 @@ def test_fp16_optimizer_dynamic_args_and_the_loss_scale_setter() -> None:
     assert opt.loss_scale == 64.0
     with pytest.raises(TypeError, match="scale_window"):
         fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args={"window": 2})
+    # a bad value is named with its key, never coerced (int(2.5) was a window of 2, int(True) one of 1)
+    for args, message in (
+        ({"scale_window": 2.5}, r"dynamic_loss_args\['scale_window'\] must be an int >= 1, got 2\.5"),
+        ({"scale_window": True}, r"dynamic_loss_args\['scale_window'\] must be an int >= 1, got True"),
+        ({"scale_factor": "2"}, r"dynamic_loss_args\['scale_factor'\] must be a finite number > 1, got '2'"),
+        ({"scale_factor": 1.0}, r"dynamic_loss_args\['scale_factor'\] must be a finite number > 1, got 1\.0"),
+        ({"init_scale": "big"}, r"init_scale must be a finite number > 0, got 'big'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args=args)
+    _, opt = fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})  # an int
+    assert opt.loss_scale == 2.0**16
     assert fp16_optimizer(dynamic_loss_scale=True)[1].loss_scale == 2.0**32  # apex's default start
 
 

@@ -266,7 +266,8 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
     Raises:
         TypeError: unknown ``dynamic_loss_args`` keys, or what MixedPrecisionOptimizer refuses.
         ValueError: a ``static_loss_scale`` that is not a loss-scale spec (the message lists the accepted
-            ones), or ``dynamic_loss_args`` without ``dynamic_loss_scale``.
+            ones), ``dynamic_loss_args`` without ``dynamic_loss_scale``, or a value there that is not a
+            number (``init_scale`` >= 1, ``scale_factor`` > 1) or an int (``scale_window`` >= 1).
     """
 
     def __init__(
@@ -350,12 +351,17 @@ def _dynamic_scaler(optimizer: torch.optim.Optimizer, args: dict[str, Any]) -> G
     unknown = sorted(set(args) - set(_APEX_DYNAMIC_ARGS))
     if unknown:
         raise TypeError(f"unknown dynamic_loss_args {unknown}; accepted: {list(_APEX_DYNAMIC_ARGS)}")
-    factor = float(args.get("scale_factor", 2.0))
-    return GradScaler(
+    init_scale = args.get("init_scale", 2.0**32)
+    factor, window = args.get("scale_factor", 2.0), args.get("scale_window", 1000)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < math.inf:
+        raise ValueError(f"dynamic_loss_args['scale_factor'] must be a finite number > 1, got {factor!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"dynamic_loss_args['scale_window'] must be an int >= 1, got {window!r}")
+    return GradScaler(  # checks init_scale under its own name
         first_device(optimizer).type,
-        init_scale=float(args.get("init_scale", 2.0**32)),
+        init_scale=init_scale,
         growth_factor=factor,
         backoff_factor=1.0 / factor,
-        growth_interval=int(args.get("scale_window", 1000)),
+        growth_interval=window,
         min_scale=1.0,
     )
