@@ -150,6 +150,31 @@ def test_amp_initialize_keeps_apex_shapes_and_options() -> None:
         amp.initialize(net(), torch.optim.SGD(net().parameters(), lr=0.1), opt_level="bf16-true")
 
 
+def test_a_disabled_amp_runs_the_same_loop_in_fp32_as_apex() -> None:
+    """``amp.initialize(..., enabled=args.fp16)`` with the same ``scale_loss`` loop either way: disabled,
+    apex yields the loss itself and keeps no loss scaler (not the previous run's)."""
+    amp_o2()  # an earlier enabled run in this process
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert amp.initialize(model, opt, opt_level="O2", enabled=False) == (model, opt)
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss = loss_of(model)
+    with amp.scale_loss(loss, opt) as scaled_loss:
+        assert scaled_loss is loss
+        scaled_loss.backward()
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+    opt.step()
+    loss_of(reference).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    reference_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert amp.state_dict() == {}
+    amp.load_state_dict(amp.state_dict())  # a checkpoint of the disabled run loads back
+    amp_o2()  # enabled again: scale_loss scales
+    assert set(amp.state_dict()) == {"loss_scaler0"}
+
+
 @pytest.mark.parametrize(
     ("call", "names"),
     [

@@ -73,6 +73,7 @@ class Amp:
 
     def __init__(self) -> None:
         self.optimizers: list[MixedPrecisionOptimizer] = []
+        self.enabled = True  # the latest initialize's ``enabled``: False makes scale_loss yield the loss
 
     def initialize(
         self,
@@ -95,6 +96,8 @@ class Amp:
 
         Returns ``(model, optimizer)`` (lists where lists were given, as apex); the optimizer is a
         :class:`~mixprec.MixedPrecisionOptimizer` whose ``step()``/``zero_grad()`` are called as before.
+        ``enabled=False`` returns them unchanged, and :meth:`scale_loss` then yields the loss itself, so
+        one loop runs with ``enabled=args.fp16`` either way (as apex).
         ``verbosity`` is accepted and ignored (mixprec prints nothing).
 
         Raises:
@@ -104,6 +107,7 @@ class Amp:
             ValueError, TypeError: what :func:`mixprec.initialize` refuses (unknown level, bad values).
         """
         if not enabled:
+            self.optimizers, self.enabled = [], False  # no scaler: state_dict() is {}, not an earlier run's
             return models if optimizers is None else (models, optimizers)
         model, optimizer, as_lists = _single(models, optimizers)
         if num_losses != 1:
@@ -121,7 +125,7 @@ class Amp:
             raise ValueError(f"unexpected opt_level {opt_level!r}; apex's levels are {list(_APEX_LEVELS)}")
         dtype = torch.float16 if cast_model_type is None or opt_level == "O0" else cast_model_type
         model, optimizer = initialize(model, optimizer, opt_level, dtype=dtype, **overrides)
-        self.optimizers = [optimizer]
+        self.optimizers, self.enabled = [optimizer], True
         return ([model], [optimizer]) if as_lists else (model, optimizer)
 
     @contextlib.contextmanager
@@ -136,12 +140,16 @@ class Amp:
     ) -> Iterator[torch.Tensor]:
         """Yield ``loss.float() * loss_scale``; on exit unscale the gradients into the params the
         optimizer steps (the fp32 masters under O2), unless ``delay_unscale`` (gradient accumulation).
+        After ``initialize(..., enabled=False)``: yield ``loss`` itself, as apex.
 
         Raises:
             RuntimeError: an optimizer not returned by :meth:`initialize`, or a second backward whose
                 gradients would miss the already-unscaled masters (use ``delay_unscale=True`` before).
             NotImplementedError: ``loss_id`` other than 0, ``delay_overflow_check=True``.
         """
+        if not self.enabled:
+            yield loss
+            return
         if loss_id != 0:
             raise _unsupported(f"loss_id={loss_id}", "use one mixprec.GradScaler per loss")
         if delay_overflow_check:
