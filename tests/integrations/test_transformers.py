@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,6 +130,18 @@ def test_fp16_inf_batches_are_skipped_counted_logged_and_diagnosed(
     assert sentence.startswith("mixprec: step 6 gave a non-finite loss.")
     assert "already held inf/nan" in sentence and "transformer" in sentence
     assert [r.getMessage() for r in caplog.records if r.name == "mixprec.integrations"] == [sentence]
+
+
+def test_predictions_come_back_in_float32_under_an_fp16_policy(tmp_path: Path) -> None:
+    """As Accelerate converts a prepared model's outputs under its own fp16 (and MixprecAccelerator does):
+    fp16 logits would reach ``compute_metrics`` as numpy float16 (bf16 ones HF converts itself)."""
+    args = tiny.training_args(str(tmp_path))
+    trainer = MixprecTrainer(model=tiny.make_model(), args=args, policy="16-mixed")
+    data = torch.utils.data.Subset(tiny.TokenData(), range(8))
+    logits = trainer.predict(data).predictions
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    assert logits.dtype == np.float32 and logits.shape == (8, tiny.SEQ, tiny.VOCAB)
+    assert np.array_equal(logits, logits.astype(np.float16).astype(np.float32))  # computed in fp16
 
 
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:

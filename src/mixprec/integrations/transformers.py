@@ -10,7 +10,7 @@ Usage::
 
 Why a subclass and not a ``TrainerCallback``: a callback sees neither the forward (it cannot enter an autocast
 region around ``compute_loss``), nor ``accelerator.backward`` (where the loss is scaled), nor the log dict
-before it is stored. The subclass overrides four public methods and nothing else:
+before it is stored. The subclass overrides public methods only (and ``train``, for 4.x's scaler file):
 
 * ``compute_loss_context_manager``: ``compute_loss`` (training and evaluation) runs inside
   :class:`mixprec.autocast`. With ``bf16=True``/``fp16=True`` Accelerate also wraps the model's forward in its
@@ -24,6 +24,8 @@ before it is stored. The subclass overrides four public methods and nothing else
   clips them and measures ``grad_norm`` (Accelerate does it itself only for its own fp16 on an accelerator); a
   step whose loss is non-finite, or that the scaler skipped, is diagnosed once (see below).
 * ``log``: every training log gains ``loss_scale`` and ``skipped_steps`` (with a scaler).
+* ``prediction_step``: loss and logits in float32, as Accelerate's own mixed precision returns a prepared
+  model's outputs (the region's fp16 logits would reach ``compute_metrics`` as float16).
 
 Diagnosis: the first time a step is skipped or its loss is non-finite, :func:`mixprec.inspect.find_nonfinite`
 re-runs that batch and the sentence is logged (logger ``"mixprec.integrations"``) and kept in
@@ -189,6 +191,20 @@ class MixprecTrainer(transformers.Trainer):
                 # decided after the step, skipped or not; every micro-batch, the one that overflowed found
                 self._pending = (model, window, "", scale)
         return loss
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """The Trainer's, its loss and logits converted to float32 as Accelerate converts a prepared model's
+        outputs under its own mixed precision (fp16 logits would reach ``compute_metrics`` as float16)."""
+        from accelerate.utils import convert_to_fp32  # a dependency of transformers' Trainer
+
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return convert_to_fp32(loss), convert_to_fp32(logits), labels
 
     def _report_skip(self) -> None:
         """Make ``accelerator.optimizer_step_was_skipped`` follow the scaler (read right after this hook).
