@@ -148,6 +148,14 @@ def test_amp_initialize_keeps_apex_shapes_and_options() -> None:
     assert model[1].weight.dtype == FP16 and opts[0].loss_scale == 128.0
     with pytest.raises(ValueError, match="apex's levels"):
         amp.initialize(net(), torch.optim.SGD(net().parameters(), lr=0.1), opt_level="bf16-true")
+    for bad in (torch.int8, torch.float32):  # named as apex's argument, not initialize's dtype=
+        model = net()
+        with pytest.raises(ValueError, match=rf"^cast_model_type must be a half-precision type, got {bad}"):
+            amp.initialize(model, torch.optim.SGD(model.parameters()), opt_level="O2", cast_model_type=bad)
+        assert model[0].weight.dtype == torch.float32  # refused before anything changed
+    opt = torch.optim.SGD(model.parameters())
+    _, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type="bf16")  # mixprec's dtype names too
+    assert opt.master_params and model[0].weight.dtype == torch.bfloat16
 
 
 def test_a_disabled_amp_runs_the_same_loop_in_fp32_as_apex() -> None:

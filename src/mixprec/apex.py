@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mixprec.amp import initialize
+from mixprec.formats import as_dtype
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.optim.wrapper import first_device
 from mixprec.scaling import GradScaler
@@ -41,6 +42,7 @@ __all__ = ["FP16_Optimizer", "amp"]
 
 _APEX_DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window")
 _APEX_LEVELS = ("O0", "O1", "O2", "O3")
+_HALF_TYPES = [torch.float16, torch.bfloat16]
 
 
 def _unsupported(what: str, instead: str) -> NotImplementedError:
@@ -123,7 +125,7 @@ class Amp:
             overrides.update(min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
         if opt_level not in _APEX_LEVELS:
             raise ValueError(f"unexpected opt_level {opt_level!r}; apex's levels are {list(_APEX_LEVELS)}")
-        dtype = torch.float16 if cast_model_type is None or opt_level == "O0" else cast_model_type
+        dtype = torch.float16 if cast_model_type is None or opt_level == "O0" else _cast_type(cast_model_type)
         model, optimizer = initialize(model, optimizer, opt_level, dtype=dtype, **overrides)
         self.optimizers, self.enabled = [optimizer], True
         return ([model], [optimizer]) if as_lists else (model, optimizer)
@@ -230,6 +232,16 @@ def _single(models: Any, optimizers: Any) -> tuple[nn.Module, torch.optim.Optimi
             "call mixprec.initialize(model, optimizer, ...) once per pair",
         )
     return model_list[0], opt_list[0], as_lists
+
+
+def _cast_type(value: Any) -> torch.dtype:
+    """apex's ``cast_model_type`` (or a dtype name mixprec takes), refused under its own name."""
+    dtype = as_dtype(value, "cast_model_type")
+    if dtype not in _HALF_TYPES:
+        raise ValueError(
+            f"cast_model_type must be a half-precision type, got {value!r}; accepted: {_HALF_TYPES}"
+        )
+    return dtype
 
 
 def _overrides(keep_bn: Any, master_weights: Any, loss_scale: Any, outputs: Any) -> dict[str, Any]:
