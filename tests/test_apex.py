@@ -141,6 +141,10 @@ def test_amp_initialize_keeps_apex_shapes_and_options() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert amp.initialize(model, opt, enabled=False) == (model, opt)
+    assert amp.initialize(model, opt, enabled="False") == (model, opt)  # apex's flags take the strings
+    with pytest.raises(TypeError, match=r"got 'O2': amp.initialize's third argument is apex's enabled"):
+        amp.initialize(model, opt, "O2")  # apex's signature: this was enabled="O2", run at the default O1
+    assert model[1].weight.dtype == torch.float32
     models, opts = amp.initialize(
         [model], [opt], opt_level="O2", keep_batchnorm_fp32="False", loss_scale="128.0"
     )

@@ -103,12 +103,19 @@ class Amp:
         ``verbosity`` is accepted and ignored (mixprec prints nothing).
 
         Raises:
+            TypeError: ``enabled`` that is not a bool (``amp.initialize(model, optimizer, "O2")`` gives the
+                level as ``enabled``, as apex's signature reads; the message says to pass ``opt_level=``).
             NotImplementedError: several models or optimizers, ``num_losses > 1``, an inference-only call
                 (no optimizer), ``patch_torch_functions`` against the level, ``cast_model_outputs`` other
                 than float32; each message names the replacement.
             ValueError, TypeError: what :func:`mixprec.initialize` refuses (unknown level, bad values).
         """
-        if not enabled:
+        if isinstance(enabled, str) and enabled not in ("True", "False"):  # initialize(model, opt, "O2")
+            raise TypeError(
+                f"enabled must be True or False, got {enabled!r}: amp.initialize's third argument is apex's "
+                f"enabled, not the level; pass opt_level={enabled!r} by keyword"
+            )
+        if not _bool_flag("enabled", enabled):
             self.optimizers, self.enabled = [], False  # no scaler: state_dict() is {}, not an earlier run's
             return models if optimizers is None else (models, optimizers)
         model, optimizer, as_lists = _single(models, optimizers)
