@@ -285,6 +285,9 @@ def test_fp16_optimizer_dynamic_args_and_the_loss_scale_setter() -> None:
     _, opt = fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})  # an int
     assert opt.loss_scale == 2.0**16
     assert fp16_optimizer(dynamic_loss_scale=True)[1].loss_scale == 2.0**32  # apex's default start
+    # amp's spelling as the static scale is a dynamic scale, and the flag says so
+    assert fp16_optimizer(static_loss_scale="dynamic")[1].dynamic_loss_scale
+    assert not fp16_optimizer(static_loss_scale="128")[1].dynamic_loss_scale
 
 
 def test_param_group_edits_reach_the_masters_and_state_round_trips() -> None:

@@ -36,7 +36,7 @@ from mixprec.amp import initialize
 from mixprec.formats import as_dtype
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.optim.wrapper import first_device
-from mixprec.scaling import GradScaler
+from mixprec.scaling import DynamicScale, GradScaler
 
 __all__ = ["FP16_Optimizer", "amp"]
 
@@ -312,7 +312,7 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
         else:
             scaler = _loss_scale(static_loss_scale)
         super().__init__(init_optimizer, scaler=scaler, master_weights=True)
-        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self.dynamic_loss_scale = isinstance(getattr(self.scaler, "rule", None), DynamicScale)  # as it scales
 
     def backward(  # type: ignore[override]  # apex FP16_Optimizer's own signature
         self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
