@@ -28,7 +28,8 @@ before it is stored. The subclass overrides public methods only (and ``train``, 
   model's outputs (the region's fp16 logits would reach ``compute_metrics`` as float16).
 
 Diagnosis: the first time a step is skipped or its loss is non-finite, :func:`mixprec.inspect.find_nonfinite`
-re-runs that batch and the sentence is logged (logger ``"mixprec.integrations"``) and kept in
+re-runs that batch through the Trainer's ``compute_loss`` (a subclass's own loss included) and the sentence is
+logged (logger ``"mixprec.integrations"``) and kept in
 ``trainer.mixprec_diagnoses``. Needs ``pip install 'mixprec[transformers]'``.
 """
 
@@ -239,7 +240,14 @@ class MixprecTrainer(transformers.Trainer):
             reason=reason,
             region=self.mixprec_region(),
             scale=1.0 if scale is None else float(scale.item()),
+            loss_fn=self._batch_loss,
         )
+
+    def _batch_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The Trainer's loss of a batch (``compute_loss``, a subclass's own included), on a copy of the
+        batch: ``compute_loss`` may pop its labels."""
+        loss = self.compute_loss(model, dict(inputs))
+        return loss[0] if isinstance(loss, tuple) else loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.mixprec_scaler is not None and "loss" in logs:
