@@ -141,6 +141,10 @@ def test_amp_initialize_keeps_apex_shapes_and_options() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert amp.initialize(model, opt, enabled=False) == (model, opt)
+    assert amp.initialize(model, opt, enabled="False") == (model, opt)  # apex's flags take the strings
+    with pytest.raises(TypeError, match=r"got 'O2': amp.initialize's third argument is apex's enabled"):
+        amp.initialize(model, opt, "O2")  # apex's signature: this was enabled="O2", run at the default O1
+    assert model[1].weight.dtype == torch.float32
     models, opts = amp.initialize(
         [model], [opt], opt_level="O2", keep_batchnorm_fp32="False", loss_scale="128.0"
     )
@@ -148,6 +152,39 @@ def test_amp_initialize_keeps_apex_shapes_and_options() -> None:
     assert model[1].weight.dtype == FP16 and opts[0].loss_scale == 128.0
     with pytest.raises(ValueError, match="apex's levels"):
         amp.initialize(net(), torch.optim.SGD(net().parameters(), lr=0.1), opt_level="bf16-true")
+    for bad in (torch.int8, torch.float32):  # named as apex's argument, not initialize's dtype=
+        model = net()
+        with pytest.raises(ValueError, match=rf"^cast_model_type must be a half-precision type, got {bad}"):
+            amp.initialize(model, torch.optim.SGD(model.parameters()), opt_level="O2", cast_model_type=bad)
+        assert model[0].weight.dtype == torch.float32  # refused before anything changed
+    opt = torch.optim.SGD(model.parameters())
+    _, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type="bf16")  # mixprec's dtype names too
+    assert opt.master_params and model[0].weight.dtype == torch.bfloat16
+
+
+def test_a_disabled_amp_runs_the_same_loop_in_fp32_as_apex() -> None:
+    """``amp.initialize(..., enabled=args.fp16)`` with the same ``scale_loss`` loop either way: disabled,
+    apex yields the loss itself and keeps no loss scaler (not the previous run's)."""
+    amp_o2()  # an earlier enabled run in this process
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert amp.initialize(model, opt, opt_level="O2", enabled=False) == (model, opt)
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss = loss_of(model)
+    with amp.scale_loss(loss, opt) as scaled_loss:
+        assert scaled_loss is loss
+        scaled_loss.backward()
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+    opt.step()
+    loss_of(reference).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    reference_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert amp.state_dict() == {}
+    amp.load_state_dict(amp.state_dict())  # a checkpoint of the disabled run loads back
+    amp_o2()  # enabled again: scale_loss scales
+    assert set(amp.state_dict()) == {"loss_scaler0"}
 
 
 @pytest.mark.parametrize(
@@ -198,6 +235,29 @@ def test_fp16_optimizer_scales_clips_and_skips_as_apex() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_fp16_optimizer_overflow_flag_holds_the_lr_schedule_as_apex_era_loops_read_it() -> None:
+    """Megatron-era loops: ``if not optimizer.overflow: lr_scheduler.step()`` after ``step()`` (apex sets the
+    flag in ``backward`` already). A start of 2**20 overflows this model's fp16 gradients at steps 0 and 3."""
+    model, opt = fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**20})
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    flags = []
+    for step in range(8):
+        opt.zero_grad()
+        opt.backward(half_loss(model, step) * (float("inf") if step == 5 else 1.0))
+        before_step = opt.overflow  # apex's check ran in backward (update_master_grads)
+        opt.step()
+        assert opt.overflow == before_step == opt.last_step_skipped
+        flags.append(opt.overflow)
+        if not opt.overflow:
+            scheduler.step()
+    assert flags == [True, False, False, True, True, True, False, False]
+    assert scheduler.last_epoch == flags.count(False)
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5 ** flags.count(False)
+    opt.zero_grad()
+    opt.backward(half_loss(model), update_master_grads=False)
+    assert opt.overflow is False  # the last step's, until the master gradients are updated
+
+
 def test_fp16_optimizer_dynamic_args_and_the_loss_scale_setter() -> None:
     model, opt = fp16_optimizer(
         dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 2}
@@ -212,7 +272,22 @@ def test_fp16_optimizer_dynamic_args_and_the_loss_scale_setter() -> None:
     assert opt.loss_scale == 64.0
     with pytest.raises(TypeError, match="scale_window"):
         fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args={"window": 2})
+    # a bad value is named with its key, never coerced (int(2.5) was a window of 2, int(True) one of 1)
+    for args, message in (
+        ({"scale_window": 2.5}, r"dynamic_loss_args\['scale_window'\] must be an int >= 1, got 2\.5"),
+        ({"scale_window": True}, r"dynamic_loss_args\['scale_window'\] must be an int >= 1, got True"),
+        ({"scale_factor": "2"}, r"dynamic_loss_args\['scale_factor'\] must be a finite number > 1, got '2'"),
+        ({"scale_factor": 1.0}, r"dynamic_loss_args\['scale_factor'\] must be a finite number > 1, got 1\.0"),
+        ({"init_scale": "big"}, r"init_scale must be a finite number > 0, got 'big'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args=args)
+    _, opt = fp16_optimizer(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})  # an int
+    assert opt.loss_scale == 2.0**16
     assert fp16_optimizer(dynamic_loss_scale=True)[1].loss_scale == 2.0**32  # apex's default start
+    # amp's spelling as the static scale is a dynamic scale, and the flag says so
+    assert fp16_optimizer(static_loss_scale="dynamic")[1].dynamic_loss_scale
+    assert not fp16_optimizer(static_loss_scale="128")[1].dynamic_loss_scale
 
 
 def test_param_group_edits_reach_the_masters_and_state_round_trips() -> None:

@@ -33,14 +33,16 @@ import torch
 from torch import nn
 
 from mixprec.amp import initialize
+from mixprec.formats import as_dtype
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.optim.wrapper import first_device
-from mixprec.scaling import GradScaler
+from mixprec.scaling import DynamicScale, GradScaler
 
 __all__ = ["FP16_Optimizer", "amp"]
 
 _APEX_DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window")
 _APEX_LEVELS = ("O0", "O1", "O2", "O3")
+_HALF_TYPES = [torch.float16, torch.bfloat16]
 
 
 def _unsupported(what: str, instead: str) -> NotImplementedError:
@@ -73,6 +75,7 @@ class Amp:
 
     def __init__(self) -> None:
         self.optimizers: list[MixedPrecisionOptimizer] = []
+        self.enabled = True  # the latest initialize's ``enabled``: False makes scale_loss yield the loss
 
     def initialize(
         self,
@@ -95,15 +98,25 @@ class Amp:
 
         Returns ``(model, optimizer)`` (lists where lists were given, as apex); the optimizer is a
         :class:`~mixprec.MixedPrecisionOptimizer` whose ``step()``/``zero_grad()`` are called as before.
+        ``enabled=False`` returns them unchanged, and :meth:`scale_loss` then yields the loss itself, so
+        one loop runs with ``enabled=args.fp16`` either way (as apex).
         ``verbosity`` is accepted and ignored (mixprec prints nothing).
 
         Raises:
+            TypeError: ``enabled`` that is not a bool (``amp.initialize(model, optimizer, "O2")`` gives the
+                level as ``enabled``, as apex's signature reads; the message says to pass ``opt_level=``).
             NotImplementedError: several models or optimizers, ``num_losses > 1``, an inference-only call
                 (no optimizer), ``patch_torch_functions`` against the level, ``cast_model_outputs`` other
                 than float32; each message names the replacement.
             ValueError, TypeError: what :func:`mixprec.initialize` refuses (unknown level, bad values).
         """
-        if not enabled:
+        if isinstance(enabled, str) and enabled not in ("True", "False"):  # initialize(model, opt, "O2")
+            raise TypeError(
+                f"enabled must be True or False, got {enabled!r}: amp.initialize's third argument is apex's "
+                f"enabled, not the level; pass opt_level={enabled!r} by keyword"
+            )
+        if not _bool_flag("enabled", enabled):
+            self.optimizers, self.enabled = [], False  # no scaler: state_dict() is {}, not an earlier run's
             return models if optimizers is None else (models, optimizers)
         model, optimizer, as_lists = _single(models, optimizers)
         if num_losses != 1:
@@ -119,9 +132,9 @@ class Amp:
             overrides.update(min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
         if opt_level not in _APEX_LEVELS:
             raise ValueError(f"unexpected opt_level {opt_level!r}; apex's levels are {list(_APEX_LEVELS)}")
-        dtype = torch.float16 if cast_model_type is None or opt_level == "O0" else cast_model_type
+        dtype = torch.float16 if cast_model_type is None or opt_level == "O0" else _cast_type(cast_model_type)
         model, optimizer = initialize(model, optimizer, opt_level, dtype=dtype, **overrides)
-        self.optimizers = [optimizer]
+        self.optimizers, self.enabled = [optimizer], True
         return ([model], [optimizer]) if as_lists else (model, optimizer)
 
     @contextlib.contextmanager
@@ -136,12 +149,16 @@ class Amp:
     ) -> Iterator[torch.Tensor]:
         """Yield ``loss.float() * loss_scale``; on exit unscale the gradients into the params the
         optimizer steps (the fp32 masters under O2), unless ``delay_unscale`` (gradient accumulation).
+        After ``initialize(..., enabled=False)``: yield ``loss`` itself, as apex.
 
         Raises:
             RuntimeError: an optimizer not returned by :meth:`initialize`, or a second backward whose
                 gradients would miss the already-unscaled masters (use ``delay_unscale=True`` before).
             NotImplementedError: ``loss_id`` other than 0, ``delay_overflow_check=True``.
         """
+        if not self.enabled:
+            yield loss
+            return
         if loss_id != 0:
             raise _unsupported(f"loss_id={loss_id}", "use one mixprec.GradScaler per loss")
         if delay_overflow_check:
@@ -224,6 +241,16 @@ def _single(models: Any, optimizers: Any) -> tuple[nn.Module, torch.optim.Optimi
     return model_list[0], opt_list[0], as_lists
 
 
+def _cast_type(value: Any) -> torch.dtype:
+    """apex's ``cast_model_type`` (or a dtype name mixprec takes), refused under its own name."""
+    dtype = as_dtype(value, "cast_model_type")
+    if dtype not in _HALF_TYPES:
+        raise ValueError(
+            f"cast_model_type must be a half-precision type, got {value!r}; accepted: {_HALF_TYPES}"
+        )
+    return dtype
+
+
 def _overrides(keep_bn: Any, master_weights: Any, loss_scale: Any, outputs: Any) -> dict[str, Any]:
     if outputs not in (None, torch.float32):
         raise _unsupported(f"cast_model_outputs={outputs}", "cast the outputs in your loss function")
@@ -266,7 +293,8 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
     Raises:
         TypeError: unknown ``dynamic_loss_args`` keys, or what MixedPrecisionOptimizer refuses.
         ValueError: a ``static_loss_scale`` that is not a loss-scale spec (the message lists the accepted
-            ones), or ``dynamic_loss_args`` without ``dynamic_loss_scale``.
+            ones), ``dynamic_loss_args`` without ``dynamic_loss_scale``, or a value there that is not a
+            number (``init_scale`` >= 1, ``scale_factor`` > 1) or an int (``scale_window`` >= 1).
     """
 
     def __init__(
@@ -284,7 +312,7 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
         else:
             scaler = _loss_scale(static_loss_scale)
         super().__init__(init_optimizer, scaler=scaler, master_weights=True)
-        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self.dynamic_loss_scale = isinstance(getattr(self.scaler, "rule", None), DynamicScale)  # as it scales
 
     def backward(  # type: ignore[override]  # apex FP16_Optimizer's own signature
         self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
@@ -316,6 +344,17 @@ class FP16_Optimizer(MixedPrecisionOptimizer):
         return norm if bool(torch.isfinite(norm)) else -1
 
     @property
+    def overflow(self) -> bool:
+        """apex's flag, which apex-era loops read after ``step()`` to hold the LR schedule
+        (``if not optimizer.overflow: lr_scheduler.step()``): whether that step was skipped. Between
+        ``backward`` (or :meth:`update_master_grads`) and ``step()``, as apex set it there: whether the
+        unscaled master gradients hold inf/nan (one pass and a host read, as apex's check)."""
+        if not self.grads_unscaled:
+            return self.last_step_skipped
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    @property
     def loss_scale(self) -> float:  # type: ignore[override]
         """The current loss scale; setting it replaces the scale (as apex's ``cur_scale``).
 
@@ -339,12 +378,17 @@ def _dynamic_scaler(optimizer: torch.optim.Optimizer, args: dict[str, Any]) -> G
     unknown = sorted(set(args) - set(_APEX_DYNAMIC_ARGS))
     if unknown:
         raise TypeError(f"unknown dynamic_loss_args {unknown}; accepted: {list(_APEX_DYNAMIC_ARGS)}")
-    factor = float(args.get("scale_factor", 2.0))
-    return GradScaler(
+    init_scale = args.get("init_scale", 2.0**32)
+    factor, window = args.get("scale_factor", 2.0), args.get("scale_window", 1000)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < math.inf:
+        raise ValueError(f"dynamic_loss_args['scale_factor'] must be a finite number > 1, got {factor!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"dynamic_loss_args['scale_window'] must be an int >= 1, got {window!r}")
+    return GradScaler(  # checks init_scale under its own name
         first_device(optimizer).type,
-        init_scale=float(args.get("init_scale", 2.0**32)),
+        init_scale=init_scale,
         growth_factor=factor,
         backoff_factor=1.0 / factor,
-        growth_interval=int(args.get("scale_window", 1000)),
+        growth_interval=window,
         min_scale=1.0,
     )

@@ -134,6 +134,9 @@ def test_bad_arguments_are_refused() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ValueError, match="contradicts mixed_precision='bf16'"):
         MixprecAccelerator(cpu=True, mixed_precision="bf16", dtype=torch.float16)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(ValueError, match=r"^mixed_precision='bf16' asks for torch\.bfloat16, but the policy"):
+        MixprecAccelerator(cpu=True, mixed_precision="bf16", policy="16-mixed")  # no dtype= given
 
 
 def test_diagnose_step_takes_the_reports_loss_fn_and_refuses_a_loss_of_the_output() -> None:
@@ -154,6 +157,20 @@ def test_diagnose_step_takes_the_reports_loss_fn_and_refuses_a_loss_of_the_outpu
     assert sentence is not None and sentence.startswith("mixprec: step 0 gave a non-finite loss")
     assert "module '0'" in sentence
     assert accelerator.mixprec_diagnoses == [sentence]
+
+
+def test_diagnose_step_without_loss_fn_on_a_model_returning_logits_says_to_pass_one() -> None:
+    """The common classifier: the output is logits, not a loss. The refusal names the output and the
+    missing ``loss_fn=``, not a ``loss_fn(model, batch)`` the caller never passed."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = MixprecAccelerator(cpu=True, dtype=torch.float16, scaler=mixprec.GradScaler())
+    model = accelerator.prepare(nn.Sequential(nn.Linear(4, 3)))
+    with pytest.raises(ValueError) as caught:
+        accelerator.diagnose_step(model, torch.randn(2, 4), torch.tensor(float("nan")))
+    message = str(caught.value)
+    assert "output (Tensor of shape (2, 3) (float32)) holds no loss" in message, message
+    assert "pass loss_fn=" in message and "must return a one-element tensor" not in message, message
+    assert accelerator.mixprec_diagnoses == []
 
 
 def test_dtype_takes_a_dtype_name_as_autocast_does() -> None:

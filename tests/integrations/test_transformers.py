@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,6 +132,50 @@ def test_fp16_inf_batches_are_skipped_counted_logged_and_diagnosed(
     assert [r.getMessage() for r in caplog.records if r.name == "mixprec.integrations"] == [sentence]
 
 
+class _TargetData(tiny.EmbedData):
+    """Labels under another key, which only the subclass's ``compute_loss`` below reads."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"inputs_embeds": self.embeds[i], "target": self.ids[i]}
+
+
+class _OwnLossTrainer(MixprecTrainer):
+    """A Trainer subclass with its own loss, as HF's docs show (the model returns no loss)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        target = inputs.pop("target")
+        outputs = model(**inputs)
+        loss = torch.nn.functional.cross_entropy(outputs.logits.float().flatten(0, 1), target.flatten())
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_the_diagnosis_reruns_a_subclass_s_own_compute_loss(tmp_path: Path) -> None:
+    """A skipped step is re-run through the Trainer's compute_loss: re-running the model alone found no loss
+    there and stopped training at the first skip."""
+    args = {"max_steps": 2, "remove_unused_columns": False}
+    scaler = mixprec.GradScaler(init_scale=2.0**30)  # the first step's fp16 gradients overflow
+    trainer, _ = tiny.train(
+        _OwnLossTrainer, str(tmp_path), data=_TargetData(), args=args, policy="16-mixed", scaler=scaler
+    )
+    assert scaler.skipped_steps >= 1 and trainer.state.global_step == 2
+    assert len(trainer.mixprec_diagnoses) == 1
+    sentence = trainer.mixprec_diagnoses[0]
+    assert sentence.startswith("mixprec: step 1 skipped its optimizer step. Backward:"), sentence
+    assert "beyond fp16's largest finite value" in sentence
+
+
+def test_predictions_come_back_in_float32_under_an_fp16_policy(tmp_path: Path) -> None:
+    """As Accelerate converts a prepared model's outputs under its own fp16 (and MixprecAccelerator does):
+    fp16 logits would reach ``compute_metrics`` as numpy float16 (bf16 ones HF converts itself)."""
+    args = tiny.training_args(str(tmp_path))
+    trainer = MixprecTrainer(model=tiny.make_model(), args=args, policy="16-mixed")
+    data = torch.utils.data.Subset(tiny.TokenData(), range(8))
+    logits = trainer.predict(data).predictions
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    assert logits.dtype == np.float32 and logits.shape == (8, tiny.SEQ, tiny.VOCAB)
+    assert np.array_equal(logits, logits.astype(np.float16).astype(np.float32))  # computed in fp16
+
+
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     args = tiny.training_args(str(tmp_path), bf16=True)
     model = tiny.make_model()
@@ -138,6 +183,11 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         MixprecTrainer(model=model, args=args, scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="compute dtype"):
         MixprecTrainer(model=model, args=args, policy="16-mixed")
+    # the error names the setting that asked for bf16 (bf16=True), not a dtype= the user never passed
+    with pytest.raises(ValueError, match=r"^the TrainingArguments' bf16/fp16 asks for torch\.bfloat16"):
+        MixprecTrainer(model=model, args=args, policy="16-mixed")
+    with pytest.raises(ValueError, match=r"^dtype asks for torch\.bfloat16"):
+        MixprecTrainer(model=model, args=tiny.training_args(str(tmp_path)), policy="16-mixed", dtype="bf16")
     with pytest.raises(ValueError, match="contradicts"):
         MixprecTrainer(model=model, args=args, dtype=torch.float16)
     with pytest.raises(ValueError, match="max_diagnoses"):

@@ -79,7 +79,8 @@ def settings(
     policy = check_policy(policy)
     scaler = check_scaler(scaler)
     dtype = None if dtype is None else as_dtype(dtype, "dtype")  # "bf16" as autocast takes it
-    dtype = region_dtype(policy, framework_dtype(dtype, flag, flag_name), "dtype")
+    source = "dtype" if dtype is not None else flag_name  # the setting the user gave, named in an error
+    dtype = region_dtype(policy, framework_dtype(dtype, flag, flag_name), source)
     if scaler is None and dtype == torch.float16:
         scaler = GradScaler()
     return policy, dtype, scaler
@@ -160,9 +161,14 @@ def scaler_metrics(scaler: GradScaler) -> dict[str, float]:
     return {"loss_scale": float(scaler.get_scale()), "skipped_steps": float(scaler.skipped_steps)}
 
 
+class _NoLoss(ValueError):
+    """The re-run step's output holds no loss and no ``loss_fn`` was given: raised as it is, not as an
+    error of a ``loss_fn`` the caller never passed."""
+
+
 def _require_loss(loss: torch.Tensor | None) -> torch.Tensor:
     if loss is None:
-        raise ValueError("the diagnosis re-ran the step but its output holds no loss (pass loss_fn=)")
+        raise ValueError("loss_fn(model, batch) returned None; it must return the loss")
     return loss
 
 
@@ -246,23 +252,35 @@ class Diagnoser:
                 each is re-run until one reports, and the sentence names it.
         """
         from mixprec.inspect import find_nonfinite  # only a diagnosis pays for importing inspect
-        from mixprec.inspect._modules import call_model
+        from mixprec.inspect._modules import call_model, describe
 
-        def output_loss(model: nn.Module, batch: Any) -> torch.Tensor | None:
-            return loss_of(call_model(model, batch))
+        def output_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+            output = call_model(model, batch)
+            loss = loss_of(output)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # logits, say: no loss to re-run
+                raise _NoLoss(
+                    f"the diagnosis re-ran the step, but the model's output ({describe(output)}) holds no "
+                    "loss; pass loss_fn=, loss_fn(model, batch) -> loss"
+                )
+            return loss
 
         get_loss = output_loss if loss_fn is None else loss_fn
         batches = [inputs] if not window else list(window)
         report, where_found = None, 0
         for where_found, batch in enumerate(batches):  # noqa: B007 - the index of the batch that reported
-            report = find_nonfinite(
-                model,
-                batch,
-                loss_fn=lambda model, batch: _require_loss(get_loss(model, batch)).float() * scale,
-                dtype=region.fast_dtype,
-                device_type=region.device_type,
-                policy=region.policy,
-            )
+            try:
+                report = find_nonfinite(
+                    model,
+                    batch,
+                    loss_fn=lambda model, batch: _require_loss(get_loss(model, batch)).float() * scale,
+                    dtype=region.fast_dtype,
+                    device_type=region.device_type,
+                    policy=region.policy,
+                )
+            except ValueError as error:  # find_nonfinite wraps what a loss_fn raises
+                if isinstance(error.__cause__, _NoLoss):
+                    raise error.__cause__ from None
+                raise
             if report is not None:
                 break
         if report is not None and rename is not None:

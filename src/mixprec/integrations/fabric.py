@@ -13,11 +13,12 @@ Usage::
     optimizer.step()               # unscaled, stepped or skipped, the scale updated
 
 The hooks are those of Fabric's own ``MixedPrecision`` (forward context, input and output conversion,
-backward, optimizer step, unscaling for clipping, state for ``fabric.save``/``load``), so with the default
+backward, optimizer step, unscaling for clipping, the scaler's state), so with the default
 policy a run equals Fabric's ``precision="bf16-mixed"`` bitwise. The Trainer's plugin is
 :class:`mixprec.integrations.lightning.MixprecPrecision`: the Trainer refuses this one, and that one raises
-a TypeError naming this one at Fabric's first backward. Needs
-``pip install 'mixprec[lightning]'``.
+a TypeError naming this one at Fabric's first backward. ``fabric.save`` keeps only the objects it is
+given: put the plugin in its state (``{"model": model, "optimizer": optimizer, "precision": plugin}``,
+likewise for ``fabric.load``) to resume with the scaler. Needs ``pip install 'mixprec[lightning]'``.
 """
 
 from __future__ import annotations

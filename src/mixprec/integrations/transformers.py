@@ -10,7 +10,7 @@ Usage::
 
 Why a subclass and not a ``TrainerCallback``: a callback sees neither the forward (it cannot enter an autocast
 region around ``compute_loss``), nor ``accelerator.backward`` (where the loss is scaled), nor the log dict
-before it is stored. The subclass overrides four public methods and nothing else:
+before it is stored. The subclass overrides public methods only (and ``train``, for 4.x's scaler file):
 
 * ``compute_loss_context_manager``: ``compute_loss`` (training and evaluation) runs inside
   :class:`mixprec.autocast`. With ``bf16=True``/``fp16=True`` Accelerate also wraps the model's forward in its
@@ -24,9 +24,12 @@ before it is stored. The subclass overrides four public methods and nothing else
   clips them and measures ``grad_norm`` (Accelerate does it itself only for its own fp16 on an accelerator); a
   step whose loss is non-finite, or that the scaler skipped, is diagnosed once (see below).
 * ``log``: every training log gains ``loss_scale`` and ``skipped_steps`` (with a scaler).
+* ``prediction_step``: loss and logits in float32, as Accelerate's own mixed precision returns a prepared
+  model's outputs (the region's fp16 logits would reach ``compute_metrics`` as float16).
 
 Diagnosis: the first time a step is skipped or its loss is non-finite, :func:`mixprec.inspect.find_nonfinite`
-re-runs that batch and the sentence is logged (logger ``"mixprec.integrations"``) and kept in
+re-runs that batch through the Trainer's ``compute_loss`` (a subclass's own loss included) and the sentence is
+logged (logger ``"mixprec.integrations"``) and kept in
 ``trainer.mixprec_diagnoses``. Needs ``pip install 'mixprec[transformers]'``.
 """
 
@@ -190,6 +193,20 @@ class MixprecTrainer(transformers.Trainer):
                 self._pending = (model, window, "", scale)
         return loss
 
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """The Trainer's, its loss and logits converted to float32 as Accelerate converts a prepared model's
+        outputs under its own mixed precision (fp16 logits would reach ``compute_metrics`` as float16)."""
+        from accelerate.utils import convert_to_fp32  # a dependency of transformers' Trainer
+
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return convert_to_fp32(loss), convert_to_fp32(logits), labels
+
     def _report_skip(self) -> None:
         """Make ``accelerator.optimizer_step_was_skipped`` follow the scaler (read right after this hook).
 
@@ -223,7 +240,14 @@ class MixprecTrainer(transformers.Trainer):
             reason=reason,
             region=self.mixprec_region(),
             scale=1.0 if scale is None else float(scale.item()),
+            loss_fn=self._batch_loss,
         )
+
+    def _batch_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The Trainer's loss of a batch (``compute_loss``, a subclass's own included), on a copy of the
+        batch: ``compute_loss`` may pop its labels."""
+        loss = self.compute_loss(model, dict(inputs))
+        return loss[0] if isinstance(loss, tuple) else loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.mixprec_scaler is not None and "loss" in logs:
