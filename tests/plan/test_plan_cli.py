@@ -36,6 +36,30 @@ def torch_style():  # the loss as torch writes it, loss(out, y): not loss_fn(mod
 def one_batch():  # a bare tensor for batches
     model, batches, loss_fn = make()
     return model, batches[0][0], lambda m, x: m(x).sum()
+
+
+def generated():  # batches from a generator, which plan_precision takes
+    model, batches, loss_fn = make()
+    return model, (batch for batch in batches), loss_fn
+
+
+class Unsized:  # an iterable without a length (a DataLoader over an IterableDataset)
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        raise TypeError("IterableDataset has no len()")
+
+
+def unsized():
+    model, batches, loss_fn = make()
+    return model, Unsized(batches), loss_fn
+
+
+NOT_A_FUNCTION = 3
 """
 
 
@@ -75,6 +99,7 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory"], "MODULE:FUNCTION"),
         (["--from", "plan_factory:missing"], "cannot load"),
         (["--from", "plan_factory:not_a_triple"], "must return (model, batches, loss_fn)"),
+        (["--from", "plan_factory:NOT_A_FUNCTION"], "is a int, not a function returning"),  # was a traceback
         (
             ["--from", "plan_factory:torch_style"],
             "mixprec calls it as loss_fn(model, batch) -> scalar tensor",
@@ -93,6 +118,17 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
 def test_plan_command_refuses_bad_input_with_exit_code_2(factory, capsys, argv, message):
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("function", "count"), [("generated", "2 batch(es)"), ("unsized", "the given batches")]
+)
+def test_plan_command_takes_batches_without_a_length(factory, capsys, function, count):
+    # was: TypeError: object of type 'generator' has no len(), before any planning
+    argv = ["plan", "--from", f"plan_factory:{function}", "--formats", "mxfp8,bf16", "--cost", "b200-peak"]
+    assert main([*argv, "--json", str(factory / "p.json"), "--plot", str(factory / "p.png")]) == 0
+    assert f"on {count} (--measure exact" in capsys.readouterr().err
+    assert set(PrecisionPlan.from_json((factory / "p.json").read_text()).formats) == {"0", "2"}
 
 
 def test_plan_command_with_max_cost_plans_the_most_accurate_within_it(factory, capsys):

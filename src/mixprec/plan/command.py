@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +157,11 @@ def run(args: argparse.Namespace) -> int:
         _say(f"building workload {args.workload} at size {args.size} on the CPU")
     started = time.perf_counter()
     model, batches, loss_fn = _from_factory(args.factory) if args.factory else _from_workload(args)
+    if isinstance(batches, Iterator):  # a generator: read once here, as plan_precision would
+        batches = list(batches)
     linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
     _say(
-        f"planning {linears} linear layer(s) in {', '.join(formats)} on {len(batches)} batch(es) "
+        f"planning {linears} linear layer(s) in {', '.join(formats)} on {_count(batches)} "
         f"(--measure {args.measure}: forward and backward passes per layer and format; the table follows)"
     )
     with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
@@ -171,6 +174,15 @@ def run(args: argparse.Namespace) -> int:
     plan.plot(args.plot)
     print(f"wrote {args.json.resolve()} and {args.plot.resolve()} (--json and --plot choose where)")
     return 0
+
+
+def _count(batches: Any) -> str:
+    """``"2 batch(es)"``; an iterable without a length (a DataLoader over an IterableDataset) is counted
+    by plan_precision as it reads it."""
+    try:
+        return f"{len(batches)} batch(es)"
+    except TypeError:
+        return "the given batches"
 
 
 def _say_warning(warning: warnings.WarningMessage) -> None:
@@ -238,6 +250,11 @@ def _from_factory(spec: str) -> tuple[Any, Any, Any]:
         factory = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {spec!r}: {exc}") from None
+    if not callable(factory):
+        raise ValueError(
+            f"--from {spec!r} is a {type(factory).__name__}, not a function returning "
+            "(model, batches, loss_fn)"
+        )
     result = factory()
     if not isinstance(result, tuple) or len(result) != 3:
         raise ValueError(f"{spec} must return (model, batches, loss_fn), got {type(result).__name__}")
