@@ -110,6 +110,7 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory:make", "--grad-budget", "-1"], "grad_budget must be > 0"),
         (["--from", "plan_factory:make", "--min-low-share", "0.5"], "applies with max_cost only"),
         (["--from", "plan_factory:make", "--max-cost", "-1"], "max_cost must be > 0"),
+        (["--from", "plan_factory:make", "--budget", "0.05", "--max-cost", "0.8"], "not both"),  # was ignored
         (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
         (["--from", "plan_factory:make", "--max-memory", "lots"], "max_memory must be an int number"),
         (["--from", "plan_factory:make", "--max-memory", "100"], "below the least memory"),

@@ -22,6 +22,9 @@ from typing import Any
 from mixprec._files import write_atomic
 from mixprec.lowbit.cost import QUANTIZE_PATHS
 
+#: --budget when neither it nor --max-cost is given (plan_precision's default); both are refused.
+_DEFAULT_BUDGET = 0.01
+
 HELP = "plan a format per linear layer (low-bit, bf16, fp32) by measured divergence under a budget"
 
 
@@ -59,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget",
         type=float,
-        default=0.01,
-        help="bound on the plan's measured relative loss change, > 0 (default 0.01)",
+        default=None,
+        help="bound on the plan's measured relative loss change, > 0, not with --max-cost (default 0.01)",
     )
     parser.add_argument(
         "--grad-budget", type=float, default=None, help="optional bound on its weight-gradient change"
@@ -203,7 +206,7 @@ def _plan(plan_precision: Any, model: Any, batches: Any, loss_fn: Any, formats: 
         batches,
         loss_fn,
         formats=formats,
-        budget=args.budget if args.max_cost is None else None,
+        budget=_DEFAULT_BUDGET if args.budget is None and args.max_cost is None else args.budget,
         max_cost=args.max_cost,
         min_low_share=args.min_low_share,
         cost=args.cost,
