@@ -61,3 +61,9 @@ def test_a_frozen_linear_is_planned_and_its_weight_has_no_gradient(measure: str,
     assert plan.measured["loss"] <= 0.01
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not model["used"][frozen].weight.requires_grad and model["used"][frozen].weight.grad is None
+
+
+def test_from_json_given_a_path_says_it_takes_the_text(tmp_path) -> None:
+    # was: json.JSONDecodeError "Expecting value: line 1 column 1 (char 0)", naming neither
+    with pytest.raises(ValueError, match=r"from_json takes the JSON text.*read_text\(\)\); got 'plan.json'"):
+        PrecisionPlan.from_json("plan.json")

@@ -320,10 +320,17 @@ class PrecisionPlan:
         """The plan a :meth:`to_json` string holds.
 
         Raises:
-            ValueError: for text that is not a plan of this version, or formats that name layers without
-                a reason (a layer may lack measurements: a Replan phase before any plan has none).
+            ValueError: for text that is not a plan of this version (or not JSON: a file's path, say), or
+                formats that name layers without a reason (a layer may lack measurements: a Replan phase
+                before any plan has none).
         """
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:  # e.g. a file's path: the message says what to pass
+            raise ValueError(
+                f"not a mixprec precision plan JSON document ({exc}): from_json takes the JSON text, e.g. "
+                f"PrecisionPlan.from_json(Path('plan.json').read_text()); got {text[:60]!r}"
+            ) from None
         if not isinstance(data, dict) or data.pop("version", None) not in _READS:
             raise ValueError(f"not a mixprec precision plan (version {_VERSION}) JSON document")
         try:
