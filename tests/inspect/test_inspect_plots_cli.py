@@ -83,6 +83,19 @@ def test_report_from_a_scaler_log_with_histograms(tmp_path):
     assert "`fc.weight` (1)" in written[-1].read_text()
 
 
+def test_report_says_how_many_parameters_it_leaves_unnamed(tmp_path):
+    # was: the 8 most frequent named, the other 2 left out without a word (a reader took them for finite)
+    names = [f"blocks.{i}.weight" for i in range(10)]
+    records = [
+        {"step": 0, "scale": 1024.0, "skipped": True, "grad_amax": None, "nonfinite_params": names},
+        {"step": 1, "scale": 512.0, "skipped": True, "grad_amax": None, "nonfinite_params": names[:8]},
+    ]
+    log = tmp_path / "scaler.jsonl"
+    log.write_text(jsonl_text(records))
+    summary = write_report(log, tmp_path / "out")[-1].read_text()
+    assert "`blocks.7.weight` (2) and 2 more." in summary and "blocks.8" not in summary
+
+
 def test_inspect_command_end_to_end(tmp_path, capsys):
     assert cli.inspect_main(["--out", str(tmp_path), "--steps", "12"]) == 0
     out = capsys.readouterr().out
