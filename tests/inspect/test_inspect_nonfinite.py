@@ -104,6 +104,23 @@ def test_nonfinite_input_data_is_reported_as_such(inputs):
     assert "not finite" in str(report)
 
 
+@pytest.mark.parametrize("loss", [False, True])
+def test_a_diverged_weight_is_named_not_blamed_on_the_input_data(inputs, loss):
+    # was: "the inputs of linear in module 'blocks.1.fc' already held inf/nan, so the data fed to the
+    # model is not finite; check the inputs and preprocessing": the inputs were finite, the weight was not
+    model = demo.healthy_model()
+    with torch.no_grad():
+        model.blocks[1].fc.weight[0, 0] = float("nan")
+    loss_fn = (lambda m, x: m(x).float().pow(2).mean()) if loss else None
+    report = find_nonfinite(model, inputs, loss_fn=loss_fn, dtype=torch.bfloat16)
+    assert (
+        report.state == "blocks.1.fc.weight" and report.module == "blocks.1.fc" and report.op == "parameter"
+    )
+    assert report.value == "nan" and "already held nan before the run" in str(report)
+    assert "preprocessing" not in str(report)
+    assert_no_hooks(model)
+
+
 def test_nan_that_fp32_also_gives_is_not_blamed_on_precision(inputs):
     report = find_nonfinite(
         demo.healthy_model(), inputs, loss_fn=lambda m, x: (m(x).float() - 100).sqrt().sum()
