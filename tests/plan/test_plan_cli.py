@@ -282,6 +282,9 @@ def test_plan_help_shows_the_choices_and_defaults(capsys):
     assert "--size {tiny,quick,default,full,large}" in text and "(default tiny)" in text
     assert "(default nvfp4,mxfp8,bf16), from: fp8_tensorwise," in text and "fp32, bf16" in text
     assert "(default 0.01)" in text
+    # were missing, though the guide says --help gives each default
+    assert "(default exact)" in text and "(default b200, also for a --from model on a GPU)" in text
+    assert "(default 0)" in text
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--workload", "nope"])
     assert exc.value.code == 2

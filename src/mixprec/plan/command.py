@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--measure",
         choices=("exact", "local"),
         default="exact",
-        help="exact: a pass per layer and format; local: estimates from one pass (plans still measured)",
+        help="exact: a pass per layer and format; local: estimates from one pass (plans still measured) "
+        "(default exact)",
     )
     parser.add_argument(
         "--compile",
@@ -100,7 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
     )
     parser.add_argument(
-        "--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak, measured (timed here)"
+        "--cost",
+        default="b200",
+        help="cost target: b200, h100, b200-peak, h100-peak, measured (timed here) (default b200, also for a "
+        "--from model on a GPU)",
     )
     parser.add_argument(
         "--tokens-per-step",
@@ -121,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("kahan", "stochastic", "masters"),
         help="how the model is stepped, for the memory model (default kahan)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the workload, dropout and stochastic rounding (default 0)"
+    )
     parser.add_argument(
         "--json", type=Path, default=Path("plan.json"), help="where the plan goes (default: ./plan.json)"
     )
