@@ -235,6 +235,16 @@ def test_plan_measured_cost_records_no_quantize_path(factory, capsys):
     assert "quantization)" not in capsys.readouterr().out
 
 
+def test_plan_at_a_peak_target_records_no_quantize_path(factory, capsys):
+    # was: "cost 0.250x bf16 on b200-peak (eager Triton quantization)", a path the compute-only cost ignores
+    out_json = factory / "k.json"
+    argv = ["plan", "--from", "plan_factory:make", "--formats", "mxfp8,bf16", "--cost", "b200-peak"]
+    assert main([*argv, "--json", str(out_json), "--plot", str(factory / "k.png")]) == 0
+    assert PrecisionPlan.from_json(out_json.read_text()).quantize is None
+    out = capsys.readouterr().out
+    assert "on b200-peak;" in out and "quantization)" not in out
+
+
 def test_plan_quantize_refuses_an_unknown_path(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--quantize", "fast"])

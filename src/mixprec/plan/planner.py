@@ -309,7 +309,12 @@ def plan_precision(
             "components": memory.components(state_format, activation_format),
             "options": pairs,
         },
-        quantize=quantize_path(config.quantize, compiled=config.compiled) if target in TARGETS else None,
+        # a "-peak" target prices compute only: no quantization path entered its cost
+        quantize=(
+            quantize_path(config.quantize, compiled=config.compiled)
+            if target in TARGETS and TARGETS[target].roofline
+            else None
+        ),
     )
 
 

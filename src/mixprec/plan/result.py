@@ -75,8 +75,8 @@ class PrecisionPlan:
             version before 5.
         quantize: the quantization path a roofline ``target`` priced each operand's quantization on
             (``"fused"``: compiled, ``"triton"``: CUDA eager, ``"unfused"``: pure torch;
-            :func:`mixprec.lowbit.cost.quantize_path`); None for a measured or user cost, and in a plan
-            read from a version before 6.
+            :func:`mixprec.lowbit.cost.quantize_path`); None for a measured or user cost, a ``"-peak"``
+            target (compute only: no path enters its cost), and in a plan read from a version before 6.
     """
 
     formats: dict[str, str]
