@@ -49,6 +49,11 @@ def test_plots_are_written(reports, tmp_path):
         {"step": i, "scale": 2.0 ** (10 - (i < 3) * i), "skipped": i < 3, "grad_amax": 0.5} for i in range(9)
     ]
     _png(plot_scale_history(records, tmp_path / "scale.png"))
+    for path in ("run.jsonl", tmp_path / "run.jsonl"):  # was: "... got str" / "... got PosixPath", no hint
+        with pytest.raises(
+            TypeError, match=r"got the path '.*run.jsonl': read a log with .*load_log\(path\)"
+        ):
+            plot_scale_history(path, tmp_path / "x.png")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="UnderflowReport"):
         plot_underflow([], tmp_path / "x.png")
     with pytest.raises(TypeError, match="Log2Histogram"):
