@@ -67,3 +67,15 @@ def test_from_json_given_a_path_says_it_takes_the_text(tmp_path) -> None:
     # was: json.JSONDecodeError "Expecting value: line 1 column 1 (char 0)", naming neither
     with pytest.raises(ValueError, match=r"from_json takes the JSON text.*read_text\(\)\); got 'plan.json'"):
         PrecisionPlan.from_json("plan.json")
+
+
+def test_module_filter_fn_refuses_an_unknown_format() -> None:
+    # was: module_filter_fn("MXFP8") matched no layer, so convert_to_lowbit_training converted nothing
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))})
+    plan = plan_precision(model, _batches(), _loss, formats=("mxfp8", "bf16"), cost="b200-peak", budget=0.5)
+    with pytest.raises(ValueError, match=r"unknown low-bit recipe 'MXFP8'; named recipes: .*mxfp8"):
+        plan.module_filter_fn("MXFP8")
+    chosen = [f for f, fmt in plan.formats.items() if fmt == "mxfp8"]
+    assert chosen and all(plan.module_filter_fn("mxfp8")(model.get_submodule(f), f) for f in chosen)
+    assert not any(plan.module_filter_fn("nvfp4")(model.get_submodule(f), f) for f in plan.formats)

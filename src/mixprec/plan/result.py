@@ -125,7 +125,14 @@ class PrecisionPlan:
         return planned / bf16
 
     def module_filter_fn(self, fmt: str) -> Callable[[nn.Module, str], bool]:
-        """``(module, fqn) -> bool`` for ``convert_to_lowbit_training``: True for the layers in ``fmt``."""
+        """``(module, fqn) -> bool`` for ``convert_to_lowbit_training``: True for the layers in ``fmt``.
+
+        Raises:
+            ValueError: for a name that is neither a :mod:`mixprec.lowbit` recipe nor ``"bf16"``/``"fp32"``
+                (a filter that matched nothing would leave every layer unconverted without a word).
+        """
+        if fmt not in HIGH_PRECISION:
+            get_recipe(fmt)  # an unknown name raises, naming the recipes
         chosen = frozenset(f for f, planned in self.formats.items() if planned == fmt)
         return lambda module, fqn: fqn in chosen
 
