@@ -112,6 +112,16 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory:make", "--max-cost", "-1"], "max_cost must be > 0"),
         (["--from", "plan_factory:make", "--budget", "0.05", "--max-cost", "0.8"], "not both"),  # was ignored
         (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
+        # were: a traceback (IsADirectoryError) or matplotlib's error, after the planning and the JSON
+        (
+            ["--from", "plan_factory:make", "--json", "."],
+            "--json . is a folder; name a file in it, e.g. plan.json",
+        ),
+        (
+            ["--from", "plan_factory:make", "--plot", "."],
+            "--plot . is a folder; name a file in it, e.g. plan.png",
+        ),
+        (["--from", "plan_factory:make", "--plot", "p.xyz"], "matplotlib cannot write '.xyz'; accepted: "),
         (["--from", "plan_factory:make", "--max-memory", "lots"], "max_memory must be an int number"),
         (["--from", "plan_factory:make", "--max-memory", "100"], "below the least memory"),
     ],

@@ -150,9 +150,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
-    for path in (args.json, args.plot):
+    for flag, path, name in (("--json", args.json, "plan.json"), ("--plot", args.plot, "plan.png")):
         if not path.parent.is_dir():
             raise FileNotFoundError(f"output folder {path.parent} does not exist")
+        if path.is_dir():  # refused now, not by a traceback after the planning
+            raise ValueError(f"{flag} {path} is a folder; name a file in it, e.g. {path / name}")
+    _check_plot_format(args.plot)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     if not args.factory:
         refuse_gpu_presets(
@@ -183,6 +186,20 @@ def run(args: argparse.Namespace) -> int:
     plan.plot(args.plot)
     print(f"wrote {args.json.resolve()} and {args.plot.resolve()} (--json and --plot choose where)")
     return 0
+
+
+def _check_plot_format(path: Path) -> None:
+    """Refuse a --plot suffix matplotlib cannot write before planning (the plot is drawn after it)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # PrecisionPlan.plot says how to install it
+        return
+    suffix = path.suffix.lstrip(".").lower() or "png"
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in supported:
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write '.{suffix}'; accepted: {', '.join(sorted(supported))}"
+        )
 
 
 def _count(batches: Any) -> str:
