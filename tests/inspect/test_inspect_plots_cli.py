@@ -115,6 +115,11 @@ def test_inspect_command_end_to_end(tmp_path, capsys):
     _png(tmp_path / "report" / "scale_history.png")
     assert (tmp_path / "report" / "summary.md").exists()
     assert cli.inspect_main(["--steps", "0"]) == 2
+    (tmp_path / "taken").write_text("")  # was: FileExistsError traceback after the diagnostics
+    capsys.readouterr()
+    assert cli.inspect_main(["--out", str(tmp_path / "taken")]) == 2
+    captured = capsys.readouterr()
+    assert "taken is a file, not a folder" in captured.err and captured.out == ""
 
 
 def test_subcommand_table_points_to_real_commands():
