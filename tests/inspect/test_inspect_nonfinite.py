@@ -121,6 +121,25 @@ def test_a_diverged_weight_is_named_not_blamed_on_the_input_data(inputs, loss):
     assert_no_hooks(model)
 
 
+def test_a_minus_inf_mask_buffer_is_not_taken_for_a_diverged_model():
+    class Masked(nn.Module):  # an attention-style mask kept as a buffer of -inf, used through finfo.min
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("mask", torch.full((8, 8), float("-inf")).triu(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.fc(x) @ x.transpose(-1, -2)
+            return scores.masked_fill(torch.isinf(self.mask), torch.finfo(scores.dtype).min).softmax(-1)
+
+    model = Masked()
+    assert find_nonfinite(model, torch.randn(2, 8, 8), dtype=torch.bfloat16) is None
+    with torch.no_grad():
+        model.mask[0, 0] = float("nan")  # nan in a buffer is a broken state
+    report = find_nonfinite(model, torch.randn(2, 8, 8), dtype=torch.bfloat16)
+    assert report is not None and report.state == "mask" and report.op == "buffer"
+
+
 def test_nan_that_fp32_also_gives_is_not_blamed_on_precision(inputs):
     report = find_nonfinite(
         demo.healthy_model(), inputs, loss_fn=lambda m, x: (m(x).float() - 100).sqrt().sum()

@@ -54,7 +54,8 @@ def find_nonfinite(
     Returns:
         None when every value stayed finite, else a :class:`NonfiniteReport` for the first op (in
         execution order: forward ops, then backward nodes) whose result was non-finite; or, without
-        running the model, for its first parameter or buffer that already holds inf/nan (``state``).
+        running the model, for its first parameter that already holds inf/nan, or buffer that holds nan
+        (``state``; a buffer's -inf, an attention mask's, is not taken for a diverged model).
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``, ``loss_fn`` not ``loss_fn(model, batch)`` (refused
@@ -95,10 +96,14 @@ def find_nonfinite(
 
 
 def _nonfinite_state(model: nn.Module) -> NonfiniteReport | None:
-    """The first parameter, then buffer, of ``model`` that holds inf/nan already (a diverged model)."""
+    """The first parameter of ``model`` that holds inf/nan already, else the first buffer that holds nan
+    (a diverged model; a buffer may hold -inf by design, an attention mask, so its inf is left to the ops)."""
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, tensor in named:
-            if tensor.is_floating_point() and not tensor.is_meta and not all_finite([tensor]):
+            if not tensor.is_floating_point() or tensor.is_meta:
+                continue
+            broken = not all_finite([tensor]) if kind == "parameter" else bool(torch.isnan(tensor).any())
+            if broken:
                 value = nonfinite_kind([tensor])
                 module = name.rpartition(".")[0]
                 return NonfiniteReport(module, "forward", kind, tensor.dtype, value, None, False, state=name)

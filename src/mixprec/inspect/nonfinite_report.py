@@ -29,9 +29,9 @@ class NonfiniteReport:
         finite_in_fp32: forward only: whether the same op on the same inputs is finite in float32
             (None where it was not re-run, e.g. in-place ops).
         node: backward only: the autograd node that produced the first non-finite gradient.
-        state: the parameter or buffer (qualified name; ``op`` is ``"parameter"`` or ``"buffer"``,
-            ``module`` its owner) that already held inf/nan before anything ran: the model's state is
-            broken, an earlier step wrote it, and nothing was run (None otherwise).
+        state: the parameter that already held inf/nan, or buffer that held nan, before anything ran
+            (qualified name; ``op`` is ``"parameter"`` or ``"buffer"``, ``module`` its owner): the model's
+            state is broken, an earlier step wrote it, and nothing was run (None otherwise).
     """
 
     module: str
