@@ -98,6 +98,17 @@ def test_report_errors_name_the_problem(tmp_path, capsys):
         load_log(bad)
 
 
+def test_report_out_naming_a_file_is_a_usage_error(tmp_path, capsys):
+    # was: FileExistsError traceback from mkdir, exit code 1
+    log = _scaler_log(tmp_path / "run.jsonl")
+    (tmp_path / "taken").write_text("")
+    assert cli.report_main([str(log), "--out", str(tmp_path / "taken")]) == 2
+    assert "taken is a file, not a folder; name a folder with --out DIR" in capsys.readouterr().err
+    (tmp_path / "run_report").write_text("")  # the default folder's name, taken by a file
+    assert cli.report_main([str(log)]) == 2
+    assert "the default output folder" in capsys.readouterr().err
+
+
 def _scaler_log(path: Path, closed: bool = True) -> Path:
     records = [
         {"step": i, "scale": 1024.0, "skipped": i == 1, "grad_amax": 0.5, "loss": 1.0} for i in range(4)

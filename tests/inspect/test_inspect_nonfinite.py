@@ -104,6 +104,84 @@ def test_nonfinite_input_data_is_reported_as_such(inputs):
     assert "not finite" in str(report)
 
 
+@pytest.mark.parametrize("loss", [False, True])
+def test_a_diverged_weight_is_named_not_blamed_on_the_input_data(inputs, loss):
+    # was: "the inputs of linear in module 'blocks.1.fc' already held inf/nan, so the data fed to the
+    # model is not finite; check the inputs and preprocessing": the inputs were finite, the weight was not
+    model = demo.healthy_model()
+    with torch.no_grad():
+        model.blocks[1].fc.weight[0, 0] = float("nan")
+    loss_fn = (lambda m, x: m(x).float().pow(2).mean()) if loss else None
+    report = find_nonfinite(model, inputs, loss_fn=loss_fn, dtype=torch.bfloat16)
+    assert (
+        report.state == "blocks.1.fc.weight" and report.module == "blocks.1.fc" and report.op == "parameter"
+    )
+    assert report.value == "nan" and "already held nan before the run" in str(report)
+    assert "preprocessing" not in str(report)
+    assert_no_hooks(model)
+
+
+def test_a_minus_inf_mask_buffer_is_not_taken_for_a_diverged_model():
+    class Masked(nn.Module):  # an attention-style mask kept as a buffer of -inf, used through finfo.min
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("mask", torch.full((8, 8), float("-inf")).triu(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.fc(x) @ x.transpose(-1, -2)
+            return scores.masked_fill(torch.isinf(self.mask), torch.finfo(scores.dtype).min).softmax(-1)
+
+    model = Masked()
+    assert find_nonfinite(model, torch.randn(2, 8, 8), dtype=torch.bfloat16) is None
+    with torch.no_grad():
+        model.mask[0, 0] = float("nan")  # nan in a buffer is a broken state
+    report = find_nonfinite(model, torch.randn(2, 8, 8), dtype=torch.bfloat16)
+    assert report is not None and report.state == "mask" and report.op == "buffer"
+
+
+class _CausalAttention(nn.Module):
+    """nanoGPT's non-flash attention: scores masked with -inf (masked_fill, or a -inf buffer added)."""
+
+    def __init__(self, additive: bool) -> None:
+        super().__init__()
+        self.additive = additive
+        self.qkv = nn.Linear(16, 48)
+        self.register_buffer("bias", torch.tril(torch.ones(8, 8)))
+        self.register_buffer("minus_inf", torch.full((8, 8), float("-inf")).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        att = q @ k.transpose(-1, -2) / 4.0
+        if self.additive:
+            att = att + self.minus_inf
+        else:
+            att = att.masked_fill(self.bias == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("additive", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_minus_inf_attention_mask_is_not_reported_but_an_overflow_still_is(additive, dtype):
+    # was: "masked_fill ... produced inf in float16 from finite inputs ... does so in float32 too" (or the
+    # add's "inputs already held inf/nan ... check the inputs and preprocessing") for every such model
+    torch.manual_seed(0)
+    model, x = _CausalAttention(additive), torch.randn(2, 8, 16)
+    loss_fn = lambda m, b: m(b).float().pow(2).mean()  # noqa: E731
+    assert find_nonfinite(model, x, loss_fn=loss_fn, dtype=dtype) is None
+    with torch.no_grad():
+        model.qkv.weight.mul_(1e5)  # now the projection overflows fp16: found where it happens
+    if dtype == torch.float16:
+        report = find_nonfinite(model, x, loss_fn=loss_fn, dtype=dtype)
+        assert report is not None and report.module == "qkv" and report.phase == "forward"
+    with torch.no_grad():
+        model.qkv.weight.div_(1e5)
+    model.bias.zero_()
+    model.minus_inf.fill_(float("-inf"))  # every position masked: the softmax's nan is still found
+    report = find_nonfinite(model, x, loss_fn=loss_fn, dtype=dtype)
+    assert report is not None and report.value == "nan"
+
+
 def test_nan_that_fp32_also_gives_is_not_blamed_on_precision(inputs):
     report = find_nonfinite(
         demo.healthy_model(), inputs, loss_fn=lambda m, x: (m(x).float() - 100).sqrt().sum()

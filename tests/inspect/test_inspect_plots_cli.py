@@ -49,6 +49,11 @@ def test_plots_are_written(reports, tmp_path):
         {"step": i, "scale": 2.0 ** (10 - (i < 3) * i), "skipped": i < 3, "grad_amax": 0.5} for i in range(9)
     ]
     _png(plot_scale_history(records, tmp_path / "scale.png"))
+    for path in ("run.jsonl", tmp_path / "run.jsonl"):  # was: "... got str" / "... got PosixPath", no hint
+        with pytest.raises(
+            TypeError, match=r"got the path '.*run.jsonl': read a log with .*load_log\(path\)"
+        ):
+            plot_scale_history(path, tmp_path / "x.png")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="UnderflowReport"):
         plot_underflow([], tmp_path / "x.png")
     with pytest.raises(TypeError, match="Log2Histogram"):
@@ -83,6 +88,19 @@ def test_report_from_a_scaler_log_with_histograms(tmp_path):
     assert "`fc.weight` (1)" in written[-1].read_text()
 
 
+def test_report_says_how_many_parameters_it_leaves_unnamed(tmp_path):
+    # was: the 8 most frequent named, the other 2 left out without a word (a reader took them for finite)
+    names = [f"blocks.{i}.weight" for i in range(10)]
+    records = [
+        {"step": 0, "scale": 1024.0, "skipped": True, "grad_amax": None, "nonfinite_params": names},
+        {"step": 1, "scale": 512.0, "skipped": True, "grad_amax": None, "nonfinite_params": names[:8]},
+    ]
+    log = tmp_path / "scaler.jsonl"
+    log.write_text(jsonl_text(records))
+    summary = write_report(log, tmp_path / "out")[-1].read_text()
+    assert "`blocks.7.weight` (2) and 2 more." in summary and "blocks.8" not in summary
+
+
 def test_inspect_command_end_to_end(tmp_path, capsys):
     assert cli.inspect_main(["--out", str(tmp_path), "--steps", "12"]) == 0
     out = capsys.readouterr().out
@@ -97,6 +115,11 @@ def test_inspect_command_end_to_end(tmp_path, capsys):
     _png(tmp_path / "report" / "scale_history.png")
     assert (tmp_path / "report" / "summary.md").exists()
     assert cli.inspect_main(["--steps", "0"]) == 2
+    (tmp_path / "taken").write_text("")  # was: FileExistsError traceback after the diagnostics
+    capsys.readouterr()
+    assert cli.inspect_main(["--out", str(tmp_path / "taken")]) == 2
+    captured = capsys.readouterr()
+    assert "taken is a file, not a folder" in captured.err and captured.out == ""
 
 
 def test_subcommand_table_points_to_real_commands():

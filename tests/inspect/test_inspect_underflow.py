@@ -95,6 +95,24 @@ def test_arguments_are_checked():
             underflow_report(model, inputs, loss_fn=demo.tiny_loss, **kwargs)
 
 
+def test_a_nonfinite_loss_is_refused_and_the_model_is_unchanged():
+    # was: a report of 0.0% underflow and "scale 2^0 keeps underflow at 0.00%" for a model whose weights
+    # were nan (every gradient nan, none counted)
+    model, inputs = demo.healthy_model(), demo.demo_inputs()
+    with torch.no_grad():
+        model.blocks[0].fc.weight[0, 0] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"loss_fn returned nan .* no finite gradients .*find_nonfinite"):
+        underflow_report(model, inputs, loss_fn=demo.tiny_loss)
+    after = model.state_dict()
+    assert all(_same(v, before[k]) for k, v in after.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def test_shared_module_counts_both_calls():
     class Twice(nn.Module):
         def __init__(self):

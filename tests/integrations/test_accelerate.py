@@ -155,7 +155,7 @@ def test_diagnose_step_takes_the_reports_loss_fn_and_refuses_a_loss_of_the_outpu
         model, x, torch.tensor(float("nan")), loss_fn=lambda m, b: nn.functional.cross_entropy(m(b), y)
     )
     assert sentence is not None and sentence.startswith("mixprec: step 0 gave a non-finite loss")
-    assert "module '0'" in sentence
+    assert "parameter '0.weight' already held inf before the run" in sentence  # the weight, not the data
     assert accelerator.mixprec_diagnoses == [sentence]
 
 

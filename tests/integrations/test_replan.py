@@ -154,6 +154,17 @@ def test_bad_arguments_are_refused_by_name(plan: PrecisionPlan) -> None:
             ReplanSchedule(ok, lr_fraction=bad)
     with pytest.raises(ValueError, match="unknown low-bit recipe 'fp5'"):
         ReplanSchedule(ok, lr_decay="fp5")
+    # were: the recipes alone listed as accepted (bf16, fp32, replan left out), and for the lr a bare
+    # "TypeError: must be real number, not str" naming neither lr nor what it takes
+    accepted = r"; a phase also takes 'replan', 'bf16' or 'fp32'"
+    with pytest.raises(ValueError, match=r"lr_decay: unknown low-bit recipe 'fp16'.*nvfp4" + accepted):
+        ReplanSchedule(ok, lr_decay="fp16")
+    with pytest.raises(ValueError, match=r"phases\[5\]: unknown low-bit recipe 'fp16'.*nvfp4" + accepted):
+        ReplanSchedule(ok, phases={5: "fp16"})
+    with pytest.raises(
+        ValueError, match=r"lr must be a number \(the step's learning rate\) or None, got 'a'"
+    ):
+        ReplanSchedule(ok, lr_decay="bf16").begin_step(make_model(), 0, lr="a")
     with pytest.raises(ValueError, match="every must be"):
         ReplanSchedule(ok, every=0)
     with pytest.raises(TypeError, match="make_plan must be callable"):

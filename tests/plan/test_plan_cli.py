@@ -36,6 +36,30 @@ def torch_style():  # the loss as torch writes it, loss(out, y): not loss_fn(mod
 def one_batch():  # a bare tensor for batches
     model, batches, loss_fn = make()
     return model, batches[0][0], lambda m, x: m(x).sum()
+
+
+def generated():  # batches from a generator, which plan_precision takes
+    model, batches, loss_fn = make()
+    return model, (batch for batch in batches), loss_fn
+
+
+class Unsized:  # an iterable without a length (a DataLoader over an IterableDataset)
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        raise TypeError("IterableDataset has no len()")
+
+
+def unsized():
+    model, batches, loss_fn = make()
+    return model, Unsized(batches), loss_fn
+
+
+NOT_A_FUNCTION = 3
 """
 
 
@@ -75,6 +99,7 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory"], "MODULE:FUNCTION"),
         (["--from", "plan_factory:missing"], "cannot load"),
         (["--from", "plan_factory:not_a_triple"], "must return (model, batches, loss_fn)"),
+        (["--from", "plan_factory:NOT_A_FUNCTION"], "is a int, not a function returning"),  # was a traceback
         (
             ["--from", "plan_factory:torch_style"],
             "mixprec calls it as loss_fn(model, batch) -> scalar tensor",
@@ -85,7 +110,18 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
         (["--from", "plan_factory:make", "--grad-budget", "-1"], "grad_budget must be > 0"),
         (["--from", "plan_factory:make", "--min-low-share", "0.5"], "applies with max_cost only"),
         (["--from", "plan_factory:make", "--max-cost", "-1"], "max_cost must be > 0"),
+        (["--from", "plan_factory:make", "--budget", "0.05", "--max-cost", "0.8"], "not both"),  # was ignored
         (["--from", "plan_factory:make", "--json", "missing/p.json"], "does not exist"),
+        # were: a traceback (IsADirectoryError) or matplotlib's error, after the planning and the JSON
+        (
+            ["--from", "plan_factory:make", "--json", "."],
+            "--json . is a folder; name a file in it, e.g. plan.json",
+        ),
+        (
+            ["--from", "plan_factory:make", "--plot", "."],
+            "--plot . is a folder; name a file in it, e.g. plan.png",
+        ),
+        (["--from", "plan_factory:make", "--plot", "p.xyz"], "matplotlib cannot write '.xyz'; accepted: "),
         (["--from", "plan_factory:make", "--max-memory", "lots"], "max_memory must be an int number"),
         (["--from", "plan_factory:make", "--max-memory", "100"], "below the least memory"),
     ],
@@ -93,6 +129,17 @@ def test_plan_command_prints_the_table_and_writes_json_and_plot(factory, capsys)
 def test_plan_command_refuses_bad_input_with_exit_code_2(factory, capsys, argv, message):
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("function", "count"), [("generated", "2 batch(es)"), ("unsized", "the given batches")]
+)
+def test_plan_command_takes_batches_without_a_length(factory, capsys, function, count):
+    # was: TypeError: object of type 'generator' has no len(), before any planning
+    argv = ["plan", "--from", f"plan_factory:{function}", "--formats", "mxfp8,bf16", "--cost", "b200-peak"]
+    assert main([*argv, "--json", str(factory / "p.json"), "--plot", str(factory / "p.png")]) == 0
+    assert f"on {count} (--measure exact" in capsys.readouterr().err
+    assert set(PrecisionPlan.from_json((factory / "p.json").read_text()).formats) == {"0", "2"}
 
 
 def test_plan_command_with_max_cost_plans_the_most_accurate_within_it(factory, capsys):
@@ -198,6 +245,16 @@ def test_plan_measured_cost_records_no_quantize_path(factory, capsys):
     assert "quantization)" not in capsys.readouterr().out
 
 
+def test_plan_at_a_peak_target_records_no_quantize_path(factory, capsys):
+    # was: "cost 0.250x bf16 on b200-peak (eager Triton quantization)", a path the compute-only cost ignores
+    out_json = factory / "k.json"
+    argv = ["plan", "--from", "plan_factory:make", "--formats", "mxfp8,bf16", "--cost", "b200-peak"]
+    assert main([*argv, "--json", str(out_json), "--plot", str(factory / "k.png")]) == 0
+    assert PrecisionPlan.from_json(out_json.read_text()).quantize is None
+    out = capsys.readouterr().out
+    assert "on b200-peak;" in out and "quantization)" not in out
+
+
 def test_plan_quantize_refuses_an_unknown_path(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--quantize", "fast"])
@@ -245,6 +302,9 @@ def test_plan_help_shows_the_choices_and_defaults(capsys):
     assert "--size {tiny,quick,default,full,large}" in text and "(default tiny)" in text
     assert "(default nvfp4,mxfp8,bf16), from: fp8_tensorwise," in text and "fp32, bf16" in text
     assert "(default 0.01)" in text
+    # were missing, though the guide says --help gives each default
+    assert "(default exact)" in text and "(default b200, also for a --from model on a GPU)" in text
+    assert "(default 0)" in text
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--workload", "nope"])
     assert exc.value.code == 2

@@ -84,6 +84,9 @@ def test_config_normalizes_sequences_and_numbers():
         ({"tokens_per_step": 0}, r"tokens_per_step must be a positive int .* got 0"),
         ({"cost": "a100"}, r"unknown cost target 'a100'; known: .*measured"),
         ({"compiled": "yes"}, r"compiled must be True or False, got 'yes'"),
+        ({"seed": "a"}, r"seed must be an int .* got 'a'"),  # was accepted, then torch's RuntimeError
+        ({"seed": 1.5}, r"seed must be an int .* got 1\.5"),
+        ({"exhaustive": "no"}, r"exhaustive must be True or False, got 'no'"),  # was taken as True
         ({"max_cost": 0.5}, r"not both: pass budget=None with max_cost=0\.5"),
         ({"budget": None}, r"budget=None needs max_cost"),
     ],

@@ -342,3 +342,31 @@ def test_replan_refused_plan_changes_nothing_and_a_first_phase_has_a_share():
     assert plan is not None and set(plan.formats.values()) == {"nvfp4"}
     assert plan.low_precision_share() == 1.0
     assert Replan(lambda m: good, phases={0: "bf16"}).step(model, 0).low_precision_share() == 0.0
+
+
+def test_a_phase_before_any_plan_resumes_from_its_state_dict_and_shows_its_table(planned):
+    # was: load_state_dict raised "plan formats name layers without measurements" (a checkpoint taken
+    # during a bf16 warm-up phase could not resume), and table()/relative_cost() raised KeyError
+    model, batches, _plan, _ = planned
+    model = copy.deepcopy(model)
+
+    def make_plan(m: nn.Module) -> PrecisionPlan:
+        return plan_precision(
+            m, batches[:1], loss_fn, formats=("nvfp4", "bf16"), budget=BUDGET, cost="b200-peak"
+        )
+
+    replan = Replan(make_plan, phases={0: "bf16", 4: "replan"})
+    replan.step(model, 0)
+    resumed = Replan(make_plan, phases={0: "bf16", 4: "replan"})
+    resumed.load_state_dict(replan.state_dict())
+    assert resumed.plan.to_json() == replan.plan.to_json() and resumed.history == replan.history
+    table = resumed.plan.table()
+    assert "fc1" in table and "set without a measurement in their format (a Replan phase)" in table
+    assert math.isnan(resumed.plan.relative_cost())
+    resumed.step(model, 4)  # the planned formats, then a phase into one the plan never measured
+    switched = Replan(make_plan, phases={1: "mxfp8_floor"})
+    switched.step(model, 0)
+    phase = switched.step(model, 1)
+    assert phase is not None and "mxfp8_floor" not in phase.layers["fc1"]["divergence"]
+    assert "fc1" in phase.table() and math.isnan(phase.relative_cost())
+    phase.plot()

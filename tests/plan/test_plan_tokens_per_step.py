@@ -83,6 +83,19 @@ def test_tokens_per_step_changes_the_plan_where_the_shape_decides() -> None:
     assert all("no gain: nvfp4 1.50x bf16" in r for r in small.reasons.values())
 
 
+def test_a_format_cheaper_than_bf16_but_dearer_than_the_chosen_one_is_not_called_no_gain() -> None:
+    # was: "nvfp4 0.25x bf16, cheapest at M=32 (no gain: mxfp8 0.50x bf16)": mxfp8 gains, only less
+    def cost(fmt: str, m: int, n: int, k: int) -> float:
+        return {"bf16": 1.0, "fp32": 4.0, "mxfp8": 0.5, "nvfp4": 0.25}[fmt]
+
+    model, batches = _mlp(64, 2), _batches(32, 64)
+    plan = plan_precision(
+        model, batches, _loss, formats=("nvfp4", "mxfp8", "bf16"), cost=cost, budget=0.5, tokens_per_step=32
+    )
+    assert set(plan.formats.values()) == {"nvfp4"}
+    assert all("cheapest at M=32 (dearer: mxfp8 0.50x bf16)" in r for r in plan.reasons.values())
+
+
 @pytest.mark.parametrize("bad", [0, -4, 12.0, True, "4096"])
 def test_a_bad_tokens_per_step_is_refused_by_name(bad) -> None:
     with pytest.raises(ValueError, match=rf"tokens_per_step must be a positive int .* got {bad!r}"):

@@ -42,6 +42,9 @@ def run_report(args: argparse.Namespace) -> int:
     log = Path(args.log)
     default = log / "report" if log.is_dir() else log.with_name(log.stem + "_report")
     out = Path(args.out) if args.out else default
+    if out.exists() and not out.is_dir():  # was an mkdir traceback (FileExistsError)
+        flag = "--out" if args.out else "the default output folder"
+        raise ValueError(f"{flag} {out} is a file, not a folder; name a folder with --out DIR")
     try:
         written = write_report(log, out)
     except ImportError as exc:  # matplotlib missing: not a usage error

@@ -14,6 +14,7 @@ gradient alone overflows. Node hooks live on this forward's graph, never on the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -81,6 +82,33 @@ def _to_fp32(value: Any, copy: bool = False) -> Any:
     return value
 
 
+def _masks(outputs: list[torch.Tensor], given: tuple[Any, Any]) -> bool:
+    """Whether an op's non-finite outputs are a deliberate -inf mask, not an overflow: their only
+    non-finite value is -inf and the op was given -inf (``masked_fill(mask, float("-inf"))``, a mask
+    added). A fully masked row still shows, as the nan its softmax makes."""
+    for t in outputs:
+        bad = t.detach()[~torch.isfinite(t.detach())]
+        if bad.numel() and not bool((bad == -math.inf).all()):
+            return False
+    values = [*tensors_in(given), *_scalars(given)]
+    return any(
+        (v == -math.inf) if isinstance(v, float) else bool((v.detach() == -math.inf).any())
+        for v in values
+        if isinstance(v, float) or (isinstance(v, torch.Tensor) and v.is_floating_point())
+    )
+
+
+def _scalars(value: Any) -> list[float]:
+    """The Python floats in a (nested) tuple, list or dict of an op's arguments."""
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _scalars(v)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _scalars(v)]
+    return []
+
+
 class Watch(TorchFunctionMode):
     """Records the first non-finite forward output and hooks each op's backward nodes.
 
@@ -112,7 +140,11 @@ class Watch(TorchFunctionMode):
         result = func(*args, **kwargs)
         outputs = [t for t in tensors_in(result) if t.is_floating_point()]
         if outputs:
-            if self.forward is None and not all_finite(outputs):
+            if (
+                self.forward is None
+                and not all_finite(outputs)
+                and not _masks(outputs, before or (args, kwargs))
+            ):
                 self.forward = self._forward_finding(func, args, kwargs, outputs, before)
             if self.watch_backward and self.forward is None:
                 self._hook_nodes(op_name(func), args, kwargs, outputs)

@@ -29,6 +29,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():  # before the diagnostics print
+        raise ValueError(f"--out {args.out} is a file, not a folder; name a folder to write into")
     _showcase.print_diagnostics()
     if args.out:
         try:

@@ -18,7 +18,7 @@ from mixprec.inspect._modules import (
     model_loss,
 )
 from mixprec.inspect._restore import preserved
-from mixprec.inspect._watch import Watch, all_finite
+from mixprec.inspect._watch import Watch, all_finite, nonfinite_kind
 from mixprec.inspect.nonfinite_report import NonfiniteReport
 from mixprec.policy import Policy
 
@@ -53,7 +53,9 @@ def find_nonfinite(
 
     Returns:
         None when every value stayed finite, else a :class:`NonfiniteReport` for the first op (in
-        execution order: forward ops, then backward nodes) whose result was non-finite.
+        execution order: forward ops, then backward nodes) whose result was non-finite; or, without
+        running the model, for its first parameter that already holds inf/nan, or buffer that holds nan
+        (``state``; a buffer's -inf, an attention mask's, is not taken for a diverged model).
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``, ``loss_fn`` not ``loss_fn(model, batch)`` (refused
@@ -72,6 +74,9 @@ def find_nonfinite(
         dtype = torch.float16
     device_type = device_type or device_type_of(model, inputs)
     region = autocast(device_type, dtype=dtype, policy=policy)
+    broken = _nonfinite_state(model)
+    if broken is not None:  # every op using it would be blamed on the data fed to the model
+        return broken
     with preserved(model, inputs) as handles:
         watch = Watch(ModuleTracker(model, handles), handles, device_type, watch_backward=loss_fn is not None)
         try:
@@ -88,6 +93,21 @@ def find_nonfinite(
         finally:
             watch.release()
     return finding
+
+
+def _nonfinite_state(model: nn.Module) -> NonfiniteReport | None:
+    """The first parameter of ``model`` that holds inf/nan already, else the first buffer that holds nan
+    (a diverged model; a buffer may hold -inf by design, an attention mask, so its inf is left to the ops)."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if not tensor.is_floating_point() or tensor.is_meta:
+                continue
+            broken = not all_finite([tensor]) if kind == "parameter" else bool(torch.isnan(tensor).any())
+            if broken:
+                value = nonfinite_kind([tensor])
+                module = name.rpartition(".")[0]
+                return NonfiniteReport(module, "forward", kind, tensor.dtype, value, None, False, state=name)
+    return None
 
 
 def _nonfinite_param_grad(model: nn.Module) -> NonfiniteReport | None:

@@ -29,6 +29,9 @@ class NonfiniteReport:
         finite_in_fp32: forward only: whether the same op on the same inputs is finite in float32
             (None where it was not re-run, e.g. in-place ops).
         node: backward only: the autograd node that produced the first non-finite gradient.
+        state: the parameter that already held inf/nan, or buffer that held nan, before anything ran
+            (qualified name; ``op`` is ``"parameter"`` or ``"buffer"``, ``module`` its owner): the model's
+            state is broken, an earlier step wrote it, and nothing was run (None otherwise).
     """
 
     module: str
@@ -40,6 +43,7 @@ class NonfiniteReport:
     inputs_finite: bool
     finite_in_fp32: bool | None = None
     node: str | None = None
+    state: str | None = None
 
     @property
     def input_absmax(self) -> float | None:
@@ -47,6 +51,12 @@ class NonfiniteReport:
         return None if self.input_range is None else max(abs(self.input_range[0]), abs(self.input_range[1]))
 
     def __str__(self) -> str:
+        if self.state is not None:
+            return (
+                f"The model's {self.op} '{self.state}' already held {self.value} before the run, so no op "
+                "of this run is the cause: an earlier step wrote it (the weights diverged); inspect a "
+                "checkpoint from before, and log the steps with mixprec.inspect.ScalerLog to find the step."
+            )
         if self.phase == "forward" and not self.inputs_finite:
             return (
                 f"Forward: the inputs of {self.op} in {_where(self.module)} already held inf/nan, so the "

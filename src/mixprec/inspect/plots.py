@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from mixprec import formats
@@ -131,7 +131,12 @@ def plot_scale_history(
     Returns:
         The path written.
     """
-    if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Sequence):
+    if isinstance(records, (str, PurePath)):  # a log's path: say how to read it
+        raise TypeError(
+            f"records must be a sequence of per-step dicts, got the path {str(records)!r}: read a log with "
+            "mixprec.inspect.load_log(path) first"
+        )
+    if isinstance(records, (bytes, Mapping)) or not isinstance(records, Sequence):
         raise TypeError(f"records must be a sequence of per-step dicts, got {type(records).__name__}")
     for i, record in enumerate(records):
         if not isinstance(record, Mapping) or "step" not in record or "scale" not in record:

@@ -150,6 +150,7 @@ def summarize(records: Sequence[Mapping[str, Any]], images: Sequence[Path] = ())
     culprits = Counter(name for r in records for name in r.get("nonfinite_params") or ())
     if culprits:
         named = ", ".join(f"`{name}` ({n})" for name, n in culprits.most_common(8))
+        named += f" and {len(culprits) - 8} more" if len(culprits) > 8 else ""
         lines += ["", f"Parameters with non-finite gradients in skipped steps (times seen): {named}."]
     total_skipped = sum(1 for r in records if r.get("skipped"))
     if total_skipped and not culprits:

@@ -85,7 +85,8 @@ def underflow_report(
             or when it raises: the message names what was passed), or a non-numeric scale, target or
             margin.
         ValueError: for a non-positive or non-finite scale, a target outside [0, 1), a margin below 1, or
-            a loss that is not a one-element tensor requiring grad.
+            a loss that is not a one-element tensor requiring grad, or that is inf/nan (nothing is changed
+            then).
     """
     check_model(model)
     loss_fn = model_loss(loss_fn, "underflow_report")
@@ -105,7 +106,14 @@ def underflow_report(
             if next(module.children(), None) is None:
                 handles.add(module.register_forward_hook(collector.hook_outputs(name, handles)))
         with torch.enable_grad():
-            call_loss(loss_fn, model, inputs, "underflow_report").backward()
+            loss = call_loss(loss_fn, model, inputs, "underflow_report")
+            if not torch.isfinite(loss.detach()).all():  # its gradients are inf/nan: no underflow to count
+                raise ValueError(
+                    f"loss_fn returned {float(loss.detach().float().sum())} in the model's own precision, so "
+                    "there are no finite gradients to judge; mixprec.inspect.find_nonfinite(model, inputs, "
+                    "loss_fn=...) finds where the inf/nan comes from"
+                )
+            loss.backward()
         handles.remove_all()
         seen: set[int] = set()
         for name, module in model.named_modules():

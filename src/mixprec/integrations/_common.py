@@ -284,7 +284,8 @@ class Diagnoser:
             if report is not None:
                 break
         if report is not None and rename is not None:
-            report = dataclasses.replace(report, module=rename(report.module))
+            state = None if report.state is None else rename(report.state)
+            report = dataclasses.replace(report, module=rename(report.module), state=state)
         where = "that batch" if len(batches) == 1 else f"the {len(batches)} micro-batches of that step"
         if report is None:
             found = (

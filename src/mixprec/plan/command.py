@@ -15,11 +15,15 @@ import sys
 import time
 import types
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from mixprec._files import write_atomic
 from mixprec.lowbit.cost import QUANTIZE_PATHS
+
+#: --budget when neither it nor --max-cost is given (plan_precision's default); both are refused.
+_DEFAULT_BUDGET = 0.01
 
 HELP = "plan a format per linear layer (low-bit, bf16, fp32) by measured divergence under a budget"
 
@@ -58,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget",
         type=float,
-        default=0.01,
-        help="bound on the plan's measured relative loss change, > 0 (default 0.01)",
+        default=None,
+        help="bound on the plan's measured relative loss change, > 0, not with --max-cost (default 0.01)",
     )
     parser.add_argument(
         "--grad-budget", type=float, default=None, help="optional bound on its weight-gradient change"
@@ -77,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--measure",
         choices=("exact", "local"),
         default="exact",
-        help="exact: a pass per layer and format; local: estimates from one pass (plans still measured)",
+        help="exact: a pass per layer and format; local: estimates from one pass (plans still measured) "
+        "(default exact)",
     )
     parser.add_argument(
         "--compile",
@@ -96,7 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exhaustive", action="store_true", help="measure every layer in every format (a complete plot)"
     )
     parser.add_argument(
-        "--cost", default="b200", help="cost target: b200, h100, b200-peak, h100-peak, measured (timed here)"
+        "--cost",
+        default="b200",
+        help="cost target: b200, h100, b200-peak, h100-peak, measured (timed here) (default b200, also for a "
+        "--from model on a GPU)",
     )
     parser.add_argument(
         "--tokens-per-step",
@@ -117,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("kahan", "stochastic", "masters"),
         help="how the model is stepped, for the memory model (default kahan)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the workload, dropout and stochastic rounding (default 0)"
+    )
     parser.add_argument(
         "--json", type=Path, default=Path("plan.json"), help="where the plan goes (default: ./plan.json)"
     )
@@ -140,9 +150,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
-    for path in (args.json, args.plot):
+    for flag, path, name in (("--json", args.json, "plan.json"), ("--plot", args.plot, "plan.png")):
         if not path.parent.is_dir():
             raise FileNotFoundError(f"output folder {path.parent} does not exist")
+        if path.is_dir():  # refused now, not by a traceback after the planning
+            raise ValueError(f"{flag} {path} is a folder; name a file in it, e.g. {path / name}")
+    _check_plot_format(args.plot)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     if not args.factory:
         refuse_gpu_presets(
@@ -156,9 +169,11 @@ def run(args: argparse.Namespace) -> int:
         _say(f"building workload {args.workload} at size {args.size} on the CPU")
     started = time.perf_counter()
     model, batches, loss_fn = _from_factory(args.factory) if args.factory else _from_workload(args)
+    if isinstance(batches, Iterator):  # a generator: read once here, as plan_precision would
+        batches = list(batches)
     linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
     _say(
-        f"planning {linears} linear layer(s) in {', '.join(formats)} on {len(batches)} batch(es) "
+        f"planning {linears} linear layer(s) in {', '.join(formats)} on {_count(batches)} "
         f"(--measure {args.measure}: forward and backward passes per layer and format; the table follows)"
     )
     with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
@@ -171,6 +186,29 @@ def run(args: argparse.Namespace) -> int:
     plan.plot(args.plot)
     print(f"wrote {args.json.resolve()} and {args.plot.resolve()} (--json and --plot choose where)")
     return 0
+
+
+def _check_plot_format(path: Path) -> None:
+    """Refuse a --plot suffix matplotlib cannot write before planning (the plot is drawn after it)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # PrecisionPlan.plot says how to install it
+        return
+    suffix = path.suffix.lstrip(".").lower() or "png"
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in supported:
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write '.{suffix}'; accepted: {', '.join(sorted(supported))}"
+        )
+
+
+def _count(batches: Any) -> str:
+    """``"2 batch(es)"``; an iterable without a length (a DataLoader over an IterableDataset) is counted
+    by plan_precision as it reads it."""
+    try:
+        return f"{len(batches)} batch(es)"
+    except TypeError:
+        return "the given batches"
 
 
 def _say_warning(warning: warnings.WarningMessage) -> None:
@@ -191,7 +229,7 @@ def _plan(plan_precision: Any, model: Any, batches: Any, loss_fn: Any, formats: 
         batches,
         loss_fn,
         formats=formats,
-        budget=args.budget if args.max_cost is None else None,
+        budget=_DEFAULT_BUDGET if args.budget is None and args.max_cost is None else args.budget,
         max_cost=args.max_cost,
         min_low_share=args.min_low_share,
         cost=args.cost,
@@ -238,6 +276,11 @@ def _from_factory(spec: str) -> tuple[Any, Any, Any]:
         factory = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {spec!r}: {exc}") from None
+    if not callable(factory):
+        raise ValueError(
+            f"--from {spec!r} is a {type(factory).__name__}, not a function returning "
+            "(model, batches, loss_fn)"
+        )
     result = factory()
     if not isinstance(result, tuple) or len(result) != 3:
         raise ValueError(f"{spec} must return (model, batches, loss_fn), got {type(result).__name__}")

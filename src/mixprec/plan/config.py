@@ -92,6 +92,10 @@ class PlanConfig:
         _check_share("max_flushed", self.max_flushed)
         if isinstance(self.max_rounds, bool) or not isinstance(self.max_rounds, int) or self.max_rounds < 1:
             raise ValueError(f"max_rounds must be an int >= 1, got {self.max_rounds!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int (a torch.Generator seed), got {self.seed!r}")
+        if not isinstance(self.exhaustive, bool):
+            raise ValueError(f"exhaustive must be True or False, got {self.exhaustive!r}")
         if self.measure not in MEASURES:
             raise ValueError(f"measure must be 'exact' or 'local', got {self.measure!r}")
         if self.max_memory is not None:

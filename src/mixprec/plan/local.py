@@ -60,7 +60,7 @@ class LocalMeasurer(Measurer):
         return True
 
     def _divergences(self, fqn: str, fmt: str) -> Divergence:
-        if self.exact:
+        if self.exact or not self._kept(fqn):  # no output gradient kept (a frozen first layer): a pass
             return super()._divergences(fqn, fmt)
         tiny = torch.finfo(torch.float32).tiny
         linear = self.runner.slots.originals[fqn]
@@ -118,7 +118,9 @@ def _layer_pass(
     x = kept.x.detach().requires_grad_(kept.x_requires_grad)
     with torch.enable_grad():
         y = module(x)
-        targets = [weight, x] if kept.x_requires_grad else [weight]
-        grads = torch.autograd.grad(y, targets, kept.grad_y, allow_unused=True)
-    gw = torch.zeros_like(weight) if grads[0] is None else grads[0]
-    return y.detach(), gw, grads[1] if kept.x_requires_grad else None
+        targets = [weight] if weight.requires_grad else []  # a frozen weight has no gradient
+        targets += [x] if kept.x_requires_grad else []
+        grads = list(torch.autograd.grad(y, targets, kept.grad_y, allow_unused=True)) if targets else []
+    gw = grads.pop(0) if weight.requires_grad else None
+    gw = torch.zeros_like(weight) if gw is None else gw
+    return y.detach(), gw, grads[0] if kept.x_requires_grad else None

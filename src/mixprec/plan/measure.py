@@ -253,18 +253,20 @@ class PassRunner:
         capture: bool,
         keep: bool,
     ) -> None:
+        # a frozen layer's weight (requires_grad=False) has no gradient: its total stays zero
+        trained = [(t, w) for t, w in zip(result.weight_grads, weights, strict=True) if w.requires_grad]
         grad_in = [f for f, (x, _) in seen.items() if x.requires_grad]
         grad_out = [f for f, (_, y) in seen.items() if y.requires_grad] if capture or keep else []
-        targets = [*weights, *(seen[f][0] for f in grad_in), *(seen[f][1] for f in grad_out)]
-        grads = torch.autograd.grad(loss, targets, allow_unused=True)
+        targets = [*(w for _, w in trained), *(seen[f][0] for f in grad_in), *(seen[f][1] for f in grad_out)]
+        grads = torch.autograd.grad(loss, targets, allow_unused=True) if targets else ()
         result.losses.append(float(loss.detach()))
-        for total, g in zip(result.weight_grads, grads[: len(weights)], strict=True):
+        for (total, _), g in zip(trained, grads[: len(trained)], strict=True):
             if g is not None:
                 total += g.float()
-        inputs = grads[len(weights) : len(weights) + len(grad_in)]
+        inputs = grads[len(trained) : len(trained) + len(grad_in)]
         in_grads = {f: g.float() for f, g in zip(grad_in, inputs, strict=True) if g is not None}
         result.input_grads.append(in_grads)
-        outs = dict(zip(grad_out, grads[len(weights) + len(grad_in) :], strict=True))
+        outs = dict(zip(grad_out, grads[len(trained) + len(grad_in) :], strict=True))
         if keep:
             result.kept.append(
                 {

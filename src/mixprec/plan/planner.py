@@ -49,6 +49,7 @@ calibration batches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -66,6 +67,7 @@ from mixprec.plan.cost import resolve_cost
 from mixprec.plan.local import LocalMeasurer
 from mixprec.plan.measure import (
     EXACT,
+    Divergence,
     LayerMeasure,
     LossFn,
     Measurer,
@@ -309,7 +311,12 @@ def plan_precision(
             "components": memory.components(state_format, activation_format),
             "options": pairs,
         },
-        quantize=quantize_path(config.quantize, compiled=config.compiled) if target in TARGETS else None,
+        # a "-peak" target prices compute only: no quantization path entered its cost
+        quantize=(
+            quantize_path(config.quantize, compiled=config.compiled)
+            if target in TARGETS and TARGETS[target].roofline
+            else None
+        ),
     )
 
 
@@ -409,11 +416,24 @@ def _solve_at_cost(runner: PassRunner, sets: BatchSets, measurer: Measurer) -> S
     high = math.inf if min_low_share is None else (1 - min_low_share) * flops
     picks = most_accurate(layers, max_cost * bf16, high, limits.max_flushed)
     if not picks:
+        bounds = f"max_cost={max_cost!r}" + (
+            "" if min_low_share is None else f" and min_low_share={min_low_share!r}"
+        )
+        # the bounds alone, every format admissible: is it the flushing, or the cost and share together?
+        free = Divergence(0.0, 0.0, 0.0)
+        relaxed = {
+            f: dataclasses.replace(info, divergence=dict.fromkeys(measurer.formats, free))
+            for f, info in layers.items()
+        }
+        if not most_accurate(relaxed, max_cost * bf16, high, 1.0, top=1):
+            raise ValueError(
+                f"no mix of the formats {measurer.formats} meets {bounds} together, whatever each format "
+                "flushes: raise max_cost, lower min_low_share, or add a low-bit format cheaper than bf16 at "
+                "this shape"
+            )
         raise ValueError(
-            f"no mix of the formats {measurer.formats} within max_cost={max_cost!r}"
-            + ("" if min_low_share is None else f" and min_low_share={min_low_share!r}")
-            + f" has every layer's format flushing at most max_flushed={limits.max_flushed!r} of its"
-            " forward input"
+            f"no mix of the formats {measurer.formats} within {bounds} has every layer's format flushing at "
+            f"most max_flushed={limits.max_flushed!r} of its forward input"
         )
     found = []
     for chosen in picks:

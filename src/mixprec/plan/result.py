@@ -75,8 +75,8 @@ class PrecisionPlan:
             version before 5.
         quantize: the quantization path a roofline ``target`` priced each operand's quantization on
             (``"fused"``: compiled, ``"triton"``: CUDA eager, ``"unfused"``: pure torch;
-            :func:`mixprec.lowbit.cost.quantize_path`); None for a measured or user cost, and in a plan
-            read from a version before 6.
+            :func:`mixprec.lowbit.cost.quantize_path`); None for a measured or user cost, a ``"-peak"``
+            target (compute only: no path enters its cost), and in a plan read from a version before 6.
     """
 
     formats: dict[str, str]
@@ -115,13 +115,24 @@ class PrecisionPlan:
         return sum(self.flop_share(f) for f, fmt in self.formats.items() if fmt not in HIGH_PRECISION)
 
     def relative_cost(self) -> float:
-        """The plan's GEMM cost over the all-bf16 cost, in the cost model (``< 1`` is faster)."""
-        planned = sum(self.layers[f]["cost"][fmt] for f, fmt in self.formats.items())
+        """The plan's GEMM cost over the all-bf16 cost, in the cost model (``< 1`` is faster); NaN when a
+        layer's format was never priced (a :class:`~mixprec.plan.Replan` phase plan)."""
+        costs = [self.layers.get(f, {}).get("cost", {}).get(fmt) for f, fmt in self.formats.items()]
+        if any(c is None for c in costs):
+            return float("nan")
+        planned = sum(costs)
         bf16 = sum(info["cost"].get("bf16", float("nan")) for info in self.layers.values())
         return planned / bf16
 
     def module_filter_fn(self, fmt: str) -> Callable[[nn.Module, str], bool]:
-        """``(module, fqn) -> bool`` for ``convert_to_lowbit_training``: True for the layers in ``fmt``."""
+        """``(module, fqn) -> bool`` for ``convert_to_lowbit_training``: True for the layers in ``fmt``.
+
+        Raises:
+            ValueError: for a name that is neither a :mod:`mixprec.lowbit` recipe nor ``"bf16"``/``"fp32"``
+                (a filter that matched nothing would leave every layer unconverted without a word).
+        """
+        if fmt not in HIGH_PRECISION:
+            get_recipe(fmt)  # an unknown name raises, naming the recipes
         chosen = frozenset(f for f, planned in self.formats.items() if planned == fmt)
         return lambda module, fqn: fqn in chosen
 
@@ -199,17 +210,27 @@ class PrecisionPlan:
         head = f"{'layer':<24} {'M x N x K':>18} {'flops':>6} {'format':<15} {'loss div':>9} {'wgrad div':>9}"
         lines = [head + "  reason"]
         for fqn, fmt in self.formats.items():
-            info = self.layers[fqn]
-            m, n, k = info["shape"]
-            d = info["divergence"][fmt]
+            info = self.layers.get(fqn)  # None, or no divergence in fmt: a Replan phase, not measured
+            shape = "-" if info is None else "x".join(map(str, info["shape"]))
+            share = None if info is None else self.flop_share(fqn)
+            d = {} if info is None else info["divergence"].get(fmt, {})
             lines.append(
-                f"{fqn:<24} {f'{m}x{n}x{k}':>18} {self.flop_share(fqn):>6.1%} {fmt:<15} "
-                f"{d['loss']:>9.2e} {d['weight_grad']:>9.2e}  {self.reasons[fqn]}"
+                f"{fqn:<24} {shape:>18} {_cell(share, 6, '.1%')} {fmt:<15} {_cell(d.get('loss'), 9, '.2e')} "
+                f"{_cell(d.get('weight_grad'), 9, '.2e')}  {self.reasons[fqn]}"
             )
         lines += [
             f"{fqn:<24} {'':>18} {'':>6} {'-':<15} {'':>9} {'':>9}  not run, kept as is"
             for fqn in self.not_run
         ]
+        unmeasured = [
+            f for f, fmt in self.formats.items() if fmt not in self.layers.get(f, {}).get("divergence", {})
+        ]
+        if unmeasured:  # a Replan phase: the formats were set, not planned, so no cost or divergence is known
+            lines.append(
+                f"plan: {self.low_precision_share():.1%} of GEMM FLOPs below bf16; {len(unmeasured)} "
+                "layer(s) set without a measurement in their format (a Replan phase): no cost or divergence"
+            )
+            return "\n".join(lines)
         m = self.measured
         lines.append(self._priced())
         lines += self.memory_lines()
@@ -277,7 +298,10 @@ class PrecisionPlan:
         for fmt in fmts:
             ys = [_shown(self.layers[n]["divergence"].get(fmt, {}).get("loss"), floor) for n in names]
             ax.plot(range(len(names)), ys, marker=".", label=fmt)
-        chosen = [max(self.layers[n]["divergence"][self.formats[n]]["loss"], floor) for n in names]
+        chosen = [
+            _shown(self.layers[n]["divergence"].get(self.formats.get(n), {}).get("loss"), floor)
+            for n in names
+        ]
         ax.scatter(range(len(names)), chosen, s=120, facecolors="none", edgecolors="black", label="chosen")
         if self.budget is not None:
             ax.axhline(self.budget, color="grey", linestyle="--", label="budget")
@@ -303,19 +327,33 @@ class PrecisionPlan:
         """The plan a :meth:`to_json` string holds.
 
         Raises:
-            ValueError: for text that is not a plan of this version, or formats that name unknown layers.
+            ValueError: for text that is not a plan of this version (or not JSON: a file's path, say), or
+                formats that name layers without a reason (a layer may lack measurements: a Replan phase
+                before any plan has none).
         """
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:  # e.g. a file's path: the message says what to pass
+            raise ValueError(
+                f"not a mixprec precision plan JSON document ({exc}): from_json takes the JSON text, e.g. "
+                f"PrecisionPlan.from_json(Path('plan.json').read_text()); got {text[:60]!r}"
+            ) from None
         if not isinstance(data, dict) or data.pop("version", None) not in _READS:
             raise ValueError(f"not a mixprec precision plan (version {_VERSION}) JSON document")
         try:
             plan = cls(**data)
         except TypeError as exc:
             raise ValueError(f"not a mixprec precision plan: {exc}") from None
-        unknown = [f for f in plan.formats if f not in plan.layers or f not in plan.reasons]
+        # a layer may lack measurements: a Replan phase before any plan sets formats only
+        unknown = [f for f in plan.formats if f not in plan.reasons]
         if unknown:
-            raise ValueError(f"plan formats name layers without measurements: {unknown}")
+            raise ValueError(f"plan formats name layers without a reason: {unknown}")
         return plan
+
+
+def _cell(value: float | None, width: int, spec: str) -> str:
+    """A table cell: ``value`` in ``spec``, or ``-`` where it was not measured; right-aligned."""
+    return f"{'-' if value is None else format(value, spec):>{width}}"
 
 
 def _shown(value: float | None, floor: float) -> float:

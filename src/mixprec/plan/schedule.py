@@ -84,8 +84,7 @@ class Replan:
         for at, fmt in phases.items():
             if isinstance(at, bool) or not isinstance(at, int) or at < 0:
                 raise ValueError(f"phase steps must be ints >= 0, got {at!r}")
-            if fmt != REPLAN and fmt not in HIGH_PRECISION:
-                get_recipe(fmt)  # raises for an unknown format
+            check_phase(fmt, f"phases[{at}]")
         self.make_plan, self.every, self.phases, self.generator = make_plan, every, phases, generator
         self.plan: PrecisionPlan | None = None
         self.history: list[tuple[int, dict[str, str]]] = []
@@ -154,6 +153,17 @@ class Replan:
         return PrecisionPlan(dict.fromkeys(names, fmt), layers, reasons, old.budget if old else 0.0, measured)
 
 
+def check_phase(fmt: Any, name: str) -> None:
+    """Refuse a phase value that is not ``"replan"``, ``"bf16"``, ``"fp32"`` or a recipe name, saying all
+    four kinds are accepted (``get_recipe``'s message lists the recipes only)."""
+    if isinstance(fmt, str) and (fmt == REPLAN or fmt in HIGH_PRECISION):
+        return
+    try:
+        get_recipe(fmt)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name}: {exc}; a phase also takes 'replan', 'bf16' or 'fp32'") from None
+
+
 def _linears(model: nn.Module) -> list[str]:
     return [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
 
@@ -204,7 +214,7 @@ class ReplanSchedule:
             raise ValueError(f"lr_fraction must be in (0, 1], got {lr_fraction!r}")
         replan = Replan(_fitting(make_plan), every=every, phases=phases, generator=generator)
         if lr_decay is not None:
-            Replan(make_plan, phases={0: lr_decay})  # the same format check as the phases'
+            check_phase(lr_decay, "lr_decay")  # the same format check as the phases'
         self.replan, self.lr_decay, self.lr_fraction = replan, lr_decay, float(lr_fraction)
         self.peak_lr: float | None = None
         self.decay_step: int | None = None
@@ -233,6 +243,13 @@ class ReplanSchedule:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if lr is not None:
+            try:
+                lr = float(lr)  # a one-element tensor too
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"lr must be a number (the step's learning rate) or None, got {lr!r}"
+                ) from None
         if self._restored and self.replan.plan is not None:
             self.replan.plan.apply(model, self.replan.generator)  # the checkpoint's formats
         self._restored = False

@@ -254,7 +254,9 @@ def _dearer(info: LayerMeasure, fmt: str) -> str:
         if c > info.cost[fmt] and g != "bf16" and (g != "fp32" or g in info.divergence)
     ]
     dearer.sort(key=lambda g: info.cost[g])
-    return "" if not dearer else " (no gain: " + ", ".join(_relative(info, g) for g in dearer) + ")"
+    # "no gain" only where they cost more than bf16 too; below bf16 they gain, just less than fmt
+    label = "no gain" if info.cost[fmt] >= info.cost["bf16"] else "dearer"
+    return "" if not dearer else f" ({label}: " + ", ".join(_relative(info, g) for g in dearer) + ")"
 
 
 def _why_not(
