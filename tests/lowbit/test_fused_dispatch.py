@@ -228,3 +228,10 @@ def test_the_torch_ops_the_fused_scale_replaces(monkeypatch, pow2):
     extra = 3 if pow2 else 0
     assert len([op for op in dynamic if op not in views]) == 7 + extra, dynamic
     assert len([op for op in delayed if op not in views]) == 28 + extra, delayed
+
+
+def test_the_kernels_constants_are_the_torch_paths():
+    """Constants the fused module repeats (it cannot import the modules that dispatch to it)."""
+    from mixprec.lowbit.history import AMAX_GROWTH_LIMIT, EPS
+
+    assert triton_quantize._GROWTH == AMAX_GROWTH_LIMIT and triton_quantize._EPS == EPS

@@ -58,7 +58,6 @@ import torch
 
 from mixprec._triton import device_of, interpreting, kernels, triton_available
 from mixprec.lowbit.formats import LowbitFormat, get_format
-from mixprec.lowbit.history import AMAX_GROWTH_LIMIT
 from mixprec.lowbit.quantized import Quantized
 
 __all__ = [
@@ -82,6 +81,7 @@ _SCALES = ("fp32", "pow2")
 _BLOCKS = ((-1, -1), (1, -1), (1, 128), (128, 128))
 _TILE = 128  # the side of a cast tile; a 1x128 / 128x128 block format's block side
 _EPS = 1e-12  # scaling.EPS, the smallest amax a scale is computed from
+_GROWTH = 2.0**8  # history.AMAX_GROWTH_LIMIT (history dispatches here, so it is not imported)
 #: Per kernel, whether it computes scales with one float32 division (same bits as float64; see
 #: ``_triton_kernels``' doc): where that holds fewer registers for sm_90 (docs/measured-figures.md).
 F32_DIV = {"cast": True, "block": True}
@@ -378,7 +378,7 @@ def delayed_cast(
             amax_bits, history, length, scale, amax_out if stats else scale, scale_out if stats else scale,
             ELEM_MAX=float(fmt.elem.max), POW2=pow2, PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
             MARGIN_DIV=2.0**margin, ALGO_MAX=amax_compute_algo == "max", UPDATE=update,
-            GROWTH=AMAX_GROWTH_LIMIT, STATS=stats, HBLOCK=max(16, 1 << (length - 1).bit_length()),
+            GROWTH=_GROWTH, STATS=stats, HBLOCK=max(16, 1 << (length - 1).bit_length()),
         )  # fmt: skip
         data, data_t = _scaled_cast(x, scale, fmt, transpose, cast)
     _written_in_place(amax_out, scale_out, history if update else None)
