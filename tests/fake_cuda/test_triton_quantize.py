@@ -218,9 +218,9 @@ def test_on_a_gpu_every_bit_is_the_pure_torch_quantizers(monkeypatch, fmt):
 _SIGNATURES = {
     "block": "x_ptr M K sxm sxk out_ptr out_t_ptr scale_ptr scale_t_ptr OUT_ROWS OUT_T_ROWS KP MP",
     "cast": "x_ptr M K sxm sxk row_ptr col_ptr scale_in_ptr out_ptr out_t_ptr scale_ptr scale_t_ptr "
-    "amax_out_ptr scale_out_ptr",
+    "amax_out_ptr scale_out_ptr descale_ptr",
     "amax": "x_ptr M K sxm sxk row_ptr col_ptr",
-    "delayed_scale": "amax_ptr hist_ptr L scale_ptr amax_out_ptr scale_out_ptr",
+    "delayed_scale": "amax_ptr hist_ptr L scale_ptr amax_out_ptr scale_out_ptr descale_ptr",
 }
 _TYPES = {
     "x_ptr": "*bf16",
@@ -270,12 +270,24 @@ def test_the_gpu_kernels_compile_with_torchs_rounding(monkeypatch):
         k.block, "block", "fp8e4nv", BM=128, BK=128, TWO_D=False, TRANSPOSE=True, F32_DIV=True, **common
     )
     e5m2 = {**common, "ELEM_MAX": 57344.0, "POW2": False, "F8": k.DTYPES["e5m2"], "F32_DIV": True}
-    ptx = _ptx(k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, STATS=False, **e5m2)
+    ptx = _ptx(
+        k.cast, "cast", "fp8e5", BM=64, BK=64, MODE=2, TRANSPOSE=True, STATS=False, DESCALE=False, **e5m2
+    )
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.full.f32" not in ptx
     assert "atom.global" in _ptx(k.amax, "amax", "fp8e4nv", BM=64, BK=64, ROWWISE=True, COLS=True)
     # the dynamic tensorwise cast (MODE 0) that records amax and scale into a layer's stats
     ptx = _ptx(
-        k.cast, "cast", "fp8e4nv", BM=64, BK=64, MODE=0, TRANSPOSE=True, STATS=True, F32_DIV=True, **common
+        k.cast,
+        "cast",
+        "fp8e4nv",
+        BM=64,
+        BK=64,
+        MODE=0,
+        TRANSPOSE=True,
+        STATS=True,
+        DESCALE=True,
+        F32_DIV=True,
+        **common,
     )
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert not any(op in ptx for op in approximate)
@@ -313,14 +325,15 @@ def test_dynamic_cast_is_tensor_scaling_then_to_float8(interpret, monkeypatch, f
             ref_scale = TensorScaling().scale(2, view, f.elem, f.scale == "pow2", None, ref_stats, True)
             ref = to_float8(view, ref_scale, f.elem)
             ref_amax = amax_of(view)
-        pre, pre_t, scale, amax = interpret.dynamic_cast(
+        pre, pre_t, scale, descale, amax = interpret.dynamic_cast(
             view, fmt, transpose=True, cast=False, amax_out=stats[0, 2], scale_out=stats[1, 2]
         )
         assert same_bits(scale, ref_scale) and same_bits(amax, ref_amax), (scale, ref_scale, amax)
+        assert same_bits(descale, ref_scale.reciprocal()), (descale, ref_scale)  # the GEMMs' descale
         assert same_bits(stats, ref_stats), (stats, ref_stats)  # only the role's column written
         assert same_bits(pre.to(f.elem.dtype), ref)
         assert same_bits(pre_t, pre.t().contiguous())
-        data, none, _, _ = interpret.dynamic_cast(view, fmt)  # no stats, no transposed copy, fp8
+        data, none, *_ = interpret.dynamic_cast(view, fmt)  # no stats, no transposed copy, fp8
         assert none is None and data.dtype == f.elem.dtype and data.shape == view.shape
 
 
@@ -361,12 +374,13 @@ def test_delayed_cast_is_tensor_scaling_then_to_float8(interpret, monkeypatch, f
             m.setenv("MIXPREC_FUSED_QUANTIZE", "0")
             ref_scale = scaling.scale(1, x, f.elem, f.scale == "pow2", ref_hist, ref_stats, update)
             ref = to_float8(x, ref_scale, f.elem)
-        pre, pre_t, scale, _ = interpret.delayed_cast(
+        pre, pre_t, scale, descale, _ = interpret.delayed_cast(
             x, fmt, hist[1], amax_compute_algo=algo, margin=margin, update=update, transpose=True,
             cast=False, amax_out=stats[0, 1], scale_out=stats[1, 1],
         )  # fmt: skip
         case = (algo, margin, length, state, update)
         assert same_bits(scale, ref_scale), (case, scale, ref_scale)
+        assert same_bits(descale, ref_scale.reciprocal()), (case, descale, ref_scale)
         assert same_bits(stats, ref_stats), (case, stats, ref_stats)
         assert same_bits(hist, ref_hist), (case, hist[1], ref_hist[1])  # only the role's row, pushed
         assert same_bits(pre.to(f.elem.dtype), ref), case
@@ -509,9 +523,9 @@ def test_delayed_layer_steps_with_the_fused_scale_are_the_torch_steps(interpret,
     def kernels_with_torchs_cast(x, fmt, history, **kwargs):
         calls.append(tuple(x.shape))
         kwargs.pop("cast", None)
-        pre, pre_t, scale, amax = fused(x, fmt, history, cast=False, **kwargs)
+        got = fused(x, fmt, history, cast=False, **kwargs)
         dtype = get_format(fmt).elem.dtype
-        return pre.to(dtype), (pre_t.to(dtype) if pre_t is not None else None), scale, amax
+        return got._replace(data=got.data.to(dtype), data_t=got.data_t.to(dtype))
 
     operands = ("fprop_x", "fprop_w", "dgrad_go", "dgrad_w", "wgrad_go", "wgrad_x")
     recipe = Recipe(**dict.fromkeys(operands, "fp8_tensorwise_pow2"), scaling=TensorScaling(True, 1, "max"))
@@ -551,11 +565,9 @@ def test_a_dynamic_per_tensor_layer_step_with_the_in_kernel_scale_is_the_torch_s
 
     def kernels_with_torchs_cast(x, fmt, *, transpose=False, cast=True, amax_out=None, scale_out=None):
         calls.append((tuple(x.shape), transpose, amax_out is not None))
-        pre, pre_t, scale, amax = fused(
-            x, fmt, transpose=transpose, cast=False, amax_out=amax_out, scale_out=scale_out
-        )
+        got = fused(x, fmt, transpose=transpose, cast=False, amax_out=amax_out, scale_out=scale_out)
         dtype = get_format(fmt).elem.dtype
-        return pre.to(dtype), (pre_t.to(dtype) if pre_t is not None else None), scale, amax
+        return got._replace(data=got.data.to(dtype), data_t=got.data_t.to(dtype))
 
     monkeypatch.setattr(interpret, "dynamic_cast", kernels_with_torchs_cast)
     got = _per_tensor_step(recipe)
@@ -586,12 +598,13 @@ def test_on_a_gpu_delayed_cast_is_tensor_scaling_then_to_float8(monkeypatch, fmt
             ref_scale = scaling.scale(0, x, f.elem, f.scale == "pow2", ref_hist, ref_stats, True)
             ref = to_float8(x, ref_scale, f.elem)
             monkeypatch.delenv("MIXPREC_FUSED_QUANTIZE")
-            data, data_t, scale, _ = triton_quantize.delayed_cast(
+            data, data_t, scale, descale, _ = triton_quantize.delayed_cast(
                 x, fmt, hist[0], amax_compute_algo=algo, margin=margin, transpose=True,
                 amax_out=stats[0, 0], scale_out=stats[1, 0],
             )  # fmt: skip
             case = (fmt, kind, algo, margin, state)
             assert same_bits(scale, ref_scale) and same_bits(stats, ref_stats), case
+            assert same_bits(descale, ref_scale.reciprocal()), case
             assert same_bits(hist, ref_hist) and same_bits(data, ref), case
             assert same_bits(data_t, data.t().contiguous()), case
 

@@ -151,17 +151,25 @@ def test_a_dynamic_tensorwise_operand_takes_two_launches_and_one_fill(monkeypatc
     monkeypatch.setattr(triton_quantize, "triton_available", lambda: True)
     monkeypatch.setattr(triton_quantize, "_kernels", lambda interpret: launches)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU tensor is launchable
-    x, stats = torch.randn(64, 96), torch.zeros(2, 3)
-    ops = _glue_ops(lambda: gemm._scale_cast(1, x, fmt, TensorScaling(), None, stats, True, transpose=True))
+    x, stats, out = torch.randn(64, 96), torch.zeros(2, 3), []
+    scaling = TensorScaling()
+    ops = _glue_ops(
+        lambda: out.extend(gemm._scale_cast(1, x, fmt, scaling, None, stats, True, transpose=True))
+    )
     assert [name for name, _ in launches.launched] == ["amax", "cast"]
     cast = launches.launched[1][1]
-    assert (cast["MODE"], cast["STATS"], cast["TRANSPOSE"], cast["POW2"]) == (
+    pow2 = fmt.endswith("pow2")
+    assert (cast["MODE"], cast["STATS"], cast["DESCALE"], cast["TRANSPOSE"], cast["POW2"]) == (
         0,
         True,
         True,
-        fmt.endswith("pow2"),
+        True,
+        pow2,
     )
     assert [op for op in ops if op not in _NO_LAUNCH] == ["aten.zeros.default"]
+    q, _, q_t = out  # both GEMMs of the operand take the kernel's descale: no reciprocal launched per GEMM
+    assert q.descale is not None and q_t.descale is not None
+    assert _glue_ops(q.block_descale) == [] and q.block_descale() is q.descale
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])

@@ -127,13 +127,15 @@ def amax(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, BM: tl.constexpr, BK: tl.const
 
 @triton.jit
 def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_ptr,
-                scale_ptr, scale_t_ptr, amax_out_ptr, scale_out_ptr, BM: tl.constexpr,
+                scale_ptr, scale_t_ptr, amax_out_ptr, scale_out_ptr, descale_ptr, BM: tl.constexpr,
                 BK: tl.constexpr, MODE: tl.constexpr, TRANSPOSE: tl.constexpr,
                 ELEM_MAX: tl.constexpr, POW2: tl.constexpr, CAST: tl.constexpr, F8: tl.constexpr,
-                PRECISE: tl.constexpr, F32_DIV: tl.constexpr, STATS: tl.constexpr):  # fmt: skip
+                PRECISE: tl.constexpr, F32_DIV: tl.constexpr, STATS: tl.constexpr,
+                DESCALE: tl.constexpr):  # fmt: skip
     # MODE 0: one scale from the tensor amax; 1: a given scale; 2: a scale per row (and per column
-    # for the transposed copy). STATS (MODE 0): also the amax and the scale into a layer's stats slots,
-    # so a dynamic tensorwise layer records them without two more launches.
+    # for the transposed copy). MODE 0 with STATS: also the amax and the scale into a layer's stats
+    # slots; with DESCALE: the scale's reciprocal for the GEMMs (torch's CUDA reciprocal, 1 / s rounded
+    # once), so a dynamic tensorwise layer records and inverts its scale without more launches.
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm, rk, mask, x = _tile(x_ptr, M, K, sxm, sxk, BM, BK)
     if MODE == 2:
@@ -150,6 +152,8 @@ def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_p
                 if STATS:
                     tl.store(amax_out_ptr, amax_bits.to(tl.float32, bitcast=True))
                     tl.store(scale_out_ptr, s)
+                if DESCALE:
+                    tl.store(descale_ptr, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
         else:
             s = tl.load(scale_in_ptr)
         y = _saturate(x * s, ELEM_MAX)
@@ -171,7 +175,8 @@ def cast(x_ptr, M, K, sxm, sxk, row_ptr, col_ptr, scale_in_ptr, out_ptr, out_t_p
 
 
 @triton.jit
-def delayed_scale(amax_ptr, hist_ptr, L, scale_ptr, amax_out_ptr, scale_out_ptr, ELEM_MAX: tl.constexpr,
+def delayed_scale(amax_ptr, hist_ptr, L, scale_ptr, amax_out_ptr, scale_out_ptr, descale_ptr,
+                  ELEM_MAX: tl.constexpr,
                   POW2: tl.constexpr, PRECISE: tl.constexpr, F32_DIV: tl.constexpr,
                   MARGIN_DIV: tl.constexpr, ALGO_MAX: tl.constexpr, UPDATE: tl.constexpr,
                   GROWTH: tl.constexpr, STATS: tl.constexpr, HBLOCK: tl.constexpr):  # fmt: skip
@@ -195,6 +200,7 @@ def delayed_scale(amax_ptr, hist_ptr, L, scale_ptr, amax_out_ptr, scale_out_ptr,
     if POW2:
         s = _pow2(s, PRECISE)
     tl.store(scale_ptr, s)
+    tl.store(descale_ptr, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s))  # torch's reciprocal
     if STATS:
         tl.store(amax_out_ptr, amax_bits.to(tl.float32, bitcast=True))
         tl.store(scale_out_ptr, s)

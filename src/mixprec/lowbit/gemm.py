@@ -270,12 +270,18 @@ _ELEMENT_FORMAT = {
 
 
 def _tensorwise(
-    data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, fmt: str = ""
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    fmt: str = "",
+    descale: torch.Tensor | None = None,
 ) -> Quantized:
-    """fp8 ``data`` (rows, K) with one float32 multiplier as a tensorwise :class:`Quantized` (along K)."""
+    """fp8 ``data`` (rows, K) with one float32 multiplier as a tensorwise :class:`Quantized` (along K),
+    with the multiplier's reciprocal where the cast computed it."""
     scale = torch.ones((), device=data.device) if scale is None else scale
     fmt_ = get_format(fmt or _ELEMENT_FORMAT[data.dtype])
-    return Quantized(data, scale.reshape(1, 1), None, fmt_, data.shape, dtype, -1)
+    inverse = None if descale is None else descale.reshape(1, 1)
+    return Quantized(data, scale.reshape(1, 1), None, fmt_, data.shape, dtype, -1, inverse)
 
 
 def _pad_inner(q: Quantized) -> Quantized:
@@ -554,16 +560,17 @@ def _scale_cast(
         in_kernel = stats.dtype == torch.float32 and stats.device == x.device
         slots = {"amax_out": stats[0, role], "scale_out": stats[1, role]} if in_kernel else {}
         if history is None:
-            data, data_t, scale, amax = fused.dynamic_cast(x, fmt, transpose=transpose, **slots)
+            cast = fused.dynamic_cast(x, fmt, transpose=transpose, **slots)
         else:
-            data, data_t, scale, amax = fused.delayed_cast(
+            cast = fused.delayed_cast(
                 x, fmt, history[role], amax_compute_algo=scaling.amax_compute_algo, margin=scaling.margin,
                 update=update, transpose=transpose, **slots,
             )  # fmt: skip
         if not in_kernel:  # a stats buffer moved to another dtype: torch's copy converts
-            stats[0, role], stats[1, role] = amax, scale
-        q_t = _tensorwise(data_t, scale, x.dtype, fmt_name) if data_t is not None else None
-        return _tensorwise(data, scale, x.dtype, fmt_name), scale, q_t
+            stats[0, role], stats[1, role] = cast.amax, cast.scale
+        scale, descale = cast.scale, cast.descale
+        q_t = _tensorwise(cast.data_t, scale, x.dtype, fmt_name, descale) if cast.data_t is not None else None
+        return _tensorwise(cast.data, scale, x.dtype, fmt_name, descale), scale, q_t
     scale = scaling.scale(role, x, fmt.elem, fmt.scale == "pow2", history, stats, update)
     data, data_t = _to_float8(x, scale, fmt, transpose)
     q_t = _tensorwise(data_t, scale, x.dtype, fmt_name) if transpose else None
@@ -815,7 +822,8 @@ def _per_tensor_forward(
     out = lowbit_mm(qx, qw, x2.dtype, (gemms or _DEFAULT_GEMMS)[0])
     x8_t = qx_t.data if qx_t is not None else None
     w8_t = qw_t.data if qw_t is not None else None
-    ctx.save_for_backward(x8_t, x_scale, w8_t, w_scale)  # a gathered weight's own cast
+    # a gathered weight's own cast; the descales where the casts computed them (None otherwise)
+    ctx.save_for_backward(x8_t, x_scale, qx.descale, w8_t, w_scale, qw.descale)
     ctx.history, ctx.stats, ctx.update = history, stats, update
     return out
 
@@ -859,7 +867,7 @@ def _operand(x: torch.Tensor, fmt: str, stochastic: bool = False, generator=None
 
 
 def _tensorwise_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    x8_t, x_scale, w8_t, w_scale = ctx.saved_tensors
+    x8_t, x_scale, x_descale, w8_t, w_scale, w_descale = ctx.saved_tensors
     recipe, (_, dgrad, wgrad) = ctx.recipe, ctx.gemms or _DEFAULT_GEMMS
     grad_x = grad_w = None
     go2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -868,11 +876,11 @@ def _tensorwise_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor
         GRAD_OUTPUT, go2, recipe.dgrad_go, recipe.scaling, ctx.history, ctx.stats, ctx.update, need_w
     )
     if need_x:
-        qw_t = _tensorwise(w8_t, w_scale, ctx.w_dtype, recipe.dgrad_w)
+        qw_t = _tensorwise(w8_t, w_scale, ctx.w_dtype, recipe.dgrad_w, w_descale)
         grad_x = lowbit_mm(qgo, qw_t, grad_out.dtype, dgrad).reshape(ctx.x_shape).to(ctx.x_dtype)
     if need_w:
         assert qgo_t is not None
-        qgo_t = _tensorwise(qgo_t.data, qgo.scale, grad_out.dtype, recipe.wgrad_go)
-        qx_t = _tensorwise(x8_t, x_scale, ctx.x_dtype, recipe.wgrad_x)
+        qgo_t = _tensorwise(qgo_t.data, qgo.scale, grad_out.dtype, recipe.wgrad_go, qgo.descale)
+        qx_t = _tensorwise(x8_t, x_scale, ctx.x_dtype, recipe.wgrad_x, x_descale)
         grad_w = lowbit_mm(qgo_t, qx_t, grad_out.dtype, wgrad).to(ctx.w_dtype)
     return grad_x, grad_w

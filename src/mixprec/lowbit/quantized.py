@@ -43,6 +43,9 @@ class Quantized:
             (e4m3: ``x ~ data * scale * tensor_scale``).
         tensor_scale: NVFP4's float32 per-tensor scale (a 0-dim tensor), or None.
         fmt: the :class:`LowbitFormat`; shape, dtype: the original tensor's; axis: the quantized axis.
+        descale: ``scale``'s float32 reciprocal (its shape) where the quantizer computed it with the
+            scale (the fused per-tensor casts), which :meth:`block_descale` then returns instead of
+            computing it again for each GEMM; None otherwise.
     """
 
     data: torch.Tensor
@@ -52,6 +55,7 @@ class Quantized:
     shape: torch.Size
     dtype: torch.dtype
     axis: int
+    descale: torch.Tensor | None = None
 
     def values(self) -> torch.Tensor:
         """The stored element values as float32 (M, Kp), before the scales."""
@@ -64,7 +68,7 @@ class Quantized:
     def block_descale(self) -> torch.Tensor:
         """float32 (M // rows, Kp // cols): the factor a block's stored values are multiplied by."""
         if self.fmt.scale in ("fp32", "pow2"):
-            return self.scale.reciprocal()
+            return self.scale.reciprocal() if self.descale is None else self.descale
         if self.fmt.scale == "e8m0":
             return block_scales.e8m0_to_float(self.scale.view(torch.uint8))
         scale = self.scale.to(torch.float32)

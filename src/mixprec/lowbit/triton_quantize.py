@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,6 +62,7 @@ from mixprec.lowbit.quantized import Quantized
 
 __all__ = [
     "ENV_SWITCH",
+    "PerTensorCast",
     "delayed_cast",
     "dynamic_cast",
     "format_supported",
@@ -173,9 +174,10 @@ def _quantize(
         scale_t = torch.empty(k if rowwise else 1, 1, dtype=torch.float32, device=dev) if transpose else scale
         kern.cast[grid](
             x2, m, k, x2.stride(0), x2.stride(1), row_amax, col_amax, row_amax,
-            data, data_t, scale, scale_t, scale, scale,
+            data, data_t, scale, scale_t, scale, scale, scale,
             BM=bm, BK=bk, MODE=2 if rowwise else 0, TRANSPOSE=transpose, ELEM_MAX=elem_max, POW2=pow2,
             CAST=cast, F8=f8, PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"], STATS=False,
+            DESCALE=False,
         )  # fmt: skip
     else:
         two_d = rows == _TILE
@@ -242,12 +244,31 @@ def _scaled_cast(x, scale, fmt, transpose, cast) -> tuple[torch.Tensor, torch.Te
     bm, bk = 64, 64
     kern.cast[(triton_cdiv(m, bm), triton_cdiv(k, bk))](
         x, m, k, x.stride(0), x.stride(1), unused, unused, scale32, data, data_t, scale32, scale32,
-        scale32, scale32,
+        scale32, scale32, scale32,
         BM=bm, BK=bk, MODE=1, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max), POW2=False,
         CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
-        STATS=False,
+        STATS=False, DESCALE=False,
     )  # fmt: skip
     return data, (data_t if transpose else None)
+
+
+class PerTensorCast(NamedTuple):
+    """A per-tensor cast of :func:`dynamic_cast` / :func:`delayed_cast`.
+
+    Attributes:
+        data: (M, K) fp8 (float32 values before the cast with ``cast=False``).
+        data_t: the (K, M) transposed copy, contiguous, or None without ``transpose``.
+        scale: the float32 0-dim multiplier (``x ~ data / scale``).
+        descale: ``scale``'s float32 reciprocal, as torch's CUDA ``reciprocal`` rounds it (what the fp8
+            GEMMs take).
+        amax: ``max|x|``, float32 0-dim.
+    """
+
+    data: torch.Tensor
+    data_t: torch.Tensor | None
+    scale: torch.Tensor
+    descale: torch.Tensor
+    amax: torch.Tensor
 
 
 def dynamic_cast(
@@ -258,14 +279,15 @@ def dynamic_cast(
     cast: bool = True,
     amax_out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> PerTensorCast:
     """Dynamic tensorwise scaling in two kernels: ``max|x|``, then the scale, the cast and the transposed
     copy in one pass, bit for bit :class:`mixprec.lowbit.history.TensorScaling` (``delayed=False``,
     ``margin=0``) followed by :func:`mixprec.lowbit.history.to_float8`.
 
     Three launches per operand (the amax accumulator's zero-fill, the amax, the cast): the cast kernel
-    computes the scale from the amax and, given ``amax_out`` / ``scale_out``, stores both there, where
-    torch ops would compute and store them between the two kernels (docs/guide/fp8.md counts them).
+    computes the scale from the amax and its reciprocal (the GEMMs' descale) and, given ``amax_out`` /
+    ``scale_out``, stores amax and scale there, where torch ops would compute and store them between
+    the two kernels and invert the scale at each GEMM (docs/guide/fp8.md counts them).
 
     Args:
         x: a non-empty 2-D floating tensor (any strides) on a CUDA device (a CPU one under the
@@ -278,7 +300,7 @@ def dynamic_cast(
             scale; both or neither.
 
     Returns:
-        ``(data (M, K), data_t (K, M) or None, scale, amax)``; ``scale`` and ``amax`` float32 0-dim.
+        A :class:`PerTensorCast`.
 
     Raises:
         ValueError: for a format that is not a fused tensorwise one, an ``x`` that is not non-empty 2-D,
@@ -292,17 +314,17 @@ def dynamic_cast(
         amax_bits = _amax_bits(x, kern)
         data = torch.empty(m, k, dtype=out_dtype, device=x.device)
         data_t = torch.empty(k, m, dtype=out_dtype, device=x.device) if transpose else data
-        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        scale, descale = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2))
         stats = amax_out is not None
         kern.cast[_grid(m, k)](
             x, m, k, x.stride(0), x.stride(1), amax_bits, amax_bits, scale, data, data_t, scale, scale,
-            amax_out if stats else scale, scale_out if stats else scale,
+            amax_out if stats else scale, scale_out if stats else scale, descale,
             BM=_BM, BK=_BK, MODE=0, TRANSPOSE=transpose, ELEM_MAX=float(fmt.elem.max),
             POW2=fmt.scale == "pow2", CAST=cast, F8=kern.DTYPES[fmt.element], PRECISE=not interpreting(),
-            F32_DIV=F32_DIV["cast"], STATS=stats,
+            F32_DIV=F32_DIV["cast"], STATS=stats, DESCALE=True,
         )  # fmt: skip
     _written_in_place(amax_out, scale_out)
-    return data, (data_t if transpose else None), scale, amax_bits.view(torch.float32)
+    return PerTensorCast(data, data_t if transpose else None, scale, descale, amax_bits.view(torch.float32))
 
 
 def delayed_cast(
@@ -317,7 +339,7 @@ def delayed_cast(
     cast: bool = True,
     amax_out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> PerTensorCast:
     """Delayed tensorwise scaling (Transformer Engine's ``DelayedScaling``) in three kernels, bit for bit
     :class:`mixprec.lowbit.history.TensorScaling` (``delayed=True``) followed by
     :func:`mixprec.lowbit.history.to_float8`: ``max|x|``; one program that computes the scale from the
@@ -338,8 +360,8 @@ def delayed_cast(
         transpose, cast, amax_out, scale_out: as :func:`dynamic_cast`'s.
 
     Returns:
-        ``(data (M, K), data_t (K, M) or None, scale, amax)``; ``scale`` and ``amax`` float32 0-dim
-        (``scale`` is nan when the amax is not finite, so the cast is all nan, and the history is kept).
+        A :class:`PerTensorCast` (its ``scale`` nan when the amax is not finite, so the cast is all nan,
+        and the history is kept).
 
     Raises:
         ValueError: as :func:`dynamic_cast`, and for a ``history`` that is not a non-empty contiguous
@@ -371,18 +393,19 @@ def delayed_cast(
     pow2 = fmt.scale == "pow2"
     with device_of(x):
         amax_bits = _amax_bits(x, kern)
-        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        scale, descale = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2))
         stats = amax_out is not None
         length = history.numel()
         kern.delayed_scale[(1,)](
             amax_bits, history, length, scale, amax_out if stats else scale, scale_out if stats else scale,
+            descale,
             ELEM_MAX=float(fmt.elem.max), POW2=pow2, PRECISE=not interpreting(), F32_DIV=F32_DIV["cast"],
             MARGIN_DIV=2.0**margin, ALGO_MAX=amax_compute_algo == "max", UPDATE=update,
             GROWTH=_GROWTH, STATS=stats, HBLOCK=max(16, 1 << (length - 1).bit_length()),
         )  # fmt: skip
         data, data_t = _scaled_cast(x, scale, fmt, transpose, cast)
     _written_in_place(amax_out, scale_out, history if update else None)
-    return data, data_t, scale, amax_bits.view(torch.float32)
+    return PerTensorCast(data, data_t, scale, descale, amax_bits.view(torch.float32))
 
 
 #: The largest ``margin`` :func:`delayed_cast` takes (``2**margin`` stays a normal float32).
