@@ -300,3 +300,57 @@ def test_misuse_errors():
     other = MixedPrecisionOptimizer(torch.optim.SGD(half_model()[0].parameters(), lr=0.1), scaler=None)
     with pytest.raises(ValueError, match="do not match"):
         opt.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["dynamic-fp16", "static-bf16", "scale-1-bf16", "torch-scaler", "no-masters-bf16", "16-mixed", "O2"],
+)
+@pytest.mark.parametrize("call", ["step", "unscale_grads", "clip_master_grads"])
+def test_a_plain_loss_backward_says_to_call_optimizer_backward(config, call):
+    """A new user's loop: loss.backward() instead of optimizer.backward(loss). The scaler had scaled
+    nothing yet, and the step failed with the scaler's "Attempted unscale_ but _scale is None" (about
+    scaler.scale, which the user never calls). It names optimizer.backward(loss) now, the optimizer is
+    left as it was, and the documented loop runs after it."""
+    import mixprec
+
+    x = torch.randn(5, 4)
+    if config in ("16-mixed", "O2"):
+        model = half_model(torch.float32)
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    else:
+        model = half_model(torch.bfloat16 if "bf16" in config else torch.float16)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = {
+            "dynamic-fp16": "dynamic",
+            "static-bf16": 8.0,
+            "scale-1-bf16": 1.0,
+            "no-masters-bf16": "dynamic",
+        }
+        if config == "torch-scaler":
+            opt = MixedPrecisionOptimizer(inner, scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+        else:
+            opt = MixedPrecisionOptimizer(
+                inner, scaler=scaler[config], master_weights=config != "no-masters-bf16"
+            )
+    assert isinstance(opt, MixedPrecisionOptimizer)
+    dtype = next(model.parameters()).dtype
+    model(x.to(dtype)).float().square().mean().backward()  # not opt.backward(loss)
+    before = snapshot(opt, model)
+    args = (1.0,) if call == "clip_master_grads" else ()
+    with pytest.raises(
+        RuntimeError, match=rf"{call}\(\).*loss\.backward\(\).*call optimizer\.backward\(loss\)"
+    ):
+        getattr(opt, call)(*args)
+    assert_same(snapshot(opt, model), before)
+    assert all(master.grad is None for master in opt.master_params) and not opt.grads_unscaled
+    train_step(opt, model, x)  # zero_grad, optimizer.backward(loss), step
+    assert not opt.last_step_skipped
+
+
+def test_a_plain_loss_backward_is_fine_without_a_scaler():
+    model, x = half_model(torch.bfloat16), torch.randn(5, 4)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=None)
+    model(x.to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()  # a disabled scaler scales nothing: loss.backward() is what optimizer.backward(loss) does
+    assert opt.master_params[0].grad is None and not opt.last_step_skipped

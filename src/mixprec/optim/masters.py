@@ -40,6 +40,8 @@ from mixprec.optim.wrapper import (
     first_device,
     resolve_scaler,
 )
+from mixprec.scaling import GradScaler
+from mixprec.scaling.rules import GradScalerError
 
 __all__ = ["MixedPrecisionOptimizer"]
 
@@ -241,10 +243,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Scale ``loss`` and run backward; ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``)."""
         self.scaler.scale(loss).backward(**kwargs)
 
-    def _prepare_grads(self) -> None:
+    def _prepare_grads(self, caller: str) -> None:
         """Give the masters fp32 copies of the model's gradients and unscale them, once per step."""
         if self._grads_ready:
             return
+        if _nothing_scaled(self.scaler):
+            raise GradScalerError(
+                f"MixedPrecisionOptimizer.{caller}() before any optimizer.backward(loss): the loss scaler "
+                "has scaled no loss yet, so the gradients (from a plain loss.backward()?) are not scaled and "
+                "cannot be unscaled or checked for inf/nan. To compute gradients, call "
+                "optimizer.backward(loss) instead of loss.backward() (it scales the loss, then runs "
+                "backward; keyword arguments such as retain_graph=True pass through)."
+            )
         for param, master in zip(self.model_params, self.master_params, strict=True):
             master.grad = None if param.grad is None else local(param.grad).to(torch.float32)
         self._scaler_view.refresh()
@@ -256,7 +266,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         ``GradScaler.unscale_`` does: fp32 copies on the masters (which hold them until ``step``), the
         params' own ``.grad`` elsewhere. ``step()`` uses them as they are, so they may be read or clipped
         in between; another backward before ``step()`` does not reach them (see ``grads_unscaled``)."""
-        self._prepare_grads()
+        self._prepare_grads("unscale_grads")
 
     @property
     def grads_unscaled(self) -> bool:
@@ -270,12 +280,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             The total norm of the unscaled gradients before clipping, as a tensor (no host sync); inf or nan
             when the step is going to be skipped.
         """
-        self._prepare_grads()
+        self._prepare_grads("clip_master_grads")
         params = [p for p in self._scaler_view.param_groups[0]["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        """Unscale, skip on inf/nan (the scale backs off), step the masters and copy them to the model."""
+        """Unscale, skip on inf/nan (the scale backs off), step the masters and copy them to the model.
+
+        Raises:
+            GradScalerError: (a RuntimeError) before any :meth:`backward` with an enabled scaler, as after
+                a plain ``loss.backward()``; nothing changes (``unscale_grads``, ``clip_master_grads`` too).
+        """
         if closure is not None:
             raise ValueError(
                 "MixedPrecisionOptimizer.step does not take a closure; call backward(loss) first"
@@ -283,7 +298,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._follow_groups()
         self._follow_model()
         try:
-            self._prepare_grads()
+            self._prepare_grads("step")
             self.scaler.step(self._scaler_view)
             self.scaler.update()
             if self.model_params:
@@ -362,6 +377,17 @@ def _check_new_params(
                 f"{where}: some parameters appear in more than one parameter group: a model parameter "
                 f"of shape {tuple(param.shape)} already has an fp32 master in this optimizer"
             )
+
+
+def _nothing_scaled(scaler: Any) -> bool:
+    """Whether an enabled scaler (mixprec's or torch's) has no scale yet: it is made by the first
+    ``scale()``, so gradients reaching a step then did not come from :meth:`MixedPrecisionOptimizer.backward`.
+    Other GradScaler-like objects are not asked (their own ``unscale_`` decides)."""
+    if isinstance(scaler, GradScaler):
+        return scaler.rule.scale is None and scaler.is_enabled()
+    if isinstance(scaler, torch.amp.GradScaler):
+        return scaler._scale is None and scaler.is_enabled()
+    return False
 
 
 def _guard_for(optimizer: Optimizer, scaler: Any) -> HugeGradientGuard | None:
