@@ -81,9 +81,10 @@ def test_post_all_gather_rebuilds_the_weight_the_fp8_gemm_takes(fake_hopper) -> 
         out = layer(x)
     (call,) = calls
     assert out.shape == (16, N) and out.dtype == torch.bfloat16
-    _, w8_t, w_scale = call.ctx.saved_tensors[1:]
+    w8_t, w_scale, w_descale = call.ctx.saved_tensors[3:]
     # backward keeps the gathered cast itself, transposed as a view for dgrad: no new cast, no copy
     assert w8_t._base is layer.weight._data and w8_t.shape == (K, N) and w_scale is scale
+    assert w_descale is None  # a gathered cast brings no reciprocal: each GEMM computes its own
     (gemm,) = [e.detail for e in fake_hopper.of("scaled_mm")]
     assert "error" not in gemm and gemm["mat2"]["dtype"] == torch.float8_e4m3fn
     assert gemm["mat2"]["shape"] == (K, N)
