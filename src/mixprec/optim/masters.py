@@ -302,10 +302,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self.scaler.step(self._scaler_view)
             self.scaler.update()
             if self.model_params:
+                shards = [local(p) for p in self.model_params]
                 with torch.no_grad():
-                    torch._foreach_copy_([local(p) for p in self.model_params], self.master_params)
+                    torch._foreach_copy_(shards, self.master_params)
                 # a DTensor param changed through its shard: bump its own counter, as torch's in-place ops do
-                torch.autograd.graph.increment_version([p for p in self.model_params if local(p) is not p])
+                sharded = [p for p, shard in zip(self.model_params, shards, strict=True) if shard is not p]
+                if sharded:
+                    torch.autograd.graph.increment_version(sharded)
         finally:
             for master in self.master_params:
                 master.grad = None  # the fp32 gradients exist during the step only
